@@ -1,0 +1,3 @@
+from selfattn.cli import main
+
+main()

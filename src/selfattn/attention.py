@@ -1,0 +1,346 @@
+"""The self-attention core: ``attention(query, key, value)`` in the six steps of the guide.
+
+The explicit path reads like the formula, with the guide's names::
+
+    scores  = query @ keyᵀ                 step 2: similarity of every query with every key
+    scaled  = scores * scale               step 3: scale = 1/sqrt(d_k) for dot products
+    masked  = scaled, with what may not be attended set to -inf (or a float mask added)
+    weights = softmax(masked) over keys    step 4: every row sums to 1 (0 if fully masked)
+    output  = weights @ value              step 5: the weight-averaged sum of the values
+
+Shapes: query ``(..., T, D)``, key ``(..., S, D)``, value ``(..., S, Dv)``; output
+``(..., T, Dv)``. Rows are queries, columns are keys.
+
+Conventions, the same on every backend:
+
+- A boolean mask's ``True`` means "may attend" (as in torch SDPA); a float mask is added to the
+  scaled scores. Masks broadcast to ``(..., T, S)``.
+- ``causal=True`` aligns bottom-right: query i sees keys ``j <= i + (S - T)``, so the last query
+  sees every key. With T == S this is the usual lower triangle. T=2, S=4 (x = may attend)::
+
+        keys   0 1 2 3
+      query 0  x x x .
+      query 1  x x x x
+
+  This is what decoding with a key/value cache needs: new queries come after the cached keys.
+- A fully masked row gets weights 0 and output 0, never NaN, forward and backward.
+- Half and bfloat16 inputs are computed in float32 and the output cast back.
+
+Backends are a small registry (``BACKENDS``): ``explicit`` is the reference and the only one
+that gives a trace; the others are checked against it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SIMILARITIES = ("dot", "cosine")
+REDUCED_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class AttentionTrace:
+    """Every intermediate of one explicit attention call, named as in the guide."""
+
+    query: Tensor  # (..., T, D)
+    key: Tensor  # (..., S, D)
+    value: Tensor  # (..., S, Dv)
+    scores: Tensor  # (..., T, S) raw similarity (dot product or cosine)
+    scaled: Tensor  # (..., T, S) scores * scale
+    masked: Tensor  # (..., T, S) scaled with the mask applied (-inf where not allowed)
+    weights: Tensor  # (..., T, S) softmax over keys; rows sum to 1, or 0 if fully masked
+    output: Tensor  # (..., T, Dv) weights @ value
+    scale: float
+    similarity: str
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One validated request, as every backend receives it."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    mask: Tensor | None
+    causal: bool
+    similarity: str
+    scale: float
+    dropout_p: float
+
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes the full (..., T, S) weights would take in the compute dtype."""
+        lead = math.prod(self.query.shape[:-2])
+        itemsize = 4 if self.query.dtype in REDUCED_PRECISION else self.query.element_size()
+        return lead * self.query.shape[-2] * self.key.shape[-2] * itemsize
+
+
+def default_scale(similarity: str, head_dim: int) -> float:
+    """1/sqrt(D) for dot products; sqrt(D) for cosine.
+
+    The cosine of random D-dimensional vectors has standard deviation 1/sqrt(D), so multiplying
+    by sqrt(D) gives cosine scores the same spread as scaled dot products of unit-variance
+    vectors; with scale 1 the weights of a cosine head would be nearly uniform.
+    """
+    return math.sqrt(head_dim) if similarity == "cosine" else 1.0 / math.sqrt(head_dim)
+
+
+def causal_mask(t: int, s: int, device: torch.device | str | None = None) -> Tensor:
+    """Boolean (T, S) mask, True where query i may attend key j: j <= i + (S - T)."""
+    rows = torch.arange(t, device=device).unsqueeze(-1)
+    cols = torch.arange(s, device=device)
+    return cols <= rows + (s - t)
+
+
+def allowed_mask(call: AttentionCall) -> Tensor | None:
+    """The boolean part of the call's masking (user bool mask and causal), or None."""
+    allowed = None
+    if call.mask is not None and call.mask.dtype == torch.bool:
+        allowed = call.mask
+    if call.causal:
+        tri = causal_mask(call.query.shape[-2], call.key.shape[-2], call.query.device)
+        allowed = tri if allowed is None else allowed & tri
+    return allowed
+
+
+def normalize_for_similarity(call: AttentionCall) -> tuple[Tensor, Tensor]:
+    """Query and key as the dot product sees them: L2-normalised for cosine similarity."""
+    if call.similarity == "cosine":
+        return F.normalize(call.query, dim=-1), F.normalize(call.key, dim=-1)
+    return call.query, call.key
+
+
+def _explicit(call: AttentionCall) -> AttentionTrace:
+    """The reference: the six steps, in order, every intermediate kept."""
+    compute = torch.float32 if call.query.dtype in REDUCED_PRECISION else call.query.dtype
+    query, key = normalize_for_similarity(call)
+    query, key, value = query.to(compute), key.to(compute), call.value.to(compute)
+
+    scores = query @ key.transpose(-2, -1)  # (..., T, S)
+    scaled = scores * call.scale
+
+    masked = scaled
+    if call.mask is not None and call.mask.dtype != torch.bool:
+        masked = masked + call.mask.to(compute)
+    allowed = allowed_mask(call)
+    if allowed is not None:
+        masked = masked.masked_fill(~allowed, float("-inf"))
+
+    weights = safe_softmax(masked)
+    attended = F.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
+    output = attended @ value  # (..., T, Dv)
+    return AttentionTrace(
+        query=query,
+        key=key,
+        value=value,
+        scores=scores,
+        scaled=scaled,
+        masked=masked,
+        weights=weights,
+        output=output.to(call.query.dtype),
+        scale=call.scale,
+        similarity=call.similarity,
+    )
+
+
+def safe_softmax(masked: Tensor) -> Tensor:
+    """Softmax over the last axis; a row that is all -inf gives zeros instead of NaN."""
+    row_max = masked.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    exp = torch.exp(masked - row_max)
+    total = exp.sum(dim=-1, keepdim=True)
+    return exp / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def _sdpa(call: AttentionCall) -> Tensor:
+    """torch's fused kernel, with our conventions (bottom-right causal, 0 for masked rows)."""
+    query, key = normalize_for_similarity(call)
+    value = call.value
+    t, s = query.shape[-2], key.shape[-2]
+    lead = query.shape[:-2]
+    query, key, value = (x.reshape(-1, *x.shape[-2:]).unsqueeze(0) for x in (query, key, value))
+
+    bias = None
+    if call.mask is not None and call.mask.dtype != torch.bool:
+        bias = call.mask.to(query.dtype)
+    allowed = None
+    is_causal = call.causal and t == s and call.mask is None
+    if not is_causal:
+        allowed = allowed_mask(call)
+
+    # Rows with nothing to attend: give them a harmless row, then zero their output.
+    empty_rows = None
+    if allowed is not None:
+        empty_rows = ~allowed.any(dim=-1, keepdim=True)
+        allowed = allowed | empty_rows
+    if bias is not None:
+        neg_inf = torch.isneginf(bias)
+        if allowed is not None:
+            neg_inf = neg_inf | ~allowed
+        bias_empty = neg_inf.all(dim=-1, keepdim=True)
+        bias = torch.where(bias_empty, torch.zeros_like(bias), bias)
+        empty_rows = bias_empty if empty_rows is None else empty_rows | bias_empty
+    attn_mask = _combine(allowed, bias)
+    if attn_mask is not None:
+        attn_mask = _flatten_mask(attn_mask, lead, t, s)
+
+    output = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=call.dropout_p,
+        is_causal=is_causal,
+        scale=call.scale,
+    )
+    output = output.squeeze(0).reshape(*lead, t, value.shape[-1])
+    if empty_rows is not None:
+        output = output.masked_fill(empty_rows, 0.0)
+    return output
+
+
+def _combine(allowed: Tensor | None, bias: Tensor | None) -> Tensor | None:
+    if allowed is None or bias is None:
+        return allowed if bias is None else bias
+    return bias.masked_fill(~allowed, float("-inf"))
+
+
+def _flatten_mask(mask: Tensor, lead: torch.Size, t: int, s: int) -> Tensor:
+    """A mask broadcastable to (*lead, T, S), reshaped like the flattened (1, N, T, S) inputs."""
+    if mask.dim() <= 2 or all(size == 1 for size in mask.shape[:-2]):
+        return mask.reshape(1, 1, *mask.shape[-2:])
+    return mask.expand(*lead, t, s).reshape(1, -1, t, s)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """An attention implementation and the calls it can compute exactly as the reference."""
+
+    name: str
+    run: Callable[[AttentionCall], Tensor]
+    why_not: Callable[[AttentionCall], str | None] = lambda call: None
+
+
+BACKENDS: dict[str, Backend] = {
+    "explicit": Backend("explicit", lambda call: _explicit(call).output),
+    "sdpa": Backend("sdpa", _sdpa),
+}
+
+
+def choose_backend(call: AttentionCall, return_trace: bool = False) -> Backend:
+    """What ``backend="auto"`` runs: explicit when a trace is asked for, else torch's kernel."""
+    if return_trace:
+        return BACKENDS["explicit"]
+    return BACKENDS["sdpa"]
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    similarity: str = "dot",
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    return_trace: bool = False,
+) -> Tensor | tuple[Tensor, AttentionTrace]:
+    """softmax(similarity(Q, K) * scale + mask) @ V; see the module docstring for conventions.
+
+    Args:
+        query, key, value: ``(..., T, D)``, ``(..., S, D)``, ``(..., S, Dv)``, same leading dims.
+        mask: boolean (True = may attend) or float (added to scaled scores), broadcastable
+            to ``(..., T, S)``.
+        causal: query i sees keys up to ``i + (S - T)`` (bottom-right alignment).
+        similarity: ``"dot"`` or ``"cosine"`` (query and key L2-normalised first).
+        scale: multiplies the scores; None means :func:`default_scale`; 1.0 means no scaling.
+        dropout_p: dropout on the weights (applied whenever > 0, as in torch SDPA).
+        backend: a name in ``BACKENDS`` or ``"auto"`` (the fastest that computes the same thing).
+        return_trace: also return the :class:`AttentionTrace` (explicit backend only).
+    """
+    call = make_call(query, key, value, mask, causal, similarity, scale, dropout_p)
+    if backend == "auto":
+        chosen = choose_backend(call, return_trace)
+    elif backend in BACKENDS:
+        chosen = BACKENDS[backend]
+    else:
+        names = ", ".join(["auto", *BACKENDS])
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of: {names}")
+    if return_trace:
+        if chosen.name != "explicit":
+            raise ValueError(
+                f"backend {chosen.name!r} cannot return a trace (it never forms the weights); "
+                "use backend='explicit' or 'auto'"
+            )
+        trace = _explicit(call)
+        return trace.output, trace
+    reason = chosen.why_not(call)
+    if reason is not None:
+        raise ValueError(reason)
+    return chosen.run(call)
+
+
+def make_call(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    similarity: str,
+    scale: float | None,
+    dropout_p: float,
+) -> AttentionCall:
+    """Check shapes, dtypes and options once, with one-line errors, and resolve the scale."""
+    if similarity not in SIMILARITIES:
+        raise ValueError(f"unknown similarity {similarity!r}; choose 'dot' or 'cosine'")
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.dim() < 2:
+            raise ValueError(
+                f"{name} must have shape (..., length, dim), got {tuple(tensor.shape)}"
+            )
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(
+            f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, "
+            f"{value.dtype}; cast them with .to(dtype)"
+        )
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"query and key must have the same last dim, got {query.shape[-1]} and {key.shape[-1]}"
+        )
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(
+            f"key and value must have the same length, got {key.shape[-2]} and {value.shape[-2]}"
+        )
+    if not query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
+        raise ValueError(
+            "query, key and value must have the same leading dims, got "
+            f"{tuple(query.shape[:-2])}, {tuple(key.shape[:-2])}, {tuple(value.shape[:-2])}"
+        )
+    t, s = query.shape[-2], key.shape[-2]
+    if mask is not None:
+        target = (*query.shape[:-2], t, s)
+        try:
+            torch.broadcast_shapes(mask.shape, target)
+        except RuntimeError:
+            raise ValueError(
+                f"mask of shape {tuple(mask.shape)} does not broadcast to (..., T, S) = {target}"
+            ) from None
+        if mask.dim() > len(target):
+            raise ValueError(f"mask has more dims ({mask.dim()}) than the scores ({len(target)})")
+        if mask.dtype != torch.bool and not mask.is_floating_point():
+            raise ValueError(f"mask must be boolean (True = may attend) or float, got {mask.dtype}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if scale is None:
+        scale = default_scale(similarity, query.shape[-1])
+    return AttentionCall(query, key, value, mask, causal, similarity, float(scale), dropout_p)

@@ -1,0 +1,298 @@
+"""Layers built on the core: the single head of the guide, multi-head attention, positions, blocks.
+
+Every attention module calls :func:`selfattn.attention` through :meth:`AttentionModule.attend`,
+which also reports the call to an active :func:`selfattn.record` block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from selfattn.attention import attention
+from selfattn.recording import active_recording
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, for one attention layer while decoding."""
+
+    def __init__(self) -> None:
+        self.key: Tensor | None = None  # (B, H, S, D)
+        self.value: Tensor | None = None  # (B, H, S, Dv)
+
+    def __len__(self) -> int:
+        return 0 if self.key is None else self.key.shape[-2]
+
+    def extend(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Append the new tokens' keys and values; return all of them."""
+        if self.key is not None:
+            key = torch.cat([self.key, key], dim=-2)
+            value = torch.cat([self.value, value], dim=-2)
+        self.key, self.value = key, value
+        return key, value
+
+
+class AttentionModule(nn.Module):
+    """Base of the attention layers: options shared by every call, and the recorded call."""
+
+    def __init__(self, similarity: str = "dot", dropout: float = 0.0) -> None:
+        super().__init__()
+        self.similarity = similarity
+        self.dropout = dropout
+        self.backend = "auto"
+
+    def attend(
+        self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool
+    ) -> Tensor:
+        output = attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            causal=causal,
+            similarity=self.similarity,
+            dropout_p=self.dropout if self.training else 0.0,
+            backend=self.backend,
+        )
+        recording = active_recording()
+        if recording is not None:
+            recording.add(
+                self,
+                query=_as_4d(query),
+                key=_as_4d(key),
+                value=_as_4d(value),
+                mask=mask,
+                causal=causal,
+                similarity=self.similarity,
+                scale=None,
+                output=_as_4d(output),
+            )
+        return output
+
+
+def _as_4d(x: Tensor) -> Tensor:
+    """(…, H, T, D) as (B, H, T, D); a missing head or batch axis becomes size 1."""
+    while x.dim() < 4:
+        x = x.unsqueeze(0)
+    return x.reshape(-1, *x.shape[-3:])
+
+
+class SelfAttention(AttentionModule):
+    """The single head of the guide: Q = X W_q, K = X W_k, V = X W_v, then attention.
+
+    Linear maps without bias and without activation. The output has the input's size: d_v
+    defaults to d_model; if another d_v is asked for, an output map W_o brings it back.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_k: int | None = None,
+        d_v: int | None = None,
+        bias: bool = False,
+        similarity: str = "dot",
+    ) -> None:
+        super().__init__(similarity)
+        d_k = d_k or d_model
+        d_v = d_v or d_model
+        self.W_q = nn.Linear(d_model, d_k, bias=bias)
+        self.W_k = nn.Linear(d_model, d_k, bias=bias)
+        self.W_v = nn.Linear(d_model, d_v, bias=bias)
+        self.W_o = nn.Linear(d_v, d_model, bias=bias) if d_v != d_model else None
+
+    def forward(self, x: Tensor, *, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        """x: (..., T, d_model) -> (..., T, d_model)."""
+        query = self.W_q(x).unsqueeze(-3)  # (..., 1, T, d_k): one head
+        key = self.W_k(x).unsqueeze(-3)
+        value = self.W_v(x).unsqueeze(-3)
+        output = self.attend(query, key, value, mask, causal).squeeze(-3)  # (..., T, d_v)
+        return output if self.W_o is None else self.W_o(output)
+
+
+class MultiHeadAttention(AttentionModule):
+    """n_heads heads of size d_model / n_heads side by side, then the output map W_o."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        bias: bool = True,
+        dropout: float = 0.0,
+        similarity: str = "dot",
+    ) -> None:
+        super().__init__(similarity, dropout)
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        self.n_heads = n_heads
+        self.W_q = nn.Linear(d_model, d_model, bias=bias)
+        self.W_k = nn.Linear(d_model, d_model, bias=bias)
+        self.W_v = nn.Linear(d_model, d_model, bias=bias)
+        self.W_o = nn.Linear(d_model, d_model, bias=bias)
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        return x.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)  # (B, H, T, hd)
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        causal: bool = False,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        """x: (B, T, D) queries; keys and values from ``context`` (default x): (B, S, D).
+
+        ``mask`` broadcasts to (B, H, T, S), True = may attend. With a ``cache`` the new keys
+        and values are appended to the cached ones and causal alignment is bottom-right.
+        """
+        context = x if context is None else context
+        query = self.split_heads(self.W_q(x))  # (B, H, T, hd)
+        key = self.split_heads(self.W_k(context))  # (B, H, S, hd)
+        value = self.split_heads(self.W_v(context))  # (B, H, S, hd)
+        if cache is not None:
+            key, value = cache.extend(key, value)
+        output = self.attend(query, key, value, mask, causal)  # (B, H, T, hd)
+        b, h, t, hd = output.shape
+        return self.W_o(output.transpose(1, 2).reshape(b, t, h * hd))  # (B, T, D)
+
+    @classmethod
+    def from_torch(cls, source: nn.MultiheadAttention) -> MultiHeadAttention:
+        """The same layer with the weights of a ``torch.nn.MultiheadAttention``.
+
+        Mind the mask polarity: torch's boolean ``attn_mask`` marks what may *not* be attended;
+        ours marks what may.
+        """
+        if not source._qkv_same_embed_dim:
+            raise ValueError("from_torch needs kdim == vdim == embed_dim (one packed in_proj)")
+        if source.bias_k is not None:
+            raise ValueError("from_torch does not support add_bias_kv=True")
+        bias = source.in_proj_bias is not None
+        layer = cls(source.embed_dim, source.num_heads, bias=bias, dropout=source.dropout)
+        d = source.embed_dim
+        with torch.no_grad():
+            for i, proj in enumerate((layer.W_q, layer.W_k, layer.W_v)):
+                proj.weight.copy_(source.in_proj_weight[i * d : (i + 1) * d])
+                if bias:
+                    proj.bias.copy_(source.in_proj_bias[i * d : (i + 1) * d])
+            layer.W_o.weight.copy_(source.out_proj.weight)
+            if bias:
+                layer.W_o.bias.copy_(source.out_proj.bias)
+        return layer.to(source.in_proj_weight.dtype)
+
+
+class SinusoidalPositions(nn.Module):
+    """The fixed positions of "Attention Is All You Need": sin on even dims, cos on odd dims.
+
+    PE[p, 2i] = sin(p / 10000^(2i/d)),  PE[p, 2i+1] = cos(p / 10000^(2i/d)).
+    """
+
+    def __init__(self, max_len: int, d_model: int) -> None:
+        super().__init__()
+        self.max_len = max_len
+        position = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
+        freq = torch.exp(
+            torch.arange(0, d_model, 2, dtype=torch.float64) * -math.log(10000.0) / d_model
+        )
+        table = torch.zeros(max_len, d_model, dtype=torch.float64)
+        table[:, 0::2] = torch.sin(position * freq)
+        table[:, 1::2] = torch.cos(position * freq)[:, : d_model // 2]
+        self.register_buffer("table", table.float(), persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """x: (..., T, d_model) -> x plus the encodings of positions offset .. offset+T-1."""
+        return x + _positions(self.table, x.shape[-2], offset, self.max_len).to(x.dtype)
+
+
+class LearnedPositions(nn.Module):
+    """One trained vector per position (BERT, GPT-2)."""
+
+    def __init__(self, max_len: int, d_model: int) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.embedding = nn.Embedding(max_len, d_model)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        return x + _positions(self.embedding.weight, x.shape[-2], offset, self.max_len)
+
+
+def _positions(table: Tensor, length: int, offset: int, max_len: int) -> Tensor:
+    if offset + length > max_len:
+        raise ValueError(
+            f"sequence of {offset + length} tokens is longer than the model's {max_len} "
+            "positions; shorten the text"
+        )
+    return table[offset : offset + length]
+
+
+ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),  # exact, erf-based (BERT)
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's gelu_new
+    "relu": F.relu,
+}
+
+
+class FeedForward(nn.Module):
+    """Position-wise two-layer network: d_model -> d_ff -> d_model."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "gelu", bias: bool = True):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"unknown activation {activation!r}; choose one of {list(ACTIVATIONS)}"
+            )
+        self.activation = activation
+        self.up = nn.Linear(d_model, d_ff, bias=bias)
+        self.down = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(ACTIVATIONS[self.activation](self.up(x)))
+
+
+class TransformerBlock(nn.Module):
+    """Attention and feed-forward, each with a residual connection and layer norm.
+
+    ``norm_first=True`` normalises before each sub-layer (GPT-2); False after the residual
+    sum (BERT, the original transformer).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        *,
+        norm_first: bool,
+        activation: str = "gelu",
+        bias: bool = True,
+        dropout: float = 0.0,
+        layer_norm_eps: float = 1e-5,
+        similarity: str = "dot",
+    ) -> None:
+        super().__init__()
+        self.norm_first = norm_first
+        self.attention = MultiHeadAttention(d_model, n_heads, bias, dropout, similarity)
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
+        self.feed_forward = FeedForward(d_model, d_ff, activation, bias)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        mask: Tensor | None = None,
+        causal: bool = False,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        if self.norm_first:
+            x = x + self.dropout(
+                self.attention(self.norm1(x), mask=mask, causal=causal, cache=cache)
+            )
+            return x + self.dropout(self.feed_forward(self.norm2(x)))
+        x = self.norm1(x + self.dropout(self.attention(x, mask=mask, causal=causal, cache=cache)))
+        return self.norm2(x + self.dropout(self.feed_forward(x)))

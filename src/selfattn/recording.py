@@ -1,0 +1,132 @@
+"""Fast by default, weights on demand: capture each attention call's q, k, v while a model runs.
+
+Inside ``with record() as rec:`` every attention module built from :mod:`selfattn.layers`
+reports the query, key and value it hands to :func:`selfattn.attention` (after the head split),
+its mask and options. The run itself stays on the fast backend and its outputs are unchanged;
+weights and full traces are recomputed afterwards with the explicit path, only for the
+layers and heads someone looks at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+from torch import Tensor, nn
+
+from selfattn.attention import AttentionTrace, attention
+
+
+@dataclass(frozen=True)
+class Capture:
+    """One attention call: q/k/v as ``(B, H, T, D)`` plus what is needed to recompute it."""
+
+    name: str  # the module's qualified name when known, else its class name
+    layer: int  # order of the module's first call in this recording
+    query: Tensor  # (B, H, T, D)
+    key: Tensor  # (B, H, S, D)
+    value: Tensor  # (B, H, S, Dv)
+    mask: Tensor | None
+    causal: bool
+    similarity: str
+    scale: float | None
+    output: Tensor  # (B, H, T, Dv) what the fast backend computed
+
+    @property
+    def n_heads(self) -> int:
+        return self.query.shape[1]
+
+    def trace(self, head: int | None = None, batch: int = 0) -> AttentionTrace:
+        """Recompute this call with the explicit path; one head, or all heads if None."""
+        heads = slice(None) if head is None else slice(head, head + 1)
+        if head is not None and not -self.n_heads <= head < self.n_heads:
+            raise IndexError(
+                f"head {head} out of range: this layer has heads 0..{self.n_heads - 1}"
+            )
+        mask = self.mask
+        if mask is not None:
+            mask = mask.expand(*self.query.shape[:2], *mask.shape[-2:])[batch : batch + 1, heads]
+        _, trace = attention(
+            self.query[batch : batch + 1, heads],
+            self.key[batch : batch + 1, heads],
+            self.value[batch : batch + 1, heads],
+            mask=mask,
+            causal=self.causal,
+            similarity=self.similarity,
+            scale=self.scale,
+            backend="explicit",
+            return_trace=True,
+        )
+        return _squeeze_trace(trace, head is not None)
+
+    def weights(self, head: int | None = None, batch: int = 0) -> Tensor:
+        """Attention weights ``(T, S)`` for one head, or ``(H, T, S)`` for all."""
+        return self.trace(head, batch).weights
+
+
+def _squeeze_trace(trace: AttentionTrace, one_head: bool) -> AttentionTrace:
+    dims = (0, 1) if one_head else (0,)
+    fields = {
+        name: getattr(trace, name).squeeze(dims)
+        for name in ("query", "key", "value", "scores", "scaled", "masked", "weights", "output")
+    }
+    return AttentionTrace(**fields, scale=trace.scale, similarity=trace.similarity)
+
+
+@dataclass
+class Recording:
+    """The captures of one ``record()`` block, in call order; ``rec[i]`` is the i-th call."""
+
+    names: dict[int, str] = field(default_factory=dict)
+    captures: list[Capture] = field(default_factory=list)
+    _layers: dict[int, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.captures)
+
+    def __getitem__(self, index: int) -> Capture:
+        return self.captures[index]
+
+    def __iter__(self) -> Iterator[Capture]:
+        return iter(self.captures)
+
+    def layer(self, layer: int) -> list[Capture]:
+        """Every capture of one layer (several when a key/value cache calls it per step)."""
+        return [capture for capture in self.captures if capture.layer == layer]
+
+    def add(self, module: nn.Module, **tensors) -> None:
+        layer = self._layers.setdefault(id(module), len(self._layers))
+        name = self.names.get(id(module), type(module).__name__)
+        detached = {
+            key: value.detach() if isinstance(value, Tensor) else value
+            for key, value in tensors.items()
+        }
+        self.captures.append(Capture(name=name, layer=layer, **detached))
+
+
+_ACTIVE: ContextVar[Recording | None] = ContextVar("selfattn_recording", default=None)
+
+
+@contextmanager
+def record(*models: nn.Module) -> Iterator[Recording]:
+    """Capture every attention call made inside the block.
+
+    Pass the model(s) to name each capture by its qualified module name
+    (``encoder.layers.3.attention``); layers are numbered by order of first call.
+    """
+    recording = Recording()
+    for model in models:
+        for name, module in model.named_modules():
+            recording.names[id(module)] = name or type(module).__name__
+    token = _ACTIVE.set(recording)
+    try:
+        yield recording
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_recording() -> Recording | None:
+    """The recording of the innermost ``record()`` block, or None outside one."""
+    return _ACTIVE.get()

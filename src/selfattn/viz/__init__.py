@@ -1,0 +1,4 @@
+"""Views of attention: terminal (rich), figures (matplotlib), self-contained HTML pages.
+
+Viewers take tensors and token strings, never models.
+"""
