@@ -1,0 +1,1 @@
+"""Models built from our layers: BERT-family encoder, GPT-family decoder, checkpoint loading."""

@@ -1,0 +1,166 @@
+"""A GPT-style decoder built from our layers: token + learned positions, pre-norm blocks, tied head.
+
+The same network serves GPT-2 checkpoints (see :mod:`selfattn.models.loading`) and the small
+models trained from scratch by :mod:`selfattn.train`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from selfattn.layers import ACTIVATIONS, KVCache, LearnedPositions, TransformerBlock
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes and options of a decoder; validated on creation."""
+
+    vocab_size: int
+    block_size: int  # the most positions the model has
+    n_layer: int
+    n_head: int
+    n_embd: int
+    bias: bool = True
+    dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+    activation: str = "gelu_tanh"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {self.activation!r}; one of {list(ACTIVATIONS)}")
+
+
+@dataclass
+class DecoderOutput:
+    logits: Tensor  # (B, T, vocab)
+    loss: Tensor | None  # mean cross-entropy when targets are given
+    hidden_states: tuple[Tensor, ...]  # embedding output, then each block's output
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer; ``forward(input_ids, targets)`` gives logits and loss."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.n_embd)
+        self.positions = LearnedPositions(config.block_size, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(
+                config.n_embd,
+                config.n_head,
+                4 * config.n_embd,
+                norm_first=True,
+                activation=config.activation,
+                bias=config.bias,
+                dropout=config.dropout,
+                layer_norm_eps=config.layer_norm_eps,
+            )
+            for _ in range(config.n_layer)
+        )
+        self.final_norm = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.token_embedding.weight  # tied, as in GPT-2
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2's initialisation: N(0, 0.02), residual output maps scaled by 1/sqrt(2·layers)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attention.W_o.weight, std=residual_std)
+            nn.init.normal_(block.feed_forward.down.weight, std=residual_std)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        targets: Tensor | None = None,
+        *,
+        attention_mask: Tensor | None = None,
+        caches: list[KVCache] | None = None,
+    ) -> DecoderOutput:
+        """input_ids (B, T); attention_mask (B, S) with 1 for real tokens; caches per block."""
+        offset = len(caches[0]) if caches else 0
+        x = self.dropout(self.positions(self.token_embedding(input_ids), offset))  # (B, T, C)
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S): keys that exist
+        hidden_states = [x]
+        for i, block in enumerate(self.blocks):
+            cache = caches[i] if caches else None
+            x = block(x, mask=mask, causal=True, cache=cache)
+            hidden_states.append(x)
+        logits = self.lm_head(self.final_norm(x))  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return DecoderOutput(logits, loss, tuple(hidden_states))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        use_cache: bool = True,
+    ) -> Tensor:
+        """Append ``max_new_tokens`` tokens to ``input_ids`` (B, T); temperature 0 is greedy.
+
+        With the key/value cache each step feeds only the new token (bottom-right causal
+        alignment lets it see every cached key). Once the context outgrows ``block_size`` the
+        window slides and the cache is rebuilt, so outputs match ``use_cache=False`` exactly.
+        """
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+        block_size = self.config.block_size
+        caches: list[KVCache] | None = None
+        ids = input_ids
+        for _ in range(max_new_tokens):
+            if use_cache and caches is not None and len(caches[0]) < block_size:
+                step_ids = ids[:, -1:]
+            else:
+                caches = [KVCache() for _ in self.blocks] if use_cache else None
+                step_ids = ids[:, -block_size:]
+            logits = self(step_ids, caches=caches).logits[:, -1, :]  # (B, vocab)
+            next_id = sample(logits, temperature, top_k, generator)
+            ids = torch.cat([ids, next_id], dim=1)
+        return ids
+
+
+def sample(
+    logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> Tensor:
+    """One token id per row of logits (B, vocab) -> (B, 1); temperature 0 takes the argmax."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
