@@ -1,0 +1,314 @@
+"""The attention core against torch SDPA, closed forms, gradcheck and properties.
+
+Tolerances (absolute, unless stated): float64 1e-12, float32 1e-5; float16/bfloat16 no worse
+than twice SDPA's own error against a float64 reference (plus 1e-6 for rounding at zero).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from selfattn import attention
+from selfattn.attention import causal_mask
+
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+EXACT_BACKENDS = ("explicit", "sdpa", "auto")
+
+# (batch dims, T, S, D, Dv): prime sizes so a swapped axis fails loudly.
+SHAPES = [
+    ((), 1, 1, 1, 1),
+    ((2,), 7, 7, 5, 3),
+    ((2, 3), 7, 11, 5, 13),
+    ((1, 2), 97, 97, 59, 59),
+    ((3,), 13, 5, 16, 7),
+    ((2, 2, 2), 4, 6, 8, 8),
+]
+
+
+def qkv(lead, t, s, d, dv, dtype=torch.float64, seed=0, grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [
+        torch.randn(*lead, n, m, generator=gen, dtype=torch.float64).to(dtype)
+        for n, m in ((t, d), (s, d), (s, dv))
+    ]
+    return [x.requires_grad_(grad) for x in tensors]
+
+
+def sdpa(q, k, v, mask=None, scale=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+@pytest.mark.parametrize("backend", EXACT_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_sdpa_without_mask(backend, dtype, shape):
+    q, k, v = qkv(*shape, dtype=dtype)
+    expected = sdpa(q, k, v)
+    torch.testing.assert_close(
+        attention(q, k, v, backend=backend), expected, atol=TOL[dtype], rtol=0
+    )
+
+
+def random_masks(lead, t, s, seed=1):
+    """Boolean and float masks: full shape and broadcast over batch/heads."""
+    gen = torch.Generator().manual_seed(seed)
+    full_bool = torch.rand(*lead, t, s, generator=gen) > 0.3
+    full_bool[..., 0] = True  # no fully masked rows here; those are tested below
+    row_bool = torch.rand(t, s, generator=gen) > 0.3
+    row_bool[:, -1] = True
+    float_mask = torch.randn(*lead, t, s, generator=gen, dtype=torch.float64)
+    key_padding = torch.ones(*lead[:1], *([1] * max(len(lead) - 1, 0)), 1, s, dtype=torch.bool)
+    key_padding[..., -1] = s == 1  # mask the last key (unless it is the only one)
+    return {
+        "bool": full_bool,
+        "bool-broadcast": row_bool,
+        "float": float_mask,
+        "float-broadcast": float_mask[(0,) * len(lead)] if lead else float_mask,
+        "key-padding": key_padding,
+    }
+
+
+@pytest.mark.parametrize("backend", EXACT_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES[1:])
+def test_matches_sdpa_with_masks(backend, dtype, shape):
+    lead, t, s = shape[:3]
+    q, k, v = qkv(*shape, dtype=dtype)
+    for name, mask in random_masks(lead, t, s).items():
+        mask = mask if mask.dtype == torch.bool else mask.to(dtype)
+        got = attention(q, k, v, mask=mask, backend=backend)
+        torch.testing.assert_close(got, sdpa(q, k, v, mask), atol=TOL[dtype], rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("backend", EXACT_BACKENDS)
+def test_gradients_match_sdpa(backend):
+    shape = ((2, 3), 7, 11, 5, 13)
+    mask = random_masks(shape[0], 7, 11)["float"]
+    ours = qkv(*shape, grad=True)
+    ref = qkv(*shape, grad=True)
+    attention(*ours, mask=mask, backend=backend).pow(2).sum().backward()
+    sdpa(*ref, mask).pow(2).sum().backward()
+    for mine, theirs in zip(ours, ref, strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("backend", EXACT_BACKENDS)
+def test_causal_equal_lengths_matches_sdpa(backend):
+    q, k, v = qkv((2, 3), 9, 9, 5, 5)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(
+        attention(q, k, v, causal=True, backend=backend), expected, atol=1e-12, rtol=0
+    )
+
+
+def test_causal_mask_is_bottom_right_by_hand():
+    # T=2 queries after 2 cached keys: query 0 sees keys 0..2, query 1 sees all four.
+    expected = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    assert torch.equal(causal_mask(2, 4), expected)
+    # T > S: the first T-S queries see nothing.
+    assert torch.equal(
+        causal_mask(3, 2), torch.tensor([[False, False], [True, False], [True, True]])
+    )
+
+
+@pytest.mark.parametrize("backend", EXACT_BACKENDS)
+@pytest.mark.parametrize("t,s", [(3, 8), (8, 8), (8, 3)])
+def test_causal_bottom_right_against_hand_built_mask(backend, t, s):
+    q, k, v = qkv((2,), t, s, 4, 4)
+    allowed = torch.tensor([[j <= i + (s - t) for j in range(s)] for i in range(t)])
+    expected = attention(q, k, v, mask=allowed, backend="explicit")
+    got = attention(q, k, v, causal=True, backend=backend)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+    if t > s:  # rows with no key at all give 0
+        assert torch.all(got[..., : t - s, :] == 0)
+
+
+@pytest.mark.parametrize("backend", ["explicit", "sdpa"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_fully_masked_rows_give_zero_without_nan(backend, kind):
+    q, k, v = qkv((2, 2), 5, 6, 4, 3, grad=True)
+    allowed = torch.ones(5, 6, dtype=torch.bool)
+    allowed[1] = False
+    allowed[3, :4] = False
+    mask = (
+        allowed
+        if kind == "bool"
+        else torch.zeros(5, 6, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
+    )
+    output = attention(q, k, v, mask=mask, backend=backend)
+    assert not output.isnan().any()
+    assert torch.all(output[..., 1, :] == 0)
+    output.sum().backward()
+    for tensor in (q, k, v):
+        assert not tensor.grad.isnan().any()
+    assert torch.all(q.grad[..., 1, :] == 0)
+    _, trace = attention(q, k, v, mask=mask, backend="explicit", return_trace=True)
+    assert torch.all(trace.weights[..., 1, :] == 0)
+    torch.testing.assert_close(
+        trace.weights[..., 3, :].sum(-1), torch.ones(2, 2, dtype=torch.float64), atol=1e-12, rtol=0
+    )
+
+
+@pytest.mark.parametrize("backend", EXACT_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_precision_no_worse_than_twice_sdpa(backend, dtype):
+    q64, k64, v64 = qkv((2, 4), 33, 47, 64, 64, seed=3)
+    mask = torch.rand(33, 47, generator=torch.Generator().manual_seed(4)) > 0.2
+    mask[:, 0] = True
+    reference = sdpa(q64, k64, v64, mask)
+    q, k, v = (x.to(dtype) for x in (q64, k64, v64))
+    ours = attention(q, k, v, mask=mask, backend=backend)
+    assert ours.dtype == dtype
+    our_error = (ours.double() - reference).abs().max()
+    sdpa_error = (sdpa(q, k, v, mask).double() - reference).abs().max()
+    assert our_error <= 2 * sdpa_error + 1e-6, (our_error, sdpa_error)
+
+
+def test_reduced_precision_gradients_no_worse_than_twice_sdpa():
+    dtype = torch.bfloat16
+    shape = ((2, 2), 17, 23, 32, 32)
+    reference = qkv(*shape, grad=True)
+    sdpa(*reference).pow(2).sum().backward()
+    ours = [x.detach().to(dtype).requires_grad_() for x in reference]
+    theirs = [x.detach().to(dtype).requires_grad_() for x in reference]
+    attention(*ours, backend="explicit").float().pow(2).sum().backward()
+    sdpa(*theirs).float().pow(2).sum().backward()
+    for mine, other, exact in zip(ours, theirs, reference, strict=True):
+        our_error = (mine.grad.double() - exact.grad).abs().max()
+        sdpa_error = (other.grad.double() - exact.grad).abs().max()
+        assert our_error <= 2 * sdpa_error + 1e-6
+
+
+def test_worked_by_hand_two_keys():
+    # scores [0, 1] with scale 1 -> weights [1, e] / (1 + e); output the weighted sum of values.
+    query = torch.tensor([[1.0]], dtype=torch.float64)
+    key = torch.tensor([[0.0], [1.0]], dtype=torch.float64)
+    value = torch.tensor([[10.0, 0.0], [0.0, 10.0]], dtype=torch.float64)
+    output, trace = attention(query, key, value, scale=1.0, backend="explicit", return_trace=True)
+    e = math.e
+    expected_weights = torch.tensor([[1 / (1 + e), e / (1 + e)]], dtype=torch.float64)
+    torch.testing.assert_close(trace.weights, expected_weights, atol=1e-15, rtol=0)
+    torch.testing.assert_close(output, 10 * expected_weights, atol=1e-14, rtol=0)
+    assert trace.scale == 1.0 and trace.similarity == "dot"
+
+
+def test_default_scale_is_inverse_sqrt_head_dim():
+    q, k, v = qkv((), 3, 4, 16, 2)
+    _, trace = attention(q, k, v, backend="explicit", return_trace=True)
+    assert trace.scale == 0.25
+    torch.testing.assert_close(trace.scaled, trace.scores / 4, atol=1e-15, rtol=0)
+
+
+@pytest.mark.parametrize("backend", EXACT_BACKENDS)
+def test_cosine_similarity_against_normalised_sdpa(backend):
+    q, k, v = qkv((2, 3), 7, 9, 5, 4)
+    expected = sdpa(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, scale=math.sqrt(5))
+    got = attention(q, k, v, similarity="cosine", backend=backend)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+    _, trace = attention(q, k, v, similarity="cosine", return_trace=True)
+    assert trace.scale == math.sqrt(5)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"causal": True},
+        {"similarity": "cosine"},
+        {"scale": 0.7},
+        {"mask": "bool"},
+        {"mask": "float"},
+        {"mask": "fully-masked-row"},
+    ],
+)
+def test_gradcheck_explicit(options):
+    q, k, v = qkv((2,), 4, 5, 3, 2, grad=True)
+    options = dict(options)
+    mask = options.pop("mask", None)
+    if mask == "bool":
+        options["mask"] = torch.tensor([[True, False, True, True, False]] * 4)
+    elif mask == "float":
+        options["mask"] = torch.randn(4, 5, dtype=torch.float64)
+    elif mask == "fully-masked-row":
+        allowed = torch.ones(4, 5, dtype=torch.bool)
+        allowed[2] = False
+        options["mask"] = allowed
+
+    def run(q, k, v):
+        return attention(q, k, v, backend="explicit", **options)
+
+    assert torch.autograd.gradcheck(run, (q, k, v), eps=1e-6, atol=1e-8)
+
+
+sizes = st.integers(min_value=1, max_value=9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(t=sizes, s=sizes, d=sizes, dv=sizes, seed=st.integers(0, 10_000))
+def test_property_rows_sum_to_one_and_shapes(t, s, d, dv, seed):
+    q, k, v = qkv((2,), t, s, d, dv, seed=seed)
+    output, trace = attention(q, k, v, return_trace=True)
+    assert output.shape == (2, t, dv)
+    assert trace.weights.shape == (2, t, s)
+    torch.testing.assert_close(
+        trace.weights.sum(-1), torch.ones(2, t, dtype=torch.float64), atol=1e-12, rtol=0
+    )
+    assert torch.all((trace.weights >= 0) & (trace.weights <= 1))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    t=st.integers(2, 9),
+    d=sizes,
+    seed=st.integers(0, 10_000),
+    backend=st.sampled_from(EXACT_BACKENDS),
+)
+def test_property_permuting_tokens_permutes_outputs(t, d, seed, backend):
+    # Without positions, self-attention is permutation-equivariant (tolerance 1e-12, float64).
+    (x,) = qkv((), t, t, d, d, seed=seed)[:1]
+    perm = torch.randperm(t, generator=torch.Generator().manual_seed(seed))
+    output = attention(x, x, x, backend=backend)
+    permuted = attention(x[perm], x[perm], x[perm], backend=backend)
+    torch.testing.assert_close(permuted, output[perm], atol=1e-12, rtol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(t=sizes, s=sizes, d=sizes, seed=st.integers(0, 10_000), big=st.floats(1e-3, 1e3))
+def test_property_cosine_scores_lie_in_unit_interval(t, s, d, seed, big):
+    q, k, v = qkv((), t, s, d, 2, seed=seed)
+    _, trace = attention(q * big, k, v, similarity="cosine", return_trace=True)
+    assert trace.scores.abs().max() <= 1 + 1e-12
+
+
+def test_trace_from_a_fused_backend_is_a_clear_error():
+    q, k, v = qkv((), 3, 3, 2, 2)
+    with pytest.raises(ValueError, match="cannot return a trace"):
+        attention(q, k, v, backend="sdpa", return_trace=True)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ({"k": (3, 5)}, "same last dim"),
+        ({"v": (4, 2)}, "same length"),
+        ({"backend": "nope"}, "unknown attention backend"),
+        ({"similarity": "euclid"}, "unknown similarity"),
+        ({"mask": torch.ones(5, 5, dtype=torch.bool)}, "does not broadcast"),
+        ({"mask": torch.ones(3, 3, dtype=torch.long)}, "boolean"),
+        ({"dtype_k": torch.float32}, "share a dtype"),
+        ({"dropout_p": 1.5}, "dropout_p"),
+    ],
+)
+def test_bad_input_is_a_one_line_error(args, match):
+    q = torch.randn(3, 4, dtype=torch.float64)
+    k = torch.randn(*args.pop("k", (3, 4)), dtype=args.pop("dtype_k", torch.float64))
+    v = torch.randn(*args.pop("v", (3, 2)), dtype=torch.float64)
+    with pytest.raises(ValueError, match=match) as error:
+        attention(q, k, v, **args)
+    assert "\n" not in str(error.value)

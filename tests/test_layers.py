@@ -1,0 +1,177 @@
+"""Layers against torch.nn.MultiheadAttention, positions, record(); tolerances inline."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from selfattn import (
+    LearnedPositions,
+    MultiHeadAttention,
+    SelfAttention,
+    SinusoidalPositions,
+    TransformerBlock,
+    attention,
+    record,
+)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("backend", ["explicit", "sdpa"])
+def test_multihead_matches_torch_with_copied_weights(bias, backend):
+    # float64, tolerance 1e-12 for outputs and head-averaged weights.
+    torch.manual_seed(0)
+    reference = nn.MultiheadAttention(20, 4, bias=bias, batch_first=True).double().eval()
+    ours = MultiHeadAttention.from_torch(reference).eval()
+    ours.backend = backend
+    x = torch.randn(3, 7, 20, dtype=torch.float64)
+    blocked = torch.zeros(7, 7, dtype=torch.bool)
+    blocked[:, 5] = True  # torch: True = may NOT attend; ours is the opposite
+
+    expected, expected_weights = reference(x, x, x, attn_mask=blocked, average_attn_weights=True)
+    with record(ours) as rec:
+        output = ours(x, mask=~blocked)
+    torch.testing.assert_close(output, expected, atol=1e-12, rtol=0)
+    weights = torch.stack([rec[0].weights(batch=b).mean(0) for b in range(3)])
+    torch.testing.assert_close(weights, expected_weights, atol=1e-12, rtol=0)
+
+
+def test_multihead_cross_attention_matches_torch():
+    torch.manual_seed(1)
+    reference = nn.MultiheadAttention(12, 3, batch_first=True).double().eval()
+    ours = MultiHeadAttention.from_torch(reference)
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    context = torch.randn(2, 9, 12, dtype=torch.float64)
+    expected, _ = reference(x, context, context)
+    torch.testing.assert_close(ours(x, context), expected, atol=1e-12, rtol=0)
+
+
+def test_from_torch_refuses_what_it_cannot_copy():
+    with pytest.raises(ValueError, match="kdim"):
+        MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, kdim=4, vdim=4))
+
+
+def test_single_head_is_the_formula_of_the_guide():
+    # Q = X W_q, K = X W_k, V = X W_v; softmax(Q Kᵀ / sqrt(d_k)) V; tolerance 1e-12.
+    torch.manual_seed(2)
+    layer = SelfAttention(6, d_k=4).double()
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    q, k, v = x @ layer.W_q.weight.T, x @ layer.W_k.weight.T, x @ layer.W_v.weight.T
+    weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(4), dim=-1)
+    torch.testing.assert_close(layer(x), weights @ v, atol=1e-12, rtol=0)
+    assert layer(x).shape == x.shape
+    assert all(p.bias is None for p in (layer.W_q, layer.W_k, layer.W_v))
+
+
+def test_single_head_output_keeps_input_size_with_other_value_size():
+    layer = SelfAttention(6, d_k=3, d_v=2)
+    assert layer(torch.randn(4, 6)).shape == (4, 6)
+
+
+def test_single_head_is_trainable_by_backpropagation():
+    torch.manual_seed(3)
+    layer = SelfAttention(4)
+    x = torch.randn(8, 4)
+    target = torch.randn(8, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    losses = []
+    for _ in range(30):
+        optimizer.zero_grad()
+        loss = (layer(x) - target).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_sinusoidal_positions_follow_the_paper():
+    # PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(...); float32 tolerance 1e-6.
+    positions = SinusoidalPositions(50, 8)
+    x = torch.zeros(1, 10, 8)
+    table = positions(x, offset=3)[0]
+    for p in range(10):
+        for i in range(4):
+            angle = (p + 3) / 10000 ** (2 * i / 8)
+            assert abs(table[p, 2 * i].item() - math.sin(angle)) < 1e-6
+            assert abs(table[p, 2 * i + 1].item() - math.cos(angle)) < 1e-6
+
+
+def test_odd_model_size_and_too_long_input():
+    assert SinusoidalPositions(10, 7).table.shape == (10, 7)
+    with pytest.raises(ValueError, match="longer than the model's 10 positions"):
+        LearnedPositions(10, 4)(torch.zeros(1, 11, 4))
+
+
+def test_positions_break_permutation_symmetry():
+    torch.manual_seed(4)
+    layer = SelfAttention(8).double()
+    positions = SinusoidalPositions(16, 8).double()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    perm = torch.tensor([1, 0, 2, 3, 4, 5])
+    without = layer(x)
+    torch.testing.assert_close(layer(x[perm]), without[perm], atol=1e-12, rtol=0)
+    with_positions = layer(positions(x))
+    assert not torch.allclose(layer(positions(x[perm])), with_positions[perm], atol=1e-6)
+
+
+def test_record_leaves_outputs_unchanged_and_recomputes_exact_weights():
+    # Outputs bit-identical with and without recording; recomputed weights and outputs match
+    # the explicit path to 1e-12 (float64).
+    torch.manual_seed(5)
+    blocks = nn.ModuleList(
+        TransformerBlock(16, 4, 32, norm_first=norm_first) for norm_first in (True, False)
+    ).double()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+
+    def run(x):
+        for block in blocks:
+            x = block(x, causal=True)
+        return x
+
+    plain = run(x)
+    with record(blocks) as rec:
+        recorded = run(x)
+    assert torch.equal(plain, recorded)
+    assert [capture.layer for capture in rec] == [0, 1]
+    assert rec[1].name == "1.attention"
+    capture = rec[1]
+    trace = capture.trace(head=2, batch=1)
+    _, expected = attention(
+        capture.query[1, 2],
+        capture.key[1, 2],
+        capture.value[1, 2],
+        causal=True,
+        backend="explicit",
+        return_trace=True,
+    )
+    torch.testing.assert_close(trace.weights, expected.weights, atol=1e-12, rtol=0)
+    torch.testing.assert_close(trace.output, capture.output[1, 2], atol=1e-12, rtol=0)
+    assert trace.weights.shape == (9, 9)
+    assert capture.weights().shape == (4, 9, 9)
+
+
+def test_record_does_not_force_the_slow_path(monkeypatch):
+    attention_module = importlib.import_module("selfattn.attention")
+    used = []
+    original = attention_module.BACKENDS["sdpa"]
+    monkeypatch.setitem(
+        attention_module.BACKENDS,
+        "sdpa",
+        attention_module.Backend("sdpa", lambda call: used.append(1) or original.run(call)),
+    )
+    layer = MultiHeadAttention(8, 2)
+    with record(layer):
+        layer(torch.randn(1, 4, 8))
+    assert used == [1]
+
+
+def test_head_out_of_range_names_the_range():
+    layer = MultiHeadAttention(8, 2)
+    with record(layer) as rec:
+        layer(torch.randn(1, 4, 8))
+    with pytest.raises(IndexError, match=r"heads 0\.\.1"):
+        rec[0].weights(head=5)
