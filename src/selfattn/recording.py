@@ -38,8 +38,19 @@ class Capture:
     def n_heads(self) -> int:
         return self.query.shape[1]
 
-    def trace(self, head: int | None = None, batch: int = 0) -> AttentionTrace:
-        """Recompute this call with the explicit path; one head, or all heads if None."""
+    def trace(
+        self,
+        head: int | None = None,
+        batch: int = 0,
+        *,
+        similarity: str | None = None,
+        scale: float | None = None,
+    ) -> AttentionTrace:
+        """Recompute this call with the explicit path; one head, or all heads if None.
+
+        ``similarity``/``scale`` recompute it as if the model had used another one (an
+        experiment: the model itself ran with ``self.similarity`` and ``self.scale``).
+        """
         heads = slice(None) if head is None else slice(head, head + 1)
         if head is not None and not -self.n_heads <= head < self.n_heads:
             raise IndexError(
@@ -54,8 +65,8 @@ class Capture:
             self.value[batch : batch + 1, heads],
             mask=mask,
             causal=self.causal,
-            similarity=self.similarity,
-            scale=self.scale,
+            similarity=similarity or self.similarity,
+            scale=scale if scale is not None or similarity is not None else self.scale,
             backend="explicit",
             return_trace=True,
         )
