@@ -1,11 +1,37 @@
-"""Attention in the terminal with rich: matrices as tables, weights as bars."""
+"""Attention in the terminal with rich: matrices as tables, weights as bars, maps as shades.
+
+Every function takes plain data (token strings and a tensor, array or list of numbers) and
+returns a rich renderable; print it with ``Console().print(...)``. Rows are queries, columns
+are keys, everywhere.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+import numpy as np
+from rich.color import Color
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
+from rich.style import Style
 from rich.table import Table
+from rich.text import Text
 from torch import Tensor
+
+ArrayLike = Tensor | np.ndarray | Sequence[float] | Sequence[Sequence[float]]
+
+CAPTION = "rows: queries, columns: keys"
+BAR_WIDTH = 24
+# Light to dark blue (matplotlib's "Blues" end points): weight 0 is the page, weight max is ink.
+LOW_RGB = (247, 251, 255)
+HIGH_RGB = (8, 48, 107)
+
+
+def as_numpy(values: ArrayLike) -> np.ndarray:
+    """Float64 numpy copy of a tensor, array or nested list (tensors are detached first)."""
+    if isinstance(values, Tensor):
+        return values.detach().cpu().double().numpy()
+    return np.asarray(values, dtype=np.float64)
 
 
 def matrix_table(
@@ -17,11 +43,201 @@ def matrix_table(
     vectors: bool = False,
 ) -> Table:
     """A (rows x columns) matrix as a table: queries x keys, or tokens x dims if ``vectors``."""
-    caption = None if vectors else "rows: queries, columns: keys"
+    caption = None if vectors else CAPTION
     table = Table(title=title, caption=caption, show_lines=False)
     table.add_column("token" if vectors else "query \\ key", style="bold")
     for name in columns:
         table.add_column(name, justify="right")
     for name, values in zip(rows, matrix.tolist(), strict=True):
-        table.add_row(name, *(f"{value:.{digits}f}" for value in values))
+        table.add_row(Text(name), *(f"{value:.{digits}f}" for value in values))
     return table
+
+
+def bar(value: float, largest: float, width: int = BAR_WIDTH) -> str:
+    """A horizontal bar of █ blocks (with ▏..▉ for the last fraction), scaled to ``largest``."""
+    if largest <= 0 or value <= 0:
+        return ""
+    eighths = round(width * 8 * min(value / largest, 1.0))
+    full, rest = divmod(eighths, 8)
+    return "█" * full + (" ▏▎▍▌▋▊▉"[rest] if rest else "")
+
+
+def weights_bars(tokens: Sequence[str], weights: ArrayLike, title: str) -> Table:
+    """One query's attention row: per key token its weight and a bar; the total in the footer.
+
+    The bars are scaled to the largest weight so that small rows stay readable; the footer's
+    total (1.000 for an unmasked row) is the check that the softmax did its job.
+    """
+    row = _one_row(weights, len(tokens), "weights")
+    table = Table(
+        title=title, caption="one query row: how much each key is attended", show_footer=True
+    )
+    table.add_column("key", style="bold", footer="total")
+    table.add_column("weight", justify="right", footer=f"{row.sum():.3f}")
+    table.add_column("", style="blue", no_wrap=True)
+    largest = float(row.max(initial=0.0))
+    for token, weight in zip(tokens, row, strict=True):
+        table.add_row(Text(token), f"{weight:.3f}", bar(weight, largest))
+    return table
+
+
+def step_table(
+    tokens: Sequence[str],
+    scores: ArrayLike,
+    scaled: ArrayLike,
+    weights: ArrayLike,
+    scale: float,
+) -> Table:
+    """The steps of one query row, per key: raw score, scaled score, weight and a bar.
+
+    Reading across a row is the guide's recipe for one key: similarity, times the scale,
+    then the softmax over the whole row.
+    """
+    n = len(tokens)
+    score_row = _one_row(scores, n, "scores")
+    scaled_row = _one_row(scaled, n, "scaled")
+    weight_row = _one_row(weights, n, "weights")
+    table = Table(
+        title="score → scaled → weight",
+        caption=f"scaled = score × {scale:.4g}; weight = softmax(scaled) over the row",
+        show_footer=True,
+    )
+    table.add_column("key", style="bold", footer="total")
+    table.add_column("score", justify="right")
+    table.add_column("scaled", justify="right")
+    table.add_column("weight", justify="right", footer=f"{weight_row.sum():.3f}")
+    table.add_column("", style="blue", no_wrap=True)
+    largest = float(weight_row.max(initial=0.0))
+    for token, score, scaled_value, weight in zip(
+        tokens, score_row, scaled_row, weight_row, strict=True
+    ):
+        table.add_row(
+            Text(token),
+            f"{score:.3f}",
+            f"{scaled_value:.3f}",
+            f"{weight:.3f}",
+            bar(weight, largest),
+        )
+    return table
+
+
+def _one_row(values: ArrayLike, length: int, name: str) -> np.ndarray:
+    row = as_numpy(values)
+    if row.shape != (length,):
+        raise ValueError(f"{name} must have shape ({length},) (one per token), got {row.shape}")
+    return row
+
+
+def shade(fraction: float) -> Color:
+    """The truecolor shade of a value in [0, 1] on the light-to-dark blue ramp."""
+    fraction = min(max(fraction, 0.0), 1.0)
+    rgb = (round(lo + (hi - lo) * fraction) for lo, hi in zip(LOW_RGB, HIGH_RGB, strict=True))
+    return Color.from_rgb(*rgb)
+
+
+class Heatmap:
+    """A (T, S) matrix as background-coloured cells with row and column labels.
+
+    Cell width adapts to the console: two characters or more while they fit, one beyond
+    (64 keys fit a 120-column terminal). Up to ``VERTICAL_LABELS`` columns the key tokens are
+    written vertically above their cells; beyond that the columns carry their index and a
+    legend below maps indices to tokens.
+    """
+
+    VERTICAL_LABELS = 40
+    LABEL_CHARS = 10  # longest row label / vertical column label before truncation
+
+    def __init__(
+        self,
+        rows: Sequence[str],
+        columns: Sequence[str],
+        matrix: ArrayLike,
+        title: str,
+    ) -> None:
+        self.matrix = as_numpy(matrix)
+        if self.matrix.shape != (len(rows), len(columns)):
+            raise ValueError(
+                f"matrix must have shape (rows, columns) = ({len(rows)}, {len(columns)}), "
+                f"got {self.matrix.shape}"
+            )
+        self.rows = [_clip(token, self.LABEL_CHARS) for token in rows]
+        self.columns = list(columns)
+        self.same_tokens = list(rows) == self.columns
+        self.title = title
+        self.low = min(0.0, float(self.matrix.min(initial=0.0)))
+        self.high = float(self.matrix.max(initial=0.0))
+
+    def _label_width(self) -> int:
+        index_width = len(str(len(self.rows) - 1))
+        return index_width + 1 + max((len(label) for label in self.rows), default=0)
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        minimum = self._label_width() + 1 + len(self.columns)
+        return Measurement(minimum, max(minimum, self._label_width() + 1 + 3 * len(self.columns)))
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        label_width = self._label_width()
+        free = options.max_width - label_width - 1
+        cell = max(1, min(3, free // max(len(self.columns), 1)))
+        yield Text(self.title, style="bold", justify="center", end="\n")
+        yield from self._column_header(label_width, cell)
+        index_width = len(str(len(self.rows) - 1))
+        for i, (label, values) in enumerate(zip(self.rows, self.matrix, strict=True)):
+            line = Text(f"{i:>{index_width}} {label:<{label_width - index_width - 1}} ")
+            for value in values:
+                line.append(" " * cell, Style(bgcolor=self._colour(value)))
+            yield line
+        yield from self._legend(label_width)
+
+    def _colour(self, value: float) -> Color:
+        span = self.high - self.low
+        return shade((value - self.low) / span if span > 0 else 0.0)
+
+    def _column_header(self, label_width: int, cell: int) -> Iterable[Text]:
+        """Key labels written downwards (few keys) or key indices written downwards (many)."""
+        if len(self.columns) <= self.VERTICAL_LABELS:
+            labels = [_clip(token, self.LABEL_CHARS) for token in self.columns]
+        else:
+            labels = [str(j) for j in range(len(self.columns))]
+        height = max((len(label) for label in labels), default=0)
+        for depth in range(height):
+            line = Text(" " * (label_width + 1))
+            for label in labels:
+                char = label[depth] if depth < len(label) else " "
+                line.append(char.ljust(cell), style="bold")
+            yield line
+
+    def _legend(self, label_width: int) -> Iterable[Text]:
+        ramp = Text(" " * (label_width + 1))
+        ramp.append(f"{self.low:.3g} ")
+        for step in range(16):
+            ramp.append(" ", Style(bgcolor=shade(step / 15)))
+        ramp.append(f" {self.high:.3g}")
+        yield ramp
+        yield Text(CAPTION, style="italic", justify="center")
+        if len(self.columns) > self.VERTICAL_LABELS and self.same_tokens:
+            yield Text("columns: key j is the token of row j", style="dim")
+        elif len(self.columns) > self.VERTICAL_LABELS:
+            keys = ", ".join(f"{j} {_clip(token, 12)}" for j, token in enumerate(self.columns))
+            yield Text(f"keys: {keys}", style="dim")
+
+
+def heatmap(
+    tokens_rows: Sequence[str],
+    tokens_cols: Sequence[str],
+    matrix: ArrayLike,
+    title: str,
+) -> Heatmap:
+    """A (T, S) attention map as a terminal heatmap: darker is more weight.
+
+    Shades run from the smaller of 0 and the matrix minimum (light) to the maximum (dark), so
+    weights and raw scores both read right. Needs a truecolor terminal for the shades; labels,
+    caption and legend print everywhere.
+    """
+    return Heatmap(tokens_rows, tokens_cols, matrix, title)
+
+
+def _clip(token: str, width: int) -> str:
+    """A token shortened to ``width`` characters (… marks the cut), control characters shown."""
+    token = token.replace("\n", "⏎").replace("\t", "⇥")
+    return token if len(token) <= width else token[: width - 1] + "…"

@@ -1,0 +1,82 @@
+"""Terminal views print their labels and numbers (rich, recorded at 120 columns)."""
+
+import pytest
+import torch
+from rich.console import Console
+
+from selfattn import attention
+from selfattn.viz.terminal import bar, heatmap, step_table, weights_bars
+
+TOKENS = ["[CLS]", "i", "went", "to", "the", "bank", "[unused1]", "money", "[SEP]"]
+
+
+def render(renderable, color: bool = False) -> str:
+    console = Console(record=True, width=120, color_system="truecolor" if color else None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def trace(n: int, seed: int = 0):
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+    return attention(x, x, x, backend="explicit", return_trace=True)[1]
+
+
+def test_weights_bars_shows_every_key_its_weight_and_the_total():
+    weights = torch.tensor([0.1, 0.2, 0.05, 0.05, 0.1, 0.4, 0.0, 0.08, 0.02])
+    text = render(weights_bars(TOKENS, weights, "bank attends to"))
+    assert "bank attends to" in text
+    for token in TOKENS:
+        assert token in text  # markup-like tokens such as [unused1] print as text
+    assert "0.400" in text and "0.080" in text
+    assert "total" in text and "1.000" in text
+    assert "█" * 24 in text  # the largest weight fills the bar
+
+
+def test_bar_scales_to_the_largest_value_with_eighth_blocks():
+    assert bar(1.0, 1.0, width=4) == "████"
+    assert bar(0.5, 1.0, width=4) == "██"
+    assert bar(1 / 8, 1.0, width=4) == "▌"  # half a character
+    assert bar(0.0, 1.0) == ""
+
+
+def test_step_table_lists_score_scaled_and_weight_per_key():
+    tr = trace(len(TOKENS))
+    text = render(step_table(TOKENS, tr.scores[5], tr.scaled[5], tr.weights[5], tr.scale))
+    assert "score" in text and "scaled" in text and "weight" in text
+    for j in range(len(TOKENS)):
+        for value in (tr.scores[5, j], tr.scaled[5, j], tr.weights[5, j]):
+            assert f"{value.item():.3f}" in text
+    assert "1.000" in text
+    assert f"{tr.scale:.4g}" in text
+
+
+def test_row_views_refuse_a_row_of_the_wrong_length():
+    with pytest.raises(ValueError, match=r"shape \(9,\)"):
+        weights_bars(TOKENS, torch.ones(4) / 4, "x")
+
+
+def test_heatmap_labels_rows_and_columns_and_captions_the_axes():
+    tr = trace(len(TOKENS))
+    text = render(heatmap(TOKENS, TOKENS, tr.weights, "layer 0, head 0"))
+    assert "layer 0, head 0" in text
+    assert "rows: queries, columns: keys" in text
+    assert "5 bank" in text  # row label: index and token
+
+
+def test_heatmap_paints_cells_in_truecolor_shades():
+    tr = trace(4)
+    console = Console(record=True, width=120, color_system="truecolor", force_terminal=True)
+    console.print(heatmap(["a", "b", "c", "d"], ["a", "b", "c", "d"], tr.weights, "x"))
+    styled = console.export_text(styles=True)
+    assert "48;2;" in styled  # 24-bit background colours
+
+
+def test_heatmap_of_64_tokens_fits_120_columns_with_index_labels():
+    tokens = [f"token_with_a_long_name_{i}" for i in range(64)]
+    tr = trace(64)
+    text = render(heatmap(tokens, tokens, tr.weights, "64 tokens"))
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 120
+    assert sum(1 for line in lines if line.lstrip().startswith(("63 ", "0 "))) >= 2
+    assert "token_wit…" in text  # long tokens truncated
+    assert "columns: key j is the token of row j" in text
