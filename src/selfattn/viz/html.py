@@ -1,0 +1,209 @@
+"""One self-contained HTML page to explore attention: offline, no CDN, data embedded.
+
+The page ships the captured query, key and value of every layer and head, not the weights:
+its script recomputes scores, scaled scores, weights and outputs for the layer and head on
+screen (the same four steps as :func:`selfattn.attention`, in float64), so a 512-token,
+6-layer, 12-head run stays a few megabytes instead of the ~0.9 GB that embedding every weight
+as JSON would take. Small per-head thumbnails of the weights are precomputed for the model view.
+
+Payload (a JSON object, the input of the page's ``render(payload)``)::
+
+    version        1
+    model, text    strings shown in the header
+    tokens         [T] token strings;  words: [T] word index per token (null: special) or null
+    layers, heads, length        L, H, T
+    scale, similarity, causal    how the scores were made: "dot" or "cosine"; bottom-right mask
+    dtype          "float32" or "float16" (little-endian), the encoding of the three tensors
+    query, key, value            {"shape": [L, H, T, d], "data": base64}
+    thumbnails     {"size": n, "pool": "max", "data": base64 uint8 [L, H, n, n]}, each
+                   head's weights max-pooled to n <= 48 and scaled by that head's largest weight
+    selection      {"layer": l, "head": h, "query": i}: what the page shows first
+
+User text is escaped by construction: the payload sits in a ``<script type="application/json">``
+tag with ``<``, ``>`` and ``&`` written as ``\\u003c``-style escapes, and the script builds the
+page with ``textContent`` only.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Sequence
+from importlib.resources import files
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from selfattn.attention import SIMILARITIES, attention
+
+FLOAT32_LIMIT_BYTES = 8 * 2**20  # q, k, v together; above this they travel as float16
+FLOAT16_MAX = 65504.0
+THUMBNAIL_SIZE = 48
+PAYLOAD_VERSION = 1
+
+# Nothing may be fetched: inline styles and script only, images only from data: URLs.
+CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
+PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta http-equiv="Content-Security-Policy" content="/*CSP*/">
+<title>selfattn: attention explorer</title>
+<link rel="icon" href="data:,">
+<style>
+/*CSS*/
+</style>
+</head>
+<body>
+<main id="app"></main>
+<script type="application/json" id="selfattn-payload">/*PAYLOAD*/</script>
+<script>
+/*JS*/
+</script>
+</body>
+</html>
+"""
+
+
+def page_payload(
+    *,
+    tokens: Sequence[str],
+    query: Tensor | np.ndarray,
+    key: Tensor | np.ndarray,
+    value: Tensor | np.ndarray,
+    scale: float,
+    similarity: str,
+    model_name: str,
+    text: str,
+    layer: int,
+    head: int,
+    query_index: int | None = None,
+    words: Sequence[int | None] | None = None,
+    causal: bool = False,
+) -> dict:
+    """The page's data: q, k, v of every layer and head ``(L, H, T, d)``, encoded compactly.
+
+    Args:
+        tokens: the T token strings, as the tokenizer wrote them.
+        query, key, value: per-layer, per-head tensors ``(L, H, T, d)`` (value may have its own d).
+        scale: multiplies the scores (1/sqrt(d) for dot products).
+        similarity: ``"dot"`` or ``"cosine"`` (the page normalises q and k first).
+        model_name, text: shown in the header.
+        layer, head, query_index: the first selection (query 0 when None).
+        words: per token, the index of the word it belongs to (None for special tokens);
+            the page groups the tokens of one word together.
+        causal: bottom-right causal masking, as in :func:`selfattn.attention` (decoders).
+    """
+    q, k, v = (
+        _as_tensor(x, name) for x, name in ((query, "query"), (key, "key"), (value, "value"))
+    )
+    n_layers, n_heads, length, _ = q.shape
+    _check(tokens, q, k, v, similarity, layer, head, query_index, words)
+    dtype = _wire_dtype(q, k, v)
+    return {
+        "version": PAYLOAD_VERSION,
+        "model": model_name,
+        "text": text,
+        "tokens": list(tokens),
+        "words": None if words is None else list(words),
+        "layers": n_layers,
+        "heads": n_heads,
+        "length": length,
+        "scale": float(scale),
+        "similarity": similarity,
+        "causal": causal,
+        "dtype": dtype,
+        "query": _encode(q, dtype),
+        "key": _encode(k, dtype),
+        "value": _encode(v, dtype),
+        "thumbnails": _thumbnails(q, k, v, scale, similarity, causal),
+        "selection": {"layer": layer, "head": head, "query": query_index or 0},
+    }
+
+
+def render_page(payload: dict) -> str:
+    """The whole page as one HTML string: styles, script and data inline, nothing fetched."""
+    static = files("selfattn.viz") / "static"
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    data = data.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    page = PAGE.replace("/*CSP*/", CSP).replace(
+        "/*CSS*/", (static / "view.css").read_text(encoding="utf-8")
+    )
+    page = page.replace("/*JS*/", (static / "view.js").read_text(encoding="utf-8"))
+    return page.replace("/*PAYLOAD*/", data)
+
+
+def _as_tensor(x: Tensor | np.ndarray, name: str) -> Tensor:
+    tensor = torch.as_tensor(x).detach().cpu().float()
+    if tensor.dim() != 4:
+        raise ValueError(
+            f"{name} must have shape (layers, heads, tokens, dim), got {tuple(tensor.shape)}"
+        )
+    return tensor
+
+
+def _check(tokens, q, k, v, similarity, layer, head, query_index, words) -> None:
+    """One-line errors for inputs that would give a wrong or broken page."""
+    if similarity not in SIMILARITIES:
+        raise ValueError(f"unknown similarity {similarity!r}; choose 'dot' or 'cosine'")
+    if q.shape != k.shape or q.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            "query and key must have the same shape (L, H, T, d) and value the same (L, H, T), "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    n_layers, n_heads, length, _ = q.shape
+    if len(tokens) != length:
+        raise ValueError(f"got {len(tokens)} tokens for tensors of {length} positions")
+    if words is not None and len(words) != length:
+        raise ValueError(f"words must give one word index per token ({length}), got {len(words)}")
+    for name, index, size in (("layer", layer, n_layers), ("head", head, n_heads)):
+        if not 0 <= index < size:
+            raise ValueError(f"{name} {index} out of range: the run has {name}s 0..{size - 1}")
+    if query_index is not None and not 0 <= query_index < length:
+        raise ValueError(f"query_index {query_index} out of range: tokens are 0..{length - 1}")
+
+
+def _wire_dtype(*tensors: Tensor) -> str:
+    """float32 while the three tensors fit the budget, float16 beyond (if no value overflows)."""
+    nbytes = sum(t.numel() * 4 for t in tensors)
+    if nbytes <= FLOAT32_LIMIT_BYTES:
+        return "float32"
+    if max(float(t.abs().max()) for t in tensors) >= FLOAT16_MAX:
+        return "float32"
+    return "float16"
+
+
+def _encode(tensor: Tensor, dtype: str) -> dict:
+    array = tensor.numpy().astype("<f4" if dtype == "float32" else "<f2")
+    return {"shape": list(tensor.shape), "data": base64.b64encode(array.tobytes()).decode("ascii")}
+
+
+def _thumbnails(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, similarity: str, causal: bool
+) -> dict:
+    """Every head's weights, max-pooled to at most 48x48 and scaled to 0..255 per head.
+
+    Max pooling keeps a single strong link visible after downsampling; scaling per head
+    shows each head's pattern even where its weights are spread thin.
+    """
+    size = min(THUMBNAIL_SIZE, q.shape[2])
+    pooled = []
+    for layer in range(q.shape[0]):  # one layer at a time: (H, T, T) at most in memory
+        _, trace = attention(
+            q[layer],
+            k[layer],
+            v[layer],
+            causal=causal,
+            similarity=similarity,
+            scale=scale,
+            backend="explicit",
+            return_trace=True,
+        )
+        small = F.adaptive_max_pool2d(trace.weights.unsqueeze(0), size).squeeze(0)  # (H, n, n)
+        peak = small.amax(dim=(-2, -1), keepdim=True).clamp_min(1e-12)
+        pooled.append((small / peak * 255).round().to(torch.uint8))
+    data = torch.stack(pooled).numpy().tobytes()  # (L, H, n, n)
+    return {"size": size, "pool": "max", "data": base64.b64encode(data).decode("ascii")}

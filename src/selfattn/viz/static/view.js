@@ -1,0 +1,608 @@
+// selfattn attention explorer: render(payload) builds the page from captured q, k, v.
+//
+// For the layer and head on screen it recomputes the guide's steps in float64:
+//   scores = q · kᵀ (cosine: q and k normalised first), scaled = scores × scale,
+//   weights = softmax(scaled) over each row (rows: queries, columns: keys), output = weights @ v.
+// Every piece of user text reaches the DOM through textContent, never as HTML.
+"use strict";
+
+(() => {
+  const BLUES = ["#f7fbff", "#deebf7", "#c6dbef", "#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c", "#08306b"];
+  const TOP_K = 8; // lines drawn per query when there are more than ALL_LINES keys
+  const ALL_LINES = 16;
+  const OUTPUT_DIMS = 8; // output values listed; the norm covers the rest
+
+  // ---------- data ----------
+
+  function bytesOf(base64) {
+    const binary = atob(base64);
+    const bytes = new Uint8Array(binary.length);
+    for (let i = 0; i < binary.length; i++) bytes[i] = binary.charCodeAt(i);
+    return bytes;
+  }
+
+  function halfToFloat(bits) {
+    const sign = bits & 0x8000 ? -1 : 1;
+    const exponent = (bits >> 10) & 0x1f;
+    const fraction = bits & 0x3ff;
+    if (exponent === 0) return sign * fraction * 2 ** -24;
+    if (exponent === 31) return fraction ? NaN : sign * Infinity;
+    return sign * (1 + fraction / 1024) * 2 ** (exponent - 15);
+  }
+
+  /** A {shape, data} tensor from the payload, as a Float32Array (little-endian on the wire). */
+  function decodeTensor(tensor, dtype) {
+    const bytes = bytesOf(tensor.data);
+    const view = new DataView(bytes.buffer);
+    const size = tensor.shape.reduce((a, b) => a * b, 1);
+    const out = new Float32Array(size);
+    if (dtype === "float32") {
+      for (let i = 0; i < size; i++) out[i] = view.getFloat32(4 * i, true);
+    } else if (dtype === "float16") {
+      for (let i = 0; i < size; i++) out[i] = halfToFloat(view.getUint16(2 * i, true));
+    } else {
+      throw new Error(`unknown dtype ${dtype}`);
+    }
+    return { shape: tensor.shape, data: out };
+  }
+
+  /** Rows of one (layer, head) slice of an (L, H, T, d) tensor, as float64 arrays. */
+  function rows(tensor, layer, head, normalise) {
+    const [, heads, length, dim] = tensor.shape;
+    const start = (layer * heads + head) * length * dim;
+    const out = [];
+    for (let i = 0; i < length; i++) {
+      const row = Float64Array.from(tensor.data.subarray(start + i * dim, start + (i + 1) * dim));
+      if (normalise) {
+        const norm = Math.max(Math.hypot(...row), 1e-12);
+        for (let c = 0; c < dim; c++) row[c] /= norm;
+      }
+      out.push(row);
+    }
+    return out;
+  }
+
+  /** The four steps for one head: scores, scaled and weights as T×T row arrays, plus v. */
+  function computeHead(model, layer, head) {
+    const cosine = model.similarity === "cosine";
+    const q = rows(model.query, layer, head, cosine);
+    const k = rows(model.key, layer, head, cosine);
+    const v = rows(model.value, layer, head, false);
+    const t = q.length;
+    const s = k.length;
+    const scores = [];
+    const scaled = [];
+    const weights = [];
+    for (let i = 0; i < t; i++) {
+      const score = new Float64Array(s);
+      for (let j = 0; j < s; j++) {
+        let dot = 0;
+        for (let c = 0; c < q[i].length; c++) dot += q[i][c] * k[j][c];
+        score[j] = dot;
+      }
+      const scaledRow = score.map((x) => x * model.scale);
+      scores.push(score);
+      scaled.push(scaledRow);
+      weights.push(softmax(scaledRow, model.causal ? i + (s - t) : s - 1));
+    }
+    return { scores, scaled, weights, value: v };
+  }
+
+  /** Softmax over keys 0..last (later keys masked to weight 0); an empty row stays 0. */
+  function softmax(row, last) {
+    const out = new Float64Array(row.length);
+    if (last < 0) return out;
+    let max = -Infinity;
+    for (let j = 0; j <= last; j++) max = Math.max(max, row[j]);
+    let total = 0;
+    for (let j = 0; j <= last; j++) total += out[j] = Math.exp(row[j] - max);
+    for (let j = 0; j <= last; j++) out[j] /= total;
+    return out;
+  }
+
+  function meanOfHeads(model, layer, headResult) {
+    const heads = [];
+    for (let h = 0; h < model.heads; h++) heads.push(headResult(layer, h).weights);
+    return {
+      weights: heads[0].map((_, i) =>
+        heads[0][i].map((_, j) => heads.reduce((sum, w) => sum + w[i][j], 0) / heads.length),
+      ),
+    };
+  }
+
+  function outputOf(weightsRow, value) {
+    const out = new Float64Array(value[0].length);
+    weightsRow.forEach((w, j) => value[j].forEach((x, c) => (out[c] += w * x)));
+    return out;
+  }
+
+  // ---------- helpers ----------
+
+  /** createElement with attributes; string children become text nodes (never parsed). */
+  function h(tag, attrs = {}, ...children) {
+    const el = document.createElement(tag);
+    for (const [name, value] of Object.entries(attrs)) {
+      if (name === "class") el.className = value;
+      else el.setAttribute(name, value);
+    }
+    for (const child of children) el.append(child);
+    return el;
+  }
+
+  const fmt = (x, digits = 4) => (Number.isFinite(x) ? x.toFixed(digits) : String(x));
+
+  function colourRamp() {
+    const anchors = BLUES.map((hex) => [1, 3, 5].map((i) => parseInt(hex.slice(i, i + 2), 16)));
+    const lut = [];
+    for (let n = 0; n < 256; n++) {
+      const pos = (n / 255) * (anchors.length - 1);
+      const lo = Math.floor(pos);
+      const hi = Math.min(lo + 1, anchors.length - 1);
+      lut.push(anchors[lo].map((c, i) => Math.round(c + (anchors[hi][i] - c) * (pos - lo))));
+    }
+    return lut;
+  }
+  const RAMP = colourRamp();
+  const shade = (x) => RAMP[Math.max(0, Math.min(255, Math.round(x * 255)))];
+  const rgb = (x) => `rgb(${shade(x).join(",")})`;
+
+  function readHash() {
+    const out = {};
+    for (const part of location.hash.replace(/^#/, "").split("&")) {
+      const [name, value] = part.split("=");
+      if (["layer", "head", "query"].includes(name) && value !== undefined) out[name] = value;
+    }
+    return out;
+  }
+
+  // ---------- the app ----------
+
+  /** Build the explorer for one payload inside `root` (replacing what was there). */
+  function render(payload, root = document.getElementById("app")) {
+    const model = {
+      ...payload,
+      query: decodeTensor(payload.query, payload.dtype),
+      key: decodeTensor(payload.key, payload.dtype),
+      value: decodeTensor(payload.value, payload.dtype),
+    };
+    const T = model.length;
+    const cache = new Map();
+    const headResult = (layer, head) => {
+      const name = `${layer}/${head}`;
+      if (!cache.has(name)) {
+        cache.set(name, head === "mean" ? meanOfHeads(model, layer, headResult) : computeHead(model, layer, head));
+      }
+      return cache.get(name);
+    };
+    const state = { layer: 0, head: 0, query: 0, hover: null, shadeBy: "matrix", sortByWeight: false };
+    applySelection(state, payload.selection || {}, model);
+    applySelection(state, readHash(), model);
+
+    const ui = buildLayout(model);
+    root.replaceChildren(ui.page);
+    const tokenEls = buildTokens(model, ui.flow);
+    const thumbs = buildModelView(model, ui.grid);
+
+    const current = () => headResult(state.layer, state.head);
+    const tokenName = (i) => `${i} “${model.tokens[i]}”`;
+
+    function update() {
+      const result = current();
+      ui.layer.value = String(state.layer);
+      ui.head.value = String(state.head);
+      const headText = state.head === "mean" ? "mean of heads" : `head ${state.head}`;
+      ui.selection.textContent = `layer ${state.layer} · ${headText} · query ${tokenName(state.query)}`;
+      tokenEls.forEach((el, i) => el.classList.toggle("selected", i === state.query));
+      thumbs.forEach((el) =>
+        el.classList.toggle("selected", +el.dataset.layer === state.layer && +el.dataset.head === state.head),
+      );
+      drawHeatmap(ui.map, result.weights, model.tokens, state);
+      showRow(state.hover ?? state.query);
+      fillSteps(ui, model, result, state, tokenName);
+      const hash = `#layer=${state.layer}&head=${state.head}&query=${state.query}`;
+      if (location.hash !== hash) history.replaceState(null, "", hash);
+    }
+
+    function showRow(i) {
+      const row = current().weights[i];
+      const largest = Math.max(...row) || 1;
+      tokenEls.forEach((el, j) => {
+        el.style.backgroundColor = j === i ? "" : rgb((row[j] / largest) * 0.85);
+        el.style.color = row[j] / largest > 0.6 && j !== i ? "#fff" : "";
+        el.title = `weight ${fmt(row[j])} from query ${i}`;
+      });
+      const order = [...row.keys()].sort((a, b) => row[b] - row[a]);
+      const top = order.slice(0, T <= ALL_LINES ? T : TOP_K).filter((j) => row[j] > 0);
+      drawLines(ui.lines, ui.strip, tokenEls, i, top, row);
+      fillRowSummary(ui.summary, model, row, i, top, state.hover !== null);
+    }
+
+    function select(changes) {
+      applySelection(state, changes, model);
+      update();
+    }
+
+    ui.layer.addEventListener("change", () => select({ layer: ui.layer.value }));
+    ui.head.addEventListener("change", () => select({ head: ui.head.value }));
+    ui.shadeBy.addEventListener("change", () => select({ shadeBy: ui.shadeBy.value }));
+    ui.sort.addEventListener("change", () => select({ sortByWeight: ui.sort.checked }));
+    tokenEls.forEach((el, i) => {
+      el.addEventListener("mouseenter", () => ((state.hover = i), showRow(i)));
+      el.addEventListener("mouseleave", () => ((state.hover = null), showRow(state.query)));
+      el.addEventListener("click", () => select({ query: i }));
+    });
+    thumbs.forEach((el) =>
+      el.addEventListener("click", () => select({ layer: el.dataset.layer, head: el.dataset.head })),
+    );
+    attachMapEvents(ui, model, state, current, select);
+    window.addEventListener("hashchange", () => select(readHash()));
+    const redrawLines = () => showRow(state.hover ?? state.query);
+    window.addEventListener("resize", redrawLines);
+    ui.flow.addEventListener("scroll", redrawLines);
+    document.addEventListener("keydown", (event) => {
+      if (event.target.closest("select, input")) return;
+      if (event.key === "ArrowRight") select({ query: Math.min(T - 1, state.query + 1) });
+      if (event.key === "ArrowLeft") select({ query: Math.max(0, state.query - 1) });
+    });
+    update();
+    document.title = `${model.model}: attention explorer`;
+    root.dataset.ready = "true";
+  }
+
+  /** Merge a partial selection (numbers or strings from the hash) into state, in range. */
+  function applySelection(state, changes, model) {
+    const clamp = (x, n) => Math.max(0, Math.min(n - 1, x | 0));
+    if (changes.layer !== undefined) state.layer = clamp(+changes.layer, model.layers);
+    if (changes.head !== undefined) state.head = changes.head === "mean" ? "mean" : clamp(+changes.head, model.heads);
+    if (changes.query !== undefined) state.query = clamp(+changes.query, model.length);
+    if (changes.shadeBy !== undefined) state.shadeBy = changes.shadeBy;
+    if (changes.sortByWeight !== undefined) state.sortByWeight = changes.sortByWeight;
+  }
+
+  function buildLayout(model) {
+    const layer = h("select", { id: "layer", "aria-label": "layer" });
+    for (let l = 0; l < model.layers; l++) layer.append(h("option", { value: String(l) }, `layer ${l}`));
+    const head = h("select", { id: "head", "aria-label": "head" });
+    for (let i = 0; i < model.heads; i++) head.append(h("option", { value: String(i) }, `head ${i}`));
+    head.append(h("option", { value: "mean" }, "mean of heads"));
+    const shadeBy = h(
+      "select",
+      { id: "shade-by", "aria-label": "shade" },
+      h("option", { value: "matrix" }, "shade: largest weight"),
+      h("option", { value: "row" }, "shade: each row's largest"),
+    );
+    const sort = h("input", { type: "checkbox", id: "sort-weight" });
+    const similarity = model.similarity === "cosine" ? "cosine similarity" : "dot product";
+    const stepText = [
+      ["score", model.similarity === "cosine" ? "cos(q, k): how alike query and key are" : "q · k: how alike query and key are"],
+      ["scaled", `score × ${fmt(model.scale)} so no single score swamps the rest`],
+      ["weight", "softmax over the row: between 0 and 1, each row sums to 1"],
+      ["output", "Σ weight × v: the weight-averaged values, the token in context"],
+    ];
+
+    const selection = h("p", { id: "selection", class: "selection" });
+    const header = h(
+      "header",
+      {},
+      h("div", { class: "brand" }, "selfattn · attention explorer"),
+      h("h1", { id: "model" }, model.model),
+      h("p", { id: "text", class: "text" }, model.text),
+      h(
+        "p",
+        { class: "meta" },
+        `${model.layers} layers × ${model.heads} heads · ${model.length} tokens · ${similarity}` +
+          `${model.causal ? " · causal" : ""} · scale ${fmt(model.scale)}`,
+        h("span", { class: "badge" }, "rows: queries, columns: keys"),
+      ),
+      h("div", { class: "controls" }, layer, head, shadeBy),
+      selection,
+      h(
+        "ol",
+        { class: "steps" },
+        ...stepText.map(([name, text]) => h("li", {}, h("b", {}, name), " ", text)),
+      ),
+    );
+
+    const lines = h("canvas", { id: "lines", "aria-hidden": "true" });
+    const flow = h("div", { class: "flow" });
+    const strip = h("div", { id: "strip", class: "strip" }, lines, flow);
+    const summary = h("div", { id: "row-summary", class: "row-summary" });
+    const map = h("canvas", { id: "heatmap" });
+    const tip = h("div", { id: "map-tip", class: "tip", hidden: "" });
+    const stepsBody = h("tbody");
+    const stepsFoot = h("tfoot");
+    const steps = h(
+      "table",
+      { id: "steps" },
+      h("thead", {}, h("tr", {}, ...["key", "score", "scaled", "weight", ""].map((x) => h("th", {}, x)))),
+      stepsBody,
+      stepsFoot,
+    );
+    const stepTitle = h("h3", { id: "step-title" });
+    const stepNote = h("p", { class: "note", id: "step-note" });
+    const output = h("div", { id: "output", class: "output" });
+    const grid = h("div", { id: "model-grid", class: "model-grid" });
+
+    const page = h(
+      "div",
+      { class: "page" },
+      header,
+      h(
+        "section",
+        { class: "card" },
+        h("h2", {}, "Tokens"),
+        h("p", { class: "hint" }, "Hover a token to see where it looks; click to pin it (← → move)."),
+        strip,
+        summary,
+      ),
+      h(
+        "div",
+        { class: "columns" },
+        h(
+          "section",
+          { class: "card" },
+          h("h2", {}, "Attention map"),
+          h("p", { class: "hint" }, "rows: queries, columns: keys · click a row to select its query"),
+          h("div", { class: "map-scroll" }, map, tip),
+        ),
+        h(
+          "section",
+          { class: "card" },
+          h("h2", {}, "Step by step"),
+          stepTitle,
+          h("label", { class: "sort" }, sort, " sort keys by weight"),
+          h("div", { class: "steps-scroll" }, steps),
+          stepNote,
+          output,
+        ),
+      ),
+      h(
+        "section",
+        { class: "card" },
+        h("h2", {}, "Model view"),
+        h("p", { class: "hint" }, "Every layer × head, each scaled to its own largest weight; click one to select it."),
+        grid,
+      ),
+    );
+    return { page, layer, head, shadeBy, sort, selection, lines, flow, strip, summary, map, tip, stepsBody, stepsFoot, stepTitle, stepNote, output, grid };
+  }
+
+  function buildTokens(model, flow) {
+    return model.tokens.map((token, i) => {
+      const words = model.words;
+      const joined = words && i > 0 && words[i] !== null && words[i] === words[i - 1];
+      const el = h("span", { class: joined ? "token joined" : "token", "data-index": String(i), tabindex: "0" }, token);
+      flow.append(el);
+      return el;
+    });
+  }
+
+  function buildModelView(model, grid) {
+    const n = model.thumbnails.size;
+    const bytes = bytesOf(model.thumbnails.data);
+    grid.style.gridTemplateColumns = `max-content repeat(${model.heads}, 64px)`;
+    grid.append(h("span"));
+    for (let hd = 0; hd < model.heads; hd++) grid.append(h("span", { class: "axis" }, `h${hd}`));
+    const thumbs = [];
+    for (let l = 0; l < model.layers; l++) {
+      grid.append(h("span", { class: "axis" }, `L${l}`));
+      for (let hd = 0; hd < model.heads; hd++) {
+        const canvas = h("canvas", { class: "thumb", width: String(n), height: String(n), "data-layer": String(l), "data-head": String(hd), title: `layer ${l}, head ${hd}` });
+        const image = new ImageData(n, n);
+        const offset = (l * model.heads + hd) * n * n;
+        for (let p = 0; p < n * n; p++) {
+          image.data.set([...shade(bytes[offset + p] / 255), 255], 4 * p);
+        }
+        canvas.getContext("2d").putImageData(image, 0, 0);
+        grid.append(canvas);
+        thumbs.push(canvas);
+      }
+    }
+    return thumbs;
+  }
+
+  // ---------- drawing ----------
+
+  /** Cell size and label margin of the heatmap for T tokens: big cells when few, 3 px at 512. */
+  function mapGeometry(T) {
+    const cell = Math.max(3, Math.min(44, Math.floor(640 / T)));
+    const labels = cell >= 9;
+    return { cell, labels, margin: labels ? 84 : 36 };
+  }
+
+  function drawHeatmap(canvas, weights, tokens, state) {
+    const T = weights.length;
+    const { cell, labels, margin } = mapGeometry(T);
+    const side = margin + T * cell;
+    const width = side + (labels ? margin : 0); // room for the last rotated key label
+    const dpr = window.devicePixelRatio || 1;
+    canvas.width = width * dpr;
+    canvas.height = side * dpr;
+    canvas.style.width = `${width}px`;
+    canvas.style.height = `${side}px`;
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.fillStyle = "#fff";
+    ctx.fillRect(0, 0, width, side);
+
+    const S = weights[0].length;
+    const image = new ImageData(S, T);
+    const matrixMax = Math.max(...weights.map((row) => Math.max(...row))) || 1;
+    weights.forEach((row, i) => {
+      const top = state.shadeBy === "row" ? Math.max(...row) || 1 : matrixMax;
+      row.forEach((w, j) => image.data.set([...shade(w / top), 255], 4 * (i * S + j)));
+    });
+    const cells = new OffscreenCanvas(S, T);
+    cells.getContext("2d").putImageData(image, 0, 0);
+    ctx.imageSmoothingEnabled = false;
+    ctx.drawImage(cells, margin, margin, T * cell, T * cell);
+
+    ctx.fillStyle = "#334155";
+    ctx.font = `${Math.min(12, cell)}px system-ui, sans-serif`;
+    if (labels) {
+      const clip = (s) => (s.length > 10 ? `${s.slice(0, 9)}…` : s);
+      ctx.textAlign = "right";
+      ctx.textBaseline = "middle";
+      tokens.forEach((tok, i) => ctx.fillText(clip(tok), margin - 6, margin + (i + 0.5) * cell));
+      tokens.forEach((tok, j) => {
+        ctx.save();
+        ctx.translate(margin + (j + 0.5) * cell, margin - 6);
+        ctx.rotate(-Math.PI / 4);
+        ctx.textAlign = "left";
+        ctx.fillText(clip(tok), 0, 0);
+        ctx.restore();
+      });
+    } else {
+      ctx.font = "10px system-ui, sans-serif";
+      const step = [5, 10, 20, 50, 100, 200].find((s) => s * cell >= 28) || 500;
+      ctx.textBaseline = "middle";
+      for (let i = 0; i < T; i += step) {
+        ctx.textAlign = "right";
+        ctx.fillText(String(i), margin - 4, margin + (i + 0.5) * cell);
+        ctx.textAlign = "center";
+        ctx.fillText(String(i), margin + (i + 0.5) * cell, margin - 10);
+      }
+    }
+    ctx.strokeStyle = "#f59e0b";
+    ctx.lineWidth = 2;
+    ctx.strokeRect(margin - 1, margin + state.query * cell - 1, T * cell + 2, cell + 2);
+  }
+
+  /** Curves from the query token to its top keys over the token strip; width ∝ weight. */
+  function drawLines(canvas, strip, tokenEls, i, top, row) {
+    const box = strip.getBoundingClientRect();
+    const dpr = window.devicePixelRatio || 1;
+    canvas.width = box.width * dpr;
+    canvas.height = box.height * dpr;
+    canvas.style.width = `${box.width}px`;
+    canvas.style.height = `${box.height}px`;
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    const anchor = (el) => {
+      const r = el.getBoundingClientRect();
+      return [r.left + r.width / 2 - box.left, r.top - box.top + 2];
+    };
+    const [x0, y0] = anchor(tokenEls[i]);
+    const largest = row[top[0]] || 1;
+    for (const j of top) {
+      const [x1, y1] = anchor(tokenEls[j]);
+      const strength = row[j] / largest;
+      ctx.strokeStyle = `rgba(33, 113, 181, ${0.25 + 0.7 * strength})`;
+      ctx.lineWidth = 1 + 4 * strength;
+      ctx.beginPath();
+      ctx.moveTo(x0, y0);
+      if (j === i) {
+        ctx.arc(x0, y0 - 7, 7, Math.PI / 2, Math.PI * 2.5);
+      } else {
+        const lift = Math.min(40, 10 + Math.abs(x1 - x0) / 6);
+        ctx.bezierCurveTo(x0, Math.min(y0, y1) - lift, x1, Math.min(y0, y1) - lift, x1, y1);
+      }
+      ctx.stroke();
+    }
+  }
+
+  function fillRowSummary(summary, model, row, i, top, preview) {
+    const head = h("p", { class: "summary-head" }, preview ? "preview: " : "", `query ${i} “`, h("b", {}, model.tokens[i]), "” looks at");
+    const list = h("ol", { class: "top-keys" });
+    const largest = row[top[0]] || 1;
+    for (const j of top) {
+      const bar = h("span", { class: "bar" });
+      bar.style.width = `${(row[j] / largest) * 100}%`;
+      list.append(
+        h("li", { "data-key": String(j), "data-weight": String(row[j]) }, h("span", { class: "tok" }, model.tokens[j]), h("span", { class: "bar-track" }, bar), h("span", { class: "num" }, fmt(row[j], 3))),
+      );
+    }
+    const rest = row.length - top.length;
+    const restMass = 1 - top.reduce((sum, j) => sum + row[j], 0);
+    const leftover = h("p", { class: "leftover", id: "leftover", "data-mass": String(Math.max(0, restMass)) });
+    leftover.textContent = rest > 0 ? `+ ${fmt(Math.max(0, restMass), 3)} on ${rest} other key${rest > 1 ? "s" : ""}` : "every key shown";
+    summary.replaceChildren(head, list, leftover);
+  }
+
+  function fillSteps(ui, model, result, state, tokenName) {
+    const i = state.query;
+    const mean = state.head === "mean";
+    const weights = result.weights[i];
+    const largest = Math.max(...weights) || 1;
+    ui.stepTitle.textContent = `query ${tokenName(i)}`;
+    const order = [...weights.keys()];
+    if (state.sortByWeight) order.sort((a, b) => weights[b] - weights[a]);
+    const masked = (j) => model.causal && j > i + (weights.length - model.length);
+    ui.stepsBody.replaceChildren(
+      ...order.map((j) => {
+        const bar = h("span", { class: "bar" });
+        bar.style.width = `${(weights[j] / largest) * 100}%`;
+        const cells = mean
+          ? [h("td", { class: "num na" }, "—"), h("td", { class: "num na" }, "—")]
+          : [
+              h("td", { class: "num", "data-score": String(result.scores[i][j]) }, fmt(result.scores[i][j])),
+              h("td", { class: "num", "data-scaled": String(result.scaled[i][j]) }, fmt(result.scaled[i][j])),
+            ];
+        const tr = h(
+          "tr",
+          { "data-key": String(j), class: [j === i ? "self" : "", masked(j) ? "masked" : ""].join(" ").trim() },
+          h("td", { class: "key" }, h("span", { class: "idx" }, String(j)), " ", model.tokens[j]),
+          ...cells,
+          h("td", { class: "num strong", "data-weight": String(weights[j]) }, fmt(weights[j])),
+          h("td", { class: "bar-cell" }, h("span", { class: "bar-track" }, bar)),
+        );
+        return tr;
+      }),
+    );
+    const total = weights.reduce((a, b) => a + b, 0);
+    ui.stepsFoot.replaceChildren(h("tr", {}, h("td", {}, "total"), h("td"), h("td"), h("td", { class: "num strong" }, fmt(total)), h("td")));
+    ui.stepNote.textContent = mean
+      ? `mean of ${model.heads} heads: the weights are averaged; scores and outputs belong to single heads.`
+      : `scaled = score × ${fmt(model.scale)}; weight = softmax(scaled) over the row${model.causal ? "; later keys are masked" : ""}.`;
+
+    if (mean) {
+      ui.output.replaceChildren();
+      return;
+    }
+    const output = outputOf(weights, result.value);
+    const norm = Math.hypot(...output);
+    const dims = [...output.slice(0, OUTPUT_DIMS)].map((x, c) => h("span", { class: "output-dim", "data-dim": String(c), "data-value": String(x) }, fmt(x, 3)));
+    ui.output.replaceChildren(
+      h("h3", {}, "output = Σ weight × v"),
+      h("div", { class: "vector" }, "[", ...dims, output.length > OUTPUT_DIMS ? `… ${output.length - OUTPUT_DIMS} more]` : "]"),
+      h(
+        "p",
+        {},
+        "norm ",
+        h("b", { id: "output-norm", "data-value": String(norm) }, fmt(norm, 3)),
+        ` · ${output.length} dims · keeps `,
+        h("b", { id: "self-weight", "data-value": String(weights[i]) }, `${fmt(100 * weights[i], 1)}%`),
+        " of its attention on itself",
+      ),
+    );
+    ui.output.dataset.values = JSON.stringify([...output]);
+  }
+
+  function attachMapEvents(ui, model, state, current, select) {
+    const cellAt = (event) => {
+      const { cell, margin } = mapGeometry(model.length);
+      const r = ui.map.getBoundingClientRect();
+      const i = Math.floor((event.clientY - r.top - margin) / cell);
+      const j = Math.floor((event.clientX - r.left - margin) / cell);
+      return i >= 0 && j >= 0 && i < model.length && j < model.length ? [i, j] : null;
+    };
+    ui.map.addEventListener("mousemove", (event) => {
+      const at = cellAt(event);
+      ui.tip.hidden = !at;
+      if (!at) return;
+      const [i, j] = at;
+      ui.tip.textContent = `query ${i} “${model.tokens[i]}” → key ${j} “${model.tokens[j]}”: ${fmt(current().weights[i][j])}`;
+      ui.tip.style.left = `${event.offsetX + 14}px`;
+      ui.tip.style.top = `${event.offsetY + 14}px`;
+    });
+    ui.map.addEventListener("mouseleave", () => (ui.tip.hidden = true));
+    ui.map.addEventListener("click", (event) => {
+      const at = cellAt(event);
+      if (at) select({ query: at[0] });
+    });
+  }
+
+  window.selfattn = { render };
+  const embedded = document.getElementById("selfattn-payload");
+  if (embedded && embedded.textContent.trim()) render(JSON.parse(embedded.textContent));
+})();

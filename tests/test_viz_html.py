@@ -1,0 +1,150 @@
+"""The self-contained page: one offline file, payload that round-trips, user text escaped."""
+
+import base64
+import json
+import re
+from importlib.resources import files
+
+import numpy as np
+import pytest
+import torch
+
+from selfattn import attention
+from selfattn.viz import html
+from selfattn.viz.html import page_payload, render_page
+
+L, H, T, D = 2, 3, 5, 7
+TOKENS = [
+    "Ciao",
+    "</script><script>alert(1)</script>",
+    "a",
+    "<img src=x onerror=alert(1)>",
+    "&amp;",
+]
+
+
+def qkv(seed: int = 0, shape=(L, H, T, D)):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(*shape, generator=g) for _ in range(3))
+
+
+def payload(**overrides):
+    q, k, v = qkv()
+    args = dict(
+        tokens=TOKENS,
+        query=q,
+        key=k,
+        value=v,
+        scale=D**-0.5,
+        similarity="dot",
+        model_name="tiny </script> model",
+        text=" ".join(TOKENS),
+        layer=1,
+        head=2,
+    )
+    return page_payload(**(args | overrides))
+
+
+def decode(tensor: dict, dtype: str) -> np.ndarray:
+    raw = base64.b64decode(tensor["data"])
+    return np.frombuffer(raw, dtype="<f4" if dtype == "float32" else "<f2").reshape(tensor["shape"])
+
+
+def embedded_payload(page: str) -> dict:
+    match = re.search(
+        r'<script type="application/json" id="selfattn-payload">(.*?)</script>', page, re.S
+    )
+    assert match, "payload tag missing"
+    return json.loads(match.group(1))
+
+
+def test_page_is_one_offline_file():
+    page = render_page(payload(tokens=list("abcde"), text="abcde", model_name="m"))
+    assert "http://" not in page and "https://" not in page
+    for attribute, value in re.findall(r'\b(src|href)\s*=\s*["\']?([^"\'\s>]*)', page):
+        assert not re.match(r"^([a-z]+:)?//", value), f"{attribute}={value} points outside the page"
+        assert value.startswith("data:"), f"unexpected {attribute}={value}"
+    assert "<script src" not in page and 'rel="stylesheet"' not in page
+    assert "function render(" in page and ".token" in page  # script and styles are inline
+    assert "default-src 'none'" in page  # the browser refuses any fetch
+
+
+def test_tensors_round_trip_exactly_as_float32():
+    q, k, v = qkv()
+    data = payload()
+    assert data["dtype"] == "float32"
+    assert (data["layers"], data["heads"], data["length"]) == (L, H, T)
+    for name, tensor in (("query", q), ("key", k), ("value", v)):
+        np.testing.assert_array_equal(decode(data[name], "float32"), tensor.numpy())
+
+
+def test_large_runs_travel_as_float16(monkeypatch):
+    monkeypatch.setattr(html, "FLOAT32_LIMIT_BYTES", 100)
+    q, _, _ = qkv()
+    data = payload()
+    assert data["dtype"] == "float16"
+    np.testing.assert_array_equal(decode(data["query"], "float16"), q.half().numpy())
+
+
+def test_values_beyond_float16_stay_float32(monkeypatch):
+    monkeypatch.setattr(html, "FLOAT32_LIMIT_BYTES", 100)
+    v = qkv()[2]
+    assert payload(value=v * 1e5)["dtype"] == "float32"
+
+
+def test_thumbnails_are_each_heads_weights_scaled_to_255():
+    q, k, v = qkv()
+    data = payload()
+    thumbs = data["thumbnails"]
+    assert thumbs["size"] == T  # T <= 48: no pooling needed
+    grid = np.frombuffer(base64.b64decode(thumbs["data"]), dtype=np.uint8).reshape(L, H, T, T)
+    _, trace = attention(q[1, 0], k[1, 0], v[1, 0], scale=D**-0.5, return_trace=True)
+    expected = np.round(trace.weights.numpy() / trace.weights.max().item() * 255)
+    np.testing.assert_allclose(grid[1, 0], expected, atol=1)
+    assert (grid.reshape(L * H, -1).max(axis=1) == 255).all()
+
+
+def test_thumbnails_pool_long_runs_to_48():
+    q, k, v = qkv(shape=(1, 2, 100, 4))
+    data = payload(tokens=[f"t{i}" for i in range(100)], query=q, key=k, value=v, layer=0, head=1)
+    assert data["thumbnails"]["size"] == 48
+    assert len(base64.b64decode(data["thumbnails"]["data"])) == 1 * 2 * 48 * 48
+
+
+def test_user_text_cannot_close_the_script_tag():
+    data = payload()
+    page = render_page(data)
+    assert page.count("</script>") == 2  # the JSON tag's and the app script's own
+    assert "<img" not in page
+    assert embedded_payload(page) == json.loads(json.dumps(data))
+
+
+def test_selection_defaults_and_words_travel():
+    data = payload(words=[0, 1, 1, 2, None])
+    assert data["selection"] == {"layer": 1, "head": 2, "query": 0}
+    assert data["words"] == [0, 1, 1, 2, None]
+    assert payload(query_index=3)["selection"]["query"] == 3
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"tokens": TOKENS[:4]}, "4 tokens"),
+        ({"layer": 2}, r"layer 2 out of range: the run has layers 0..1"),
+        ({"head": -1}, "head -1 out of range"),
+        ({"query_index": 5}, "query_index 5 out of range"),
+        ({"similarity": "euclid"}, "unknown similarity"),
+        ({"words": [0]}, "one word index per token"),
+        ({"key": torch.zeros(L, H, T, D + 1)}, "same shape"),
+        ({"query": torch.zeros(H, T, D)}, r"\(layers, heads, tokens, dim\)"),
+    ],
+)
+def test_bad_inputs_get_one_line_errors(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        payload(**overrides)
+
+
+def test_static_assets_ship_inside_the_package():
+    static = files("selfattn.viz") / "static"
+    assert "</script" not in (static / "view.js").read_text()
+    assert (static / "view.css").read_text().strip()
