@@ -1,0 +1,236 @@
+"""The HTML explorer in headless chromium: numbers agree with selfattn.attention, nothing is
+fetched, no console errors, user text stays text, and a 512-token page draws.
+
+Tolerance: 1e-6 absolute; the page computes in float64 from the float32 q, k, v that the
+reference computes with in float32.
+"""
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from selfattn import attention
+from selfattn.attention import default_scale
+from selfattn.viz.html import page_payload, render_page
+
+CHROMIUM = Path("/usr/bin/chromium")
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)",
+    ),
+]
+
+XSS = "<img src=x onerror=alert(1)>"
+TOKENS = ["Ciao", "gioco", XSS, "a", "</script>", "giochi"]
+L, H, T, D = 2, 3, 6, 4
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--no-first-run",
+                "--disable-sync",
+            ],
+        )
+        yield browser
+        browser.close()
+
+
+def qkv(shape=(L, H, T, D), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(*shape, generator=g) for _ in range(3))
+
+
+def write_page(tmp_path, similarity="dot", causal=False, **selection) -> tuple[Path, tuple]:
+    q, k, v = qkv()
+    data = page_payload(
+        tokens=TOKENS,
+        query=q,
+        key=k,
+        value=v,
+        scale=default_scale(similarity, D),
+        similarity=similarity,
+        model_name="random q/k/v",
+        text=" ".join(TOKENS),
+        layer=selection.get("layer", 1),
+        head=selection.get("head", 2),
+        query_index=selection.get("query_index"),
+        causal=causal,
+    )
+    path = tmp_path / f"page-{similarity}-{causal}.html"
+    path.write_text(render_page(data), encoding="utf-8")
+    return path, (q, k, v)
+
+
+class Watched:
+    """A page with its console errors, uncaught exceptions, dialogs and requests recorded."""
+
+    def __init__(self, browser, path: Path, fragment: str = ""):
+        self.url = path.as_uri()
+        self.errors: list[str] = []
+        self.requests: list[str] = []
+        self.page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("dialog", lambda d: (self.errors.append(f"dialog: {d.message}"), d.dismiss()))
+        self.page.on("request", lambda r: self.requests.append(r.url))
+        self.page.goto(self.url + fragment)
+        self.page.wait_for_selector("#app[data-ready='true']", timeout=30_000)
+
+    def check_clean(self):
+        assert self.errors == []
+        assert [url for url in self.requests if url != self.url] == []
+
+    def step_rows(self) -> list[dict]:
+        return self.page.evaluate(
+            """() => [...document.querySelectorAll('#steps tbody tr')].map((tr) => ({
+                key: +tr.dataset.key,
+                score: tr.querySelector('[data-score]')?.dataset.score,
+                scaled: tr.querySelector('[data-scaled]')?.dataset.scaled,
+                weight: tr.querySelector('[data-weight]').dataset.weight,
+            }))"""
+        )
+
+    def output(self) -> list[float]:
+        return self.page.evaluate(
+            "() => JSON.parse(document.getElementById('output').dataset.values)"
+        )
+
+
+def reference(q, k, v, layer, head, similarity="dot", causal=False):
+    _, trace = attention(
+        q[layer, head],
+        k[layer, head],
+        v[layer, head],
+        similarity=similarity,
+        causal=causal,
+        backend="explicit",
+        return_trace=True,
+    )
+    return trace
+
+
+def assert_row_matches(watched, trace, i):
+    rows = sorted(watched.step_rows(), key=lambda r: r["key"])
+    assert [r["key"] for r in rows] == list(range(T))
+    for j, row in enumerate(rows):
+        assert math.isclose(float(row["score"]), trace.scores[i, j].item(), abs_tol=TOL)
+        assert math.isclose(float(row["scaled"]), trace.scaled[i, j].item(), abs_tol=TOL)
+        assert math.isclose(float(row["weight"]), trace.weights[i, j].item(), abs_tol=TOL)
+    assert watched.output() == pytest.approx(trace.output[i].tolist(), abs=TOL)
+    self_weight = watched.page.get_attribute("#self-weight", "data-value")
+    assert math.isclose(float(self_weight), trace.weights[i, i].item(), abs_tol=TOL)
+
+
+@pytest.mark.parametrize(
+    ("similarity", "causal"), [("dot", False), ("cosine", False), ("dot", True)]
+)
+def test_clicking_a_token_shows_its_row_as_python_computes_it(
+    browser, tmp_path, similarity, causal
+):
+    path, (q, k, v) = write_page(tmp_path, similarity, causal)
+    watched = Watched(browser, path)
+    trace = reference(q, k, v, 1, 2, similarity, causal)
+    for i in (0, 3, 5):
+        watched.page.click(f".token[data-index='{i}']")
+        assert watched.page.get_attribute(f".token[data-index='{i}']", "class") == "token selected"
+        assert_row_matches(watched, trace, i)
+    watched.check_clean()
+
+
+def test_layer_and_head_selectors_update_the_step_panel(browser, tmp_path):
+    path, (q, k, v) = write_page(tmp_path, query_index=4)
+    watched = Watched(browser, path)
+    assert_row_matches(watched, reference(q, k, v, 1, 2), 4)
+    watched.page.select_option("#layer", "0")
+    watched.page.select_option("#head", "1")
+    assert_row_matches(watched, reference(q, k, v, 0, 1), 4)
+    assert "layer=0&head=1&query=4" in watched.page.url
+
+    watched.page.select_option("#head", "mean")
+    mean = torch.stack([reference(q, k, v, 0, h).weights[4] for h in range(H)]).mean(0)
+    weights = [float(r["weight"]) for r in sorted(watched.step_rows(), key=lambda r: r["key"])]
+    assert weights == pytest.approx(mean.tolist(), abs=TOL)
+
+    watched.page.click(".thumb[data-layer='1'][data-head='0']")
+    assert watched.page.input_value("#layer") == "1" and watched.page.input_value("#head") == "0"
+    assert_row_matches(watched, reference(q, k, v, 1, 0), 4)
+    watched.check_clean()
+
+
+def test_url_hash_chooses_the_first_selection(browser, tmp_path):
+    path, (q, k, v) = write_page(tmp_path)
+    watched = Watched(browser, path, "#layer=0&head=1&query=2")
+    assert watched.page.input_value("#layer") == "0" and watched.page.input_value("#head") == "1"
+    assert_row_matches(watched, reference(q, k, v, 0, 1), 2)
+    watched.check_clean()
+
+
+def test_user_text_shows_as_text(browser, tmp_path):
+    path, _ = write_page(tmp_path)
+    watched = Watched(browser, path)
+    page = watched.page
+    assert page.locator("img").count() == 0
+    assert page.text_content(".token[data-index='2']") == XSS
+    assert page.text_content(".token[data-index='4']") == "</script>"
+    assert page.text_content("#text") == " ".join(TOKENS)
+    page.hover(".token[data-index='2']")
+    assert XSS in page.text_content("#row-summary")
+    page.screenshot(path=tmp_path / "page.png", full_page=True)
+    watched.check_clean()
+
+
+def test_a_512_token_page_loads_and_draws(browser, tmp_path):
+    n = 512
+    q, k, v = qkv(shape=(2, 4, n, 16), seed=1)
+    data = page_payload(
+        tokens=[f"tok{i}" for i in range(n)],
+        query=q,
+        key=k,
+        value=v,
+        scale=0.25,
+        similarity="dot",
+        model_name="long",
+        text="long text",
+        layer=1,
+        head=3,
+        query_index=300,
+    )
+    path = tmp_path / "long.html"
+    path.write_text(render_page(data), encoding="utf-8")
+    start = time.perf_counter()
+    watched = Watched(browser, path)
+    assert time.perf_counter() - start < 20
+    colours = watched.page.evaluate(
+        """() => {
+            const canvas = document.getElementById('heatmap');
+            const ctx = canvas.getContext('2d');
+            const { data } = ctx.getImageData(0, 0, canvas.width, canvas.height);
+            const seen = new Set();
+            for (let p = 0; p < data.length; p += 4 * 97) {
+                seen.add(data[p] * 65536 + data[p + 1] * 256 + data[p + 2]);
+            }
+            return { width: canvas.width, colours: seen.size };
+        }"""
+    )
+    assert colours["width"] >= 3 * n and colours["colours"] > 10
+    assert watched.page.locator(".token").count() == n
+    assert watched.page.locator("#steps tbody tr").count() == n
+    assert watched.page.get_attribute("#leftover", "data-mass") is not None  # top-k + the rest
+    watched.check_clean()
