@@ -103,6 +103,11 @@ class Recording:
     def __iter__(self) -> Iterator[Capture]:
         return iter(self.captures)
 
+    @property
+    def n_layers(self) -> int:
+        """How many distinct attention modules were called."""
+        return len(self._layers)
+
     def layer(self, layer: int) -> list[Capture]:
         """Every capture of one layer (several when a key/value cache calls it per step)."""
         return [capture for capture in self.captures if capture.layer == layer]

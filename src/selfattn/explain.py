@@ -1,0 +1,359 @@
+"""What self-attention did to one word: text -> model run with recording -> Explanation.
+
+The model runs on its fast path under :func:`selfattn.record`; the explained head is then
+recomputed from the captured query, key and value with the explicit path, so every number
+shown (scores, scaled, weights, output) is a step of the same computation the model ran.
+
+Choosing what to show, when the user does not say: the layer and head where the query word
+puts the most weight on *other content words* — not itself, not special tokens
+(``[CLS]``, ``[SEP]``), not punctuation, not a short list of English stop words. Without a
+query word, the same measure averaged over every content token.
+
+Merging word pieces (``words=True``): a word's weight as a key is the **sum** over its pieces
+(so rows still sum to 1); a word's row as a query is the **mean** over its pieces' rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from selfattn.attention import AttentionTrace
+from selfattn.recording import Recording
+
+STOPWORDS = frozenset(
+    "a an the to of and or but in on at by for with from into as is are was were be been it "
+    "its this that these those i we you he she they me my our your his her their there here "
+    "not no do does did has have had will would can could should so if then than".split()
+)
+HEAD_MEAN = "mean"
+
+
+class RecordedRun(Protocol):
+    """What explaining needs from a model run (``selfattn.models.model.Run`` provides it)."""
+
+    text: str
+    tokens: list[str]
+    word_ids: list[int | None]
+    captures: Recording
+
+    def token_index(self, word: str, occurrence: int = 0) -> int: ...
+
+
+@dataclass(frozen=True)
+class Steps:
+    """One query row of one head, step by step; every number from the recorded q, k, v."""
+
+    scores: Tensor  # (S,) similarity of the query with every key
+    scaled: Tensor  # (S,) scores * scale
+    weights: Tensor  # (S,) softmax(scaled): sums to 1
+    values: Tensor  # (S, Dv) the value vectors of the keys
+    output: Tensor  # (Dv,) weights @ values
+    scale: float
+    similarity: str
+
+    @property
+    def entropy(self) -> float:
+        """Entropy of the weights in bits: 0 = all on one key, log2(S) = spread evenly."""
+        return entropy_bits(self.weights)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    model: str
+    text: str
+    tokens: list[str]
+    layer: int
+    head: int | None  # None: the mean of the layer's heads
+    choice: str  # how layer and head were chosen, to say in the output
+    query: int | None  # token index of the explained word
+    attention: Tensor  # (T, T) weights of that layer/head; rows queries, columns keys
+    steps: Steps | None  # the query row in one head (None without a query or for the mean)
+    recorded_output: Tensor | None  # (Dv,) the same output as the model's fast path computed it
+    alternative: Steps | None  # the same head with another similarity or scale
+    groups: list[tuple[str, list[int]]] | None  # words and their tokens, when merged
+
+    @property
+    def weights(self) -> Tensor | None:
+        """The query's row of weights (head mean included)."""
+        return None if self.query is None else self.attention[self.query]
+
+    def to_json(self) -> dict:
+        """One JSON object: ``weights`` = softmax(``scaled``), ``output`` = weights @ values."""
+        steps = self.steps
+        result = {
+            "model": self.model,
+            "text": self.text,
+            "layer": self.layer,
+            "head": HEAD_MEAN if self.head is None else self.head,
+            "choice": self.choice,
+            "tokens": self.tokens,
+            "query": None
+            if self.query is None
+            else {"index": self.query, "token": self.tokens[self.query]},
+            "similarity": steps.similarity if steps else None,
+            "scale": steps.scale if steps else None,
+            "scores": _list(steps.scores) if steps else None,
+            "scaled": _list(steps.scaled) if steps else None,
+            "weights": _list(self.weights) if self.weights is not None else None,
+            "values": _list(steps.values) if steps else None,
+            "output": _list(steps.output) if steps else None,
+            "entropy_bits": steps.entropy if steps else None,
+            "attention": _list(self.attention),
+        }
+        if self.alternative is not None:
+            alt = self.alternative
+            result["alternative"] = {
+                "similarity": alt.similarity,
+                "scale": alt.scale,
+                "scores": _list(alt.scores),
+                "scaled": _list(alt.scaled),
+                "weights": _list(alt.weights),
+                "output": _list(alt.output),
+                "entropy_bits": alt.entropy,
+            }
+        if self.groups is not None:
+            merged = merge_words(self.attention, [tokens for _, tokens in self.groups])
+            result["words"] = [word for word, _ in self.groups]
+            result["word_attention"] = _list(merged)
+            if self.query is not None:
+                row = next(i for i, (_, tokens) in enumerate(self.groups) if self.query in tokens)
+                result["word_weights"] = _list(merged[row])
+        return result
+
+
+def _list(tensor: Tensor) -> list:
+    return tensor.detach().double().tolist()
+
+
+def entropy_bits(weights: Tensor) -> float:
+    positive = weights[weights > 0].double()
+    return float(-(positive * positive.log2()).sum())
+
+
+def explain(
+    run: RecordedRun,
+    *,
+    model_name: str,
+    query: int | None = None,
+    layer: int | None = None,
+    head: int | str | None = None,
+    similarity: str | None = None,
+    scale: float | None = None,
+    words: bool = False,
+) -> Explanation:
+    """Explain one layer/head of a recorded run, for one query token if given.
+
+    ``layer``/``head`` None: chosen by the rule in the module docstring; ``head="mean"``:
+    the mean of the layer's heads. ``similarity``/``scale``: recompute the explained head
+    with another similarity or scale, next to the model's own.
+    """
+    captures = run.captures
+    n_layers = captures.n_layers
+    if layer is not None and not 0 <= layer < n_layers:
+        raise ValueError(f"layer {layer} is out of range: this model has layers 0..{n_layers - 1}")
+    head_index = None if head == HEAD_MEAN else head
+    if head_index is not None:
+        n_heads = captures[0].n_heads
+        if not isinstance(head_index, int) or not 0 <= head_index < n_heads:
+            raise ValueError(
+                f"head {head!r} is out of range: this model has heads 0..{n_heads - 1}, or 'mean'"
+            )
+    choice = "(as asked)"
+    if layer is None or head is None:
+        layer, chosen_head, choice = choose_head(run, query, layer)
+        if head is None:
+            head_index = chosen_head
+    capture = captures.layer(layer)[0]
+    all_weights = capture.weights()  # (H, T, T)
+    attention_map = all_weights.mean(0) if head_index is None else all_weights[head_index]
+
+    steps = recorded = alternative = None
+    if query is not None and head_index is not None:
+        steps = query_steps(capture.trace(head_index), query)
+        recorded = capture.output[0, head_index, query]
+        if similarity is not None or scale is not None:
+            alternative = query_steps(
+                capture.trace(head_index, similarity=similarity, scale=scale), query
+            )
+    groups = word_groups(run.tokens, run.word_ids) if words else None
+    return Explanation(
+        model=model_name,
+        text=run.text,
+        tokens=list(run.tokens),
+        layer=layer,
+        head=head_index,
+        choice=choice,
+        query=query,
+        attention=attention_map,
+        steps=steps,
+        recorded_output=recorded,
+        alternative=alternative,
+        groups=groups,
+    )
+
+
+def query_steps(trace: AttentionTrace, query: int) -> Steps:
+    """Row ``query`` of a one-head trace."""
+    return Steps(
+        scores=trace.scores[query],
+        scaled=trace.scaled[query],
+        weights=trace.weights[query],
+        values=trace.value,
+        output=trace.output[query],
+        scale=trace.scale,
+        similarity=trace.similarity,
+    )
+
+
+def content_tokens(tokens: list[str], word_ids: list[int | None]) -> list[int]:
+    """Tokens that carry meaning: not special, not punctuation, not a stop word."""
+    return [
+        i
+        for i, (token, word) in enumerate(zip(tokens, word_ids, strict=True))
+        if word is not None
+        and any(ch.isalnum() for ch in token)
+        and token.strip().lstrip("#").lower() not in STOPWORDS
+    ]
+
+
+def choose_head(
+    run: RecordedRun, query: int | None, layer: int | None = None
+) -> tuple[int, int, str]:
+    """The (layer, head) where the query (or each content token) weighs other content words most."""
+    content = content_tokens(run.tokens, run.word_ids)
+    queries = [query] if query is not None else content or list(range(len(run.tokens)))
+    word = torch.tensor([-1 if w is None else w for w in run.word_ids])
+    other_content = torch.zeros(len(run.tokens), len(run.tokens), dtype=torch.bool)
+    other_content[:, content] = True
+    other_content &= word[:, None] != word[None, :]  # (T, T): key k is another content word
+    other_content = other_content[queries]  # (Q, T)
+    layers = [layer] if layer is not None else range(run.captures.n_layers)
+    best = (-1.0, 0, 0)
+    for index in layers:
+        weights = run.captures.layer(index)[0].weights()[:, queries]  # (H, Q, T)
+        per_head = (weights * other_content).sum(-1).mean(-1)  # (H,)
+        head = int(per_head.argmax())
+        if per_head[head].item() > best[0]:
+            best = (per_head[head].item(), index, head)
+    score, index, head = best
+    who = f"'{run.tokens[query]}' puts" if query is not None else "the words put"
+    choice = (
+        f"(chosen: {who} the most weight here, {score:.2f}, on other content words; "
+        "pick another with --layer/--head)"
+    )
+    return index, head, choice
+
+
+def word_groups(tokens: list[str], word_ids: list[int | None]) -> list[tuple[str, list[int]]]:
+    """Each word with its tokens, in order; special tokens stay groups of their own."""
+    groups: list[tuple[str, list[int]]] = []
+    seen: dict[int, int] = {}
+    for i, (token, word) in enumerate(zip(tokens, word_ids, strict=True)):
+        if word is None:
+            groups.append((token, [i]))
+        elif word in seen:
+            groups[seen[word]][1].append(i)
+        else:
+            seen[word] = len(groups)
+            groups.append((token, [i]))
+    return [(_join_pieces([tokens[i] for i in members]), members) for _, members in groups]
+
+
+def _join_pieces(pieces: list[str]) -> str:
+    return pieces[0].strip() + "".join(piece.removeprefix("##").strip() for piece in pieces[1:])
+
+
+def merge_words(weights: Tensor, groups: list[list[int]]) -> Tensor:
+    """(T, T) weights -> (W, W): keys summed over a word's pieces, queries averaged."""
+    membership = torch.zeros(weights.shape[-1], len(groups), dtype=weights.dtype)
+    for word, members in enumerate(groups):
+        membership[members, word] = 1.0
+    counts = membership.sum(0)
+    return (membership.T @ weights @ membership) / counts[:, None]
+
+
+def top_keys(tokens: list[str], weights: Tensor, k: int = 5) -> list[tuple[str, float]]:
+    """The k most weighted keys of one row, as (token, weight)."""
+    values, indices = weights.topk(min(k, weights.shape[-1]))
+    return [(tokens[i], v) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+
+
+def cosine(a: Tensor, b: Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1))
+
+
+def stacked_qkv(run: RecordedRun) -> tuple[Tensor, Tensor, Tensor]:
+    """Query, key and value of every layer and head of a one-text run: each (L, H, T, d)."""
+    first_calls = [run.captures.layer(index)[0] for index in range(run.captures.n_layers)]
+    return tuple(  # type: ignore[return-value]
+        torch.stack([getattr(capture, name)[0] for capture in first_calls])
+        for name in ("query", "key", "value")
+    )
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One word across sentences: its vectors' cosine similarity, layer by layer."""
+
+    word: str
+    sentences: list[str]
+    similarity: Tensor  # (L+1, N, N); layer 0 is the embedding output
+    attended: list[list[tuple[str, float]]]  # per sentence: the words it weighs most
+    attended_layer: int
+
+    def to_json(self) -> dict:
+        return {
+            "word": self.word,
+            "sentences": self.sentences,
+            "layers": [
+                {"layer": layer, "cosine": _list(matrix)}
+                for layer, matrix in enumerate(self.similarity)
+            ],
+            "attended_layer": self.attended_layer,
+            "attended": [
+                [{"word": word, "weight": weight} for word, weight in row] for row in self.attended
+            ],
+        }
+
+
+class VectorRun(RecordedRun, Protocol):
+    def word_vector(self, word: str, layer: int = -1, occurrence: int = 0) -> Tensor: ...
+
+    def word_tokens(self, word: str, occurrence: int = 0) -> range: ...
+
+
+def compare(runs: list[VectorRun], word: str, top: int = 3) -> Comparison:
+    """Cosine similarity of ``word``'s contextual vector between every pair of runs.
+
+    What the word attends to is read in the last layer, mean of heads, merged to words,
+    leaving out special tokens and the word itself.
+    """
+    n_layers = runs[0].hidden_states.shape[0]
+    vectors = torch.stack(
+        [torch.stack([run.word_vector(word, layer) for layer in range(n_layers)]) for run in runs]
+    )  # (N, L+1, D)
+    unit = torch.nn.functional.normalize(vectors.double(), dim=-1)
+    similarity = torch.einsum("ald,bld->lab", unit, unit)  # (L+1, N, N)
+    last = n_layers - 2
+    attended = [attended_words(run, run.word_tokens(word), last, top) for run in runs]
+    return Comparison(word, [run.text for run in runs], similarity, attended, last)
+
+
+def attended_words(
+    run: RecordedRun, pieces: range, layer: int, top: int
+) -> list[tuple[str, float]]:
+    """The words that the word made of ``pieces`` weighs most (mean of heads, merged)."""
+    groups = word_groups(run.tokens, run.word_ids)
+    weights = run.captures.layer(layer)[0].weights().mean(0)  # (T, T)
+    merged = merge_words(weights, [members for _, members in groups])
+    row = next(i for i, (_, members) in enumerate(groups) if pieces.start in members)
+    ranked = [
+        (groups[j][0], float(merged[row, j]))
+        for j in merged[row].argsort(descending=True).tolist()
+        if j != row and run.word_ids[groups[j][1][0]] is not None
+    ]
+    return ranked[:top]

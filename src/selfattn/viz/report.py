@@ -1,0 +1,151 @@
+"""The explain and compare reports: an Explanation or Comparison as terminal, figure or page."""
+
+from __future__ import annotations
+
+from itertools import combinations
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from selfattn.attention import default_scale
+from selfattn.explain import (
+    Comparison,
+    Explanation,
+    RecordedRun,
+    merge_words,
+    stacked_qkv,
+    top_keys,
+)
+from selfattn.viz.figures import heatmap_figure, save_figure
+from selfattn.viz.html import page_payload, render_page
+from selfattn.viz.terminal import heatmap, step_table, weights_bars
+
+OUTPUT_DIMS = 8  # how many output dimensions to print
+
+
+def _where(e: Explanation) -> str:
+    head = "mean of heads" if e.head is None else f"head {e.head}"
+    return f"layer {e.layer}, {head}"
+
+
+def _labels(e: Explanation) -> tuple[list[str], object]:
+    """Labels and matrix of the heatmap: tokens, or words when merged."""
+    if e.groups is None:
+        return e.tokens, e.attention
+    return [word for word, _ in e.groups], merge_words(e.attention, [m for _, m in e.groups])
+
+
+def print_explanation(console: Console, e: Explanation) -> None:
+    """Everything explain shows in the terminal, in the order of the steps."""
+    header = Text.assemble(
+        ("model ", "dim"), (e.model, "bold"), ("   text ", "dim"), (e.text, "bold"), "\n",
+        (_where(e), "bold cyan"), ("   " + e.choice, "dim"),
+    )  # fmt: skip
+    console.print(Panel(header, title="selfattn explain", expand=False))
+    tokens = Text()
+    for i, token in enumerate(e.tokens):
+        style = "bold reverse" if i == e.query else ""
+        tokens.append(f"{i}:{token}", style=style)
+        tokens.append("  ")
+    console.print(Text("tokens  ", style="dim") + tokens)
+
+    if e.steps is not None:
+        steps = e.steps
+        console.print(
+            Text(
+                f"\nquery {e.query} '{e.tokens[e.query]}': similarity ({steps.similarity}) with "
+                f"every key, scaled by {steps.scale:.4g}, softmax to weights",
+                style="bold",
+            )
+        )
+        console.print(step_table(e.tokens, steps.scores, steps.scaled, steps.weights, steps.scale))
+        top = ", ".join(
+            f"{token} {weight:.2f}" for token, weight in top_keys(e.tokens, steps.weights)
+        )
+        console.print(f"[bold]top attended:[/] {top}")
+        output = steps.output
+        own = float(steps.weights[e.query])
+        dims = ", ".join(f"{x:+.3f}" for x in output[:OUTPUT_DIMS].tolist())
+        console.print(
+            f"[bold]output[/] = weights @ values: {output.shape[-1]} dims [{dims}, …], "
+            f"norm {float(output.norm()):.3f}; it keeps {own:.1%} of the weight on itself"
+        )
+        if e.recorded_output is not None:
+            gap = float((e.recorded_output.double() - output.double()).abs().max())
+            console.print(f"[dim]same as the model's own fast path: max difference {gap:.1e}[/]")
+        if e.alternative is not None:
+            console.print(_alternative_table(e))
+    elif e.query is not None:
+        console.print(weights_bars(e.tokens, e.weights, f"'{e.tokens[e.query]}', {_where(e)}"))
+        console.print("[dim]the step-by-step needs one head: pass --head N[/]")
+
+    labels, matrix = _labels(e)
+    if e.groups is not None and e.query is not None:
+        row = next(i for i, (_, members) in enumerate(e.groups) if e.query in members)
+        console.print(weights_bars(labels, matrix[row], f"'{labels[row]}' by word (pieces merged)"))
+    console.print(heatmap(labels, labels, matrix, f"attention, {_where(e)}"))
+
+
+def _alternative_table(e: Explanation) -> Table:
+    own, alt = e.steps, e.alternative
+    table = Table(
+        title="the same head, recomputed",
+        caption="entropy: 0 bits = all weight on one key; higher = spread out",
+    )
+    table.add_column("key", style="bold")
+    table.add_column(f"model: {own.similarity}, scale {own.scale:.4g}", justify="right")
+    table.add_column(f"yours: {alt.similarity}, scale {alt.scale:.4g}", justify="right")
+    for token, a, b in zip(e.tokens, own.weights.tolist(), alt.weights.tolist(), strict=True):
+        table.add_row(Text(token), f"{a:.3f}", f"{b:.3f}")
+    verdict = "sharper" if alt.entropy < own.entropy else "flatter"
+    table.add_section()
+    table.add_row("entropy (bits)", f"{own.entropy:.3f}", f"{alt.entropy:.3f} ({verdict})")
+    return table
+
+
+def save_heatmap(e: Explanation, path: Path) -> Path:
+    """The explained layer/head as a paper-ready PNG or SVG heatmap."""
+    labels, matrix = _labels(e)
+    figure = heatmap_figure(matrix, labels, labels, f"{e.model}: {_where(e)}")
+    return save_figure(figure, path)
+
+
+def page(run: RecordedRun, e: Explanation) -> str:
+    """The interactive offline page of the whole run, opened on the explained layer/head."""
+    query, key, value = stacked_qkv(run)
+    capture = run.captures[0]
+    scale = capture.scale or default_scale(capture.similarity, query.shape[-1])
+    payload = page_payload(
+        tokens=e.tokens, query=query, key=key, value=value, scale=scale,
+        similarity=capture.similarity, model_name=e.model, text=e.text, layer=e.layer,
+        head=e.head or 0, query_index=e.query, words=run.word_ids, causal=capture.causal,
+    )  # fmt: skip
+    return render_page(payload)
+
+
+def print_comparison(console: Console, c: Comparison, model: str) -> None:
+    """The word's cosine similarity between sentence pairs, layer by layer, and what it attends."""
+    table = Table(
+        title=f"'{c.word}' across sentences ({model}): cosine similarity of its vectors",
+        caption="layer 0 = the embedding output; 1.000 = the same direction",
+    )
+    table.add_column("layer", justify="right")
+    pairs = list(combinations(range(len(c.sentences)), 2))
+    for a, b in pairs:
+        table.add_column(f"S{a + 1} vs S{b + 1}", justify="right")
+    for layer, matrix in enumerate(c.similarity):
+        table.add_row(str(layer), *(f"{float(matrix[a, b]):.3f}" for a, b in pairs))
+    sentences = Table.grid(padding=(0, 2))
+    for i, (sentence, attended) in enumerate(zip(c.sentences, c.attended, strict=True)):
+        words = ", ".join(f"{word} {weight:.2f}" for word, weight in attended)
+        sentences.add_row(f"S{i + 1}", Text(sentence), Text(f"attends to: {words}", style="cyan"))
+    console.print(
+        Group(
+            sentences,
+            Text(f"(attention: layer {c.attended_layer}, mean of heads)", style="dim"),
+            table,
+        )
+    )
