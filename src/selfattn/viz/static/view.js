@@ -145,6 +145,7 @@
   const RAMP = colourRamp();
   const shade = (x) => RAMP[Math.max(0, Math.min(255, Math.round(x * 255)))];
   const rgb = (x) => `rgb(${shade(x).join(",")})`;
+  const MASKED = [226, 232, 240]; // cells a causal mask hides: grey, not "weight 0" blue
 
   function readHash() {
     const out = {};
@@ -157,8 +158,13 @@
 
   // ---------- the app ----------
 
+  let previous = null; // the last render's window/document listeners, removed on re-render
+
   /** Build the explorer for one payload inside `root` (replacing what was there). */
   function render(payload, root = document.getElementById("app")) {
+    previous?.abort();
+    previous = new AbortController();
+    const { signal } = previous;
     const model = {
       ...payload,
       query: decodeTensor(payload.query, payload.dtype),
@@ -196,7 +202,7 @@
       thumbs.forEach((el) =>
         el.classList.toggle("selected", +el.dataset.layer === state.layer && +el.dataset.head === state.head),
       );
-      drawHeatmap(ui.map, result.weights, model.tokens, state);
+      drawHeatmap(ui.map, result.weights, model.tokens, state, model.causal);
       showRow(state.hover ?? state.query);
       fillSteps(ui, model, result, state, tokenName);
       const hash = `#layer=${state.layer}&head=${state.head}&query=${state.query}`;
@@ -235,15 +241,20 @@
       el.addEventListener("click", () => select({ layer: el.dataset.layer, head: el.dataset.head })),
     );
     attachMapEvents(ui, model, state, current, select);
-    window.addEventListener("hashchange", () => select(readHash()));
+    window.addEventListener("hashchange", () => select(readHash()), { signal });
     const redrawLines = () => showRow(state.hover ?? state.query);
-    window.addEventListener("resize", redrawLines);
+    window.addEventListener("resize", redrawLines, { signal });
     ui.flow.addEventListener("scroll", redrawLines);
-    document.addEventListener("keydown", (event) => {
-      if (event.target.closest("select, input")) return;
-      if (event.key === "ArrowRight") select({ query: Math.min(T - 1, state.query + 1) });
-      if (event.key === "ArrowLeft") select({ query: Math.max(0, state.query - 1) });
-    });
+    document.addEventListener(
+      "keydown",
+      (event) => {
+        if (event.target.closest("select, input")) return;
+        if (event.key === "ArrowRight") select({ query: Math.min(T - 1, state.query + 1) });
+        if (event.key === "ArrowLeft") select({ query: Math.max(0, state.query - 1) });
+        if (event.key === "Enter" && event.target.matches(".token")) select({ query: +event.target.dataset.index });
+      },
+      { signal },
+    );
     update();
     document.title = `${model.model}: attention explorer`;
     root.dataset.ready = "true";
@@ -410,7 +421,8 @@
     return { cell, labels, margin: labels ? 84 : 36 };
   }
 
-  function drawHeatmap(canvas, weights, tokens, state) {
+  /** The T×S map on one canvas (one pixel per cell, scaled up); masked cells in grey. */
+  function drawHeatmap(canvas, weights, tokens, state, causal) {
     const T = weights.length;
     const { cell, labels, margin } = mapGeometry(T);
     const side = margin + T * cell;
@@ -430,13 +442,22 @@
     const matrixMax = Math.max(...weights.map((row) => Math.max(...row))) || 1;
     weights.forEach((row, i) => {
       const top = state.shadeBy === "row" ? Math.max(...row) || 1 : matrixMax;
-      row.forEach((w, j) => image.data.set([...shade(w / top), 255], 4 * (i * S + j)));
+      row.forEach((w, j) => {
+        const masked = causal && j > i + (S - T);
+        image.data.set([...(masked ? MASKED : shade(w / top)), 255], 4 * (i * S + j));
+      });
     });
     const cells = new OffscreenCanvas(S, T);
     cells.getContext("2d").putImageData(image, 0, 0);
     ctx.imageSmoothingEnabled = false;
     ctx.drawImage(cells, margin, margin, T * cell, T * cell);
 
+    if (labels) {
+      ctx.fillStyle = "#64748b";
+      ctx.font = "italic 11px system-ui, sans-serif";
+      ctx.fillText("rows: queries", 2, 12);
+      ctx.fillText("columns: keys", 2, 26);
+    }
     ctx.fillStyle = "#334155";
     ctx.font = `${Math.min(12, cell)}px system-ui, sans-serif`;
     if (labels) {
@@ -512,10 +533,13 @@
         h("li", { "data-key": String(j), "data-weight": String(row[j]) }, h("span", { class: "tok" }, model.tokens[j]), h("span", { class: "bar-track" }, bar), h("span", { class: "num" }, fmt(row[j], 3))),
       );
     }
-    const rest = row.length - top.length;
-    const restMass = 1 - top.reduce((sum, j) => sum + row[j], 0);
-    const leftover = h("p", { class: "leftover", id: "leftover", "data-mass": String(Math.max(0, restMass)) });
-    leftover.textContent = rest > 0 ? `+ ${fmt(Math.max(0, restMass), 3)} on ${rest} other key${rest > 1 ? "s" : ""}` : "every key shown";
+    const rest = row.filter((w, j) => w > 0 && !top.includes(j)).length;
+    const unattended = row.length - top.length - rest; // masked (or exactly zero) keys
+    const restMass = Math.max(0, 1 - top.reduce((sum, j) => sum + row[j], 0));
+    const leftover = h("p", { class: "leftover", id: "leftover", "data-mass": String(restMass) });
+    leftover.textContent =
+      (rest > 0 ? `+ ${fmt(restMass, 3)} on ${rest} other key${rest > 1 ? "s" : ""}` : "every attended key shown") +
+      (unattended > 0 ? ` · ${unattended} key${unattended > 1 ? "s" : ""} masked` : "");
     summary.replaceChildren(head, list, leftover);
   }
 
