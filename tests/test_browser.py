@@ -14,6 +14,7 @@ import torch
 
 from selfattn import attention
 from selfattn.attention import default_scale
+from selfattn.viz import html
 from selfattn.viz.html import page_payload, render_page
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -233,4 +234,13 @@ def test_a_512_token_page_loads_and_draws(browser, tmp_path):
     assert watched.page.locator(".token").count() == n
     assert watched.page.locator("#steps tbody tr").count() == n
     assert watched.page.get_attribute("#leftover", "data-mass") is not None  # top-k + the rest
+    watched.check_clean()
+
+
+def test_float16_payloads_decode_to_the_same_numbers(browser, tmp_path, monkeypatch):
+    monkeypatch.setattr(html, "FLOAT32_LIMIT_BYTES", 0)
+    path, (q, k, v) = write_page(tmp_path, query_index=1)
+    watched = Watched(browser, path)
+    halves = [x.half().float() for x in (q, k, v)]  # what float16 on the wire carries exactly
+    assert_row_matches(watched, reference(*halves, 1, 2), 1)
     watched.check_clean()
