@@ -32,7 +32,9 @@ that gives a trace; the others are checked against it.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -218,6 +220,33 @@ def _flatten_mask(mask: Tensor, lead: torch.Size, t: int, s: int) -> Tensor:
     return mask.expand(*lead, t, s).reshape(1, -1, t, s)
 
 
+def _triton(call: AttentionCall) -> Tensor:
+    """The fused Triton kernels (forward and backward); triton is imported only here."""
+    from selfattn.kernels.triton_attention import triton_attention
+
+    query, key = normalize_for_similarity(call)
+    return triton_attention(
+        query, key, call.value, mask=call.mask, causal=call.causal, scale=call.scale
+    )
+
+
+def _triton_why_not(call: AttentionCall) -> str | None:
+    """Why the Triton kernels cannot compute this call exactly as the reference, or None."""
+    if importlib.util.find_spec("triton") is None:
+        return "backend 'triton' needs the triton package: pip install 'selfattn[gpu]'"
+    if call.dropout_p > 0:
+        return "backend 'triton' has no dropout; use backend='explicit' or 'sdpa' for dropout_p > 0"
+    if not call.query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return (
+            f"backend 'triton' runs on CUDA tensors, got {call.query.device} (on CPU it runs "
+            "only under Triton's interpreter: set TRITON_INTERPRET=1 before importing triton)"
+        )
+    from selfattn.kernels.triton_attention import unsupported_reason
+
+    reason = unsupported_reason(call.query, call.key, call.value, call.mask)
+    return None if reason is None else f"backend 'triton': {reason}"
+
+
 @dataclass(frozen=True)
 class Backend:
     """An attention implementation and the calls it can compute exactly as the reference."""
@@ -230,13 +259,20 @@ class Backend:
 BACKENDS: dict[str, Backend] = {
     "explicit": Backend("explicit", lambda call: _explicit(call).output),
     "sdpa": Backend("sdpa", _sdpa),
+    "triton": Backend("triton", _triton, _triton_why_not),
 }
 
 
 def choose_backend(call: AttentionCall, return_trace: bool = False) -> Backend:
-    """What ``backend="auto"`` runs: explicit when a trace is asked for, else torch's kernel."""
+    """What ``backend="auto"`` runs.
+
+    Explicit when a trace is asked for; on CUDA the Triton kernels when they can compute the
+    call; otherwise torch's fused kernel.
+    """
     if return_trace:
         return BACKENDS["explicit"]
+    if call.query.is_cuda and BACKENDS["triton"].why_not(call) is None:
+        return BACKENDS["triton"]
     return BACKENDS["sdpa"]
 
 

@@ -1,0 +1,268 @@
+"""Our Triton attention kernels against torch SDPA (flash and cuDNN backends) on one GPU.
+
+First checks correctness on a few shapes (bf16, against the explicit path in float64, within
+twice SDPA's own error plus a small floor), then prints a markdown table of TFLOP/s, forward
+and backward, for head dims 64 and 128, T from 512 to 16,384 with B·T = 16,384 tokens and a
+model width of 2,048 (H = 2048 / D), causal and not. All timings come from CUDA events in
+the same run.
+
+FLOPs counted: forward 4·B·H·T²·D (two matmuls), backward 2.5× that; both halved when causal.
+
+    python benchmarks/gpu_attention.py                   # on a CUDA machine (a few minutes)
+    python benchmarks/gpu_attention.py --interpret-smoke # CPU dry run of the same logic, tiny
+
+``--interpret-smoke`` runs everything through Triton's interpreter on CPU float32 tensors
+with tiny shapes and a wall-clock timer: it checks the script, not the speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from selfattn.attention import attention  # imports triton only when the kernels first run
+
+TOKENS = 16_384  # B·T
+WIDTH = 2_048  # H·D
+LENGTHS = (512, 1024, 2048, 4096, 8192, 16_384)
+HEAD_DIMS = (64, 128)
+ABS_FLOOR = 1e-3  # bf16 floor added to twice SDPA's error
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--interpret-smoke",
+        action="store_true",
+        help="dry run on CPU under TRITON_INTERPRET=1 with tiny shapes (checks the script only)",
+    )
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=LENGTHS, help="sequence lengths T to time"
+    )
+    parser.add_argument(
+        "--head-dims", type=int, nargs="+", default=HEAD_DIMS, help="head dims D to time"
+    )
+    return parser.parse_args()
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Where and how big: the device, the dtype, B·T and H·D; ``smoke`` for the tiny CPU run."""
+
+    device: torch.device
+    dtype: torch.dtype
+    tokens: int
+    width: int
+    smoke: bool = False
+
+
+def elapsed_ms(fn: Callable[[], object], device: torch.device, budget_ms: float = 200.0) -> float:
+    """Mean milliseconds per call of ``fn``: CUDA events on a GPU, the wall clock on CPU.
+
+    The first call is a warm-up (it compiles and autotunes); a second, timed alone, sizes the
+    repeat count to spend about ``budget_ms``; the repeats then run back to back between two
+    events, so launch overhead overlaps with the previous call's work as it does in a model.
+    """
+    if device.type != "cuda":
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    fn()
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    repeats = max(3, min(200, int(budget_ms / max(begin.elapsed_time(end), 1e-3))))
+    begin.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / repeats
+
+
+def forward_flops(batch: int, heads: int, length: int, head_dim: int, causal: bool) -> float:
+    """4·B·H·T²·D: QKᵀ and PV, two multiply-adds per product; causal does half."""
+    flops = 4.0 * batch * heads * length * length * head_dim
+    return flops / 2 if causal else flops
+
+
+def sdpa_backends() -> dict[str, Callable | None]:
+    """torch SDPA restricted to one backend each, or None where this torch has no such switch."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return {"flash": None, "cudnn": None}
+    found = {}
+    for name, member in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION")):
+        backend = getattr(SDPBackend, member, None)
+        found[name] = None if backend is None else _pinned_sdpa(sdpa_kernel, backend)
+    return found
+
+
+def _pinned_sdpa(sdpa_kernel, backend) -> Callable:
+    def run(q, k, v, causal: bool):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def ours(q, k, v, causal: bool):
+    return attention(q, k, v, causal=causal, backend="triton")
+
+
+def check_correctness(setting: Setting) -> bool:
+    """Ours within twice SDPA's error (same dtype) of the float64 explicit path, with grads."""
+    cases = [  # (B, H, T, S, D, causal, key-padding mask)
+        (2, 4, 1000, 1000, 128, False, False),
+        (2, 4, 1000, 1000, 128, True, False),
+        (2, 4, 300, 1000, 64, True, True),
+    ]
+    if setting.smoke:
+        cases = [(1, 2, 33, 33, 16, False, False), (1, 2, 7, 40, 16, True, True)]
+    print("## Correctness (max abs error against float64; ours / torch SDPA, same dtype)\n")
+    print("| B | H | T | S | D | causal | mask | output | dQ | dK | dV | ok |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    all_ok = True
+    for batch, heads, t, s, d, causal, padded in cases:
+        generator = torch.Generator(device="cpu").manual_seed(t * s + d)
+        q, k, v = (
+            torch.randn(batch, heads, n, d, generator=generator, dtype=torch.float64)
+            for n in (t, s, s)
+        )
+        grad = torch.randn(batch, heads, t, d, generator=generator, dtype=torch.float64)
+        mask = None
+        if padded:
+            lengths = torch.tensor([s, s * 2 // 3])[:batch]
+            mask = (torch.arange(s) < lengths[:, None])[:, None, None, :]
+        results = {}
+        for backend, dtype in (("explicit", torch.float64), ("triton", setting.dtype),
+                               ("sdpa", setting.dtype)):  # fmt: skip
+            leaves = [x.to(setting.device, dtype).requires_grad_() for x in (q, k, v)]
+            out = attention(
+                *leaves,
+                mask=None if mask is None else mask.to(setting.device),
+                causal=causal,
+                backend=backend,
+            )
+            grads = torch.autograd.grad(out, leaves, grad.to(setting.device, dtype))
+            results[backend] = [x.detach().double() for x in (out, *grads)]
+        cells, ok = [], True
+        for got, base, want in zip(results["triton"], results["sdpa"], results["explicit"],
+                                   strict=True):  # fmt: skip
+            error = (got - want).abs().max().item()
+            base_error = (base - want).abs().max().item()
+            ok = ok and bool(torch.isfinite(got).all()) and error <= 2 * base_error + ABS_FLOOR
+            cells.append(f"{error:.1e} / {base_error:.1e}")
+        all_ok = all_ok and ok
+        row = [batch, heads, t, s, d, causal, padded, *cells, "yes" if ok else "**NO**"]
+        print("| " + " | ".join(str(cell) for cell in row) + " |")
+    print()
+    return all_ok
+
+
+def time_one(run: Callable, q, k, v, causal: bool, device: torch.device) -> tuple[float, float]:
+    """Milliseconds for the forward pass and for the backward pass alone."""
+    forward_ms = elapsed_ms(lambda: run(q, k, v, causal), device)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = run(*leaves, causal)
+    grad = torch.randn_like(out)
+    backward_ms = elapsed_ms(
+        lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True), device
+    )
+    return forward_ms, backward_ms
+
+
+def tflops(flops: float, milliseconds: float) -> str:
+    return f"{flops / milliseconds / 1e9:.4g}"
+
+
+def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int]) -> None:
+    """One row per (D, causal, T): TFLOP/s forward and backward for ours and SDPA's backends."""
+    from selfattn.kernels.triton_attention import tuned_configs
+
+    backends = {"ours": ours, **sdpa_backends()}
+    names = list(backends)
+    print("## Throughput (TFLOP/s; fwd = 4·B·H·T²·D, bwd = 2.5× fwd, halved when causal)\n")
+    header = ["D", "causal", "T", "B", "H"]
+    header += [f"{name} fwd" for name in names] + [f"{name} bwd" for name in names]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    notes = []
+    for head_dim in head_dims:
+        heads = max(1, setting.width // head_dim)
+        for causal in (False, True):
+            for length in lengths:
+                batch = max(1, setting.tokens // length)
+                q, k, v = (
+                    torch.randn(batch, heads, length, head_dim, device=setting.device,
+                                dtype=setting.dtype)
+                    for _ in range(3)
+                )  # fmt: skip
+                flops = forward_flops(batch, heads, length, head_dim, causal)
+                forward, backward = [], []
+                for name, run in backends.items():
+                    forward_ms = backward_ms = None
+                    if run is not None:
+                        try:
+                            forward_ms, backward_ms = time_one(run, q, k, v, causal, setting.device)
+                        except RuntimeError as error:  # a backend that refuses this shape
+                            first_line = str(error).splitlines()[0][:100]
+                            notes.append(f"{name}, D={head_dim}, T={length}: {first_line}")
+                    forward.append("n/a" if forward_ms is None else tflops(flops, forward_ms))
+                    backward.append(
+                        "n/a" if backward_ms is None else tflops(2.5 * flops, backward_ms)
+                    )
+                row = [head_dim, causal, length, batch, heads, *forward, *backward]
+                print("| " + " | ".join(str(cell) for cell in row) + " |", flush=True)
+            notes.append(f"ours, D={head_dim}, causal={causal}, T={length}: {tuned_configs()}")
+    print()
+    for note in notes:
+        print(f"- {note}")
+    print()
+
+
+def describe(setting: Setting) -> None:
+    import triton  # here, not at the top: --interpret-smoke sets TRITON_INTERPRET first
+
+    name = torch.cuda.get_device_name() if setting.device.type == "cuda" else "CPU interpreter"
+    print(f"# GPU attention: {name}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"{str(setting.dtype).removeprefix('torch.')}\n")  # fmt: skip
+
+
+def main() -> int:
+    args = parse_args()
+    if args.interpret_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+        setting = Setting(torch.device("cpu"), torch.float32, tokens=64, width=32, smoke=True)
+        lengths, head_dims = [16, 32], [16]
+    else:
+        if not torch.cuda.is_available():
+            print("No CUDA device: this benchmark needs a GPU (try --interpret-smoke on CPU).")
+            return 1
+        setting = Setting(torch.device("cuda"), torch.bfloat16, TOKENS, WIDTH)
+        lengths, head_dims = args.lengths, args.head_dims
+    started = time.perf_counter()
+    describe(setting)
+    correct = check_correctness(setting)
+    throughput_table(setting, lengths, head_dims)
+    print(f"Total time: {time.perf_counter() - started:.0f} s")
+    if not correct:
+        print("Correctness check FAILED: the throughput above is for a wrong kernel.")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

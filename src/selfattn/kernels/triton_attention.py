@@ -1,0 +1,753 @@
+"""Fused attention in Triton, forward and backward, in the FlashAttention-2 way.
+
+The forward pass never forms the (T, S) weights. Each program owns a block of queries and walks
+over key tiles with the online softmax: it keeps the running row maximum and row sum, rescales
+its output accumulator whenever the maximum grows, and at the end divides by the sum. It saves
+one number per query, the log-sum-exp of the scaled scores (in base 2), from which the backward
+pass recomputes any tile of weights exactly::
+
+    weights[i, j] = exp2(scaled_log2[i, j] - lse[i])
+
+The backward pass runs three kernels:
+
+- ``_preprocess_kernel``: delta = rowsum(dO ∘ O), the term softmax's derivative subtracts;
+- ``_dkdv_kernel``: one program per key block walks over query tiles and accumulates
+  dV = Pᵀ dO and dK = scale · dSᵀ Q, where dS = P ∘ (dP - delta) and dP = dO Vᵀ;
+- ``_dq_kernel``: one program per query block walks over key tiles and accumulates
+  dQ = scale · dS K.
+
+Conventions are those of ``selfattn.attention``: a boolean mask's True means "may attend", a
+float mask is added to the scaled scores, ``causal`` aligns bottom-right (query i sees keys
+``j <= i + (S - T)``; key tiles entirely above that diagonal are never visited), and a fully
+masked row gives output 0 and gradients 0 (its log-sum-exp is stored as +inf, so every
+recomputed weight of that row is exp2(-inf) = 0).
+
+Inputs are ``(N, T, D)`` views (the wrapper flattens leading dims); any strides are accepted.
+The head dim is padded to a power of two (at least 16) with masked loads, so odd sizes such as
+59 work. float16 and bfloat16 use tensor cores with float32 accumulation; float32 inputs use
+exact (IEEE) float32 products, so they match the reference to rounding.
+
+With ``TRITON_INTERPRET=1`` set before triton is imported, the same kernels run on CPU tensors
+through Triton's interpreter; autotuning is then reduced to one small configuration so that
+tests stay fast.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; Hopper has 228 KiB per SM, keep room for the rest
+
+
+def _config(block_m: int, block_n: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config(
+        {"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages
+    )
+
+
+def _forward_configs() -> list[triton.Config]:
+    """Query blocks (BLOCK_M) of 64/128 against key tiles (BLOCK_N) of 64/128."""
+    if INTERPRETING:
+        return [_config(16, 32, 4, 1)]
+    return [
+        _config(block_m, block_n, warps, stages)
+        for block_m, block_n, warps, stages in (
+            (128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3),
+            (128, 128, 8, 2), (128, 128, 4, 3), (64, 64, 4, 3),
+        )
+    ]  # fmt: skip
+
+
+def _dkdv_configs() -> list[triton.Config]:
+    """Key blocks (BLOCK_N) of 64/128 against narrower query tiles (BLOCK_M) of 32/64."""
+    if INTERPRETING:
+        return [_config(16, 32, 4, 1)]
+    return [
+        _config(block_m, block_n, warps, stages)
+        for block_m, block_n, warps, stages in (
+            (32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3),
+        )
+    ]  # fmt: skip
+
+
+def _dq_configs() -> list[triton.Config]:
+    """Query blocks (BLOCK_M) of 64/128 against narrower key tiles (BLOCK_N) of 32/64."""
+    if INTERPRETING:
+        return [_config(16, 32, 4, 1)]
+    return [
+        _config(block_m, block_n, warps, stages)
+        for block_m, block_n, warps, stages in (
+            (128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3),
+        )
+    ]  # fmt: skip
+
+
+def _shared_memory_pruner(stationary: str, streamed: str) -> dict:
+    """Autotune pruning that drops configurations whose tiles cannot fit in shared memory.
+
+    Estimate: the block a program keeps (``stationary``: BLOCK_M queries or BLOCK_N keys) plus
+    ``num_stages`` copies of the tile it streams, both as wide as the query and value head
+    dims together, in the input's element size. If nothing fits, the smallest is kept.
+    """
+
+    def tile_bytes(config: triton.Config, itemsize: int, width: int) -> int:
+        rows = config.kwargs[stationary] + config.num_stages * config.kwargs[streamed]
+        return rows * width * itemsize
+
+    def prune(configs: list[triton.Config], named_args: dict, **constexprs) -> list:
+        itemsize = named_args["Q"].element_size()
+        width = constexprs["BLOCK_D"] + constexprs["BLOCK_DV"]
+        size = {config: tile_bytes(config, itemsize, width) for config in configs}
+        kept = [config for config in configs if size[config] <= SHARED_MEMORY_BUDGET]
+        return kept or [min(configs, key=size.get)]
+
+    return {"early_config_prune": prune}
+
+
+def _quick_bench(fn, quantiles):
+    """Autotuning timer: shorter than Triton's default, enough to rank a handful of configs."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+TUNE_KEY = ["t_bucket", "s_bucket", "HEAD_DIM", "VALUE_DIM", "CAUSAL", "MASK_KIND"]
+
+
+def _length_bucket(length: int) -> int:
+    """Lengths that share one autotuning result: powers of two from 128 to 16,384.
+
+    Keying on exact lengths would re-tune at every step of a decode loop (S grows by one).
+    """
+    return min(max(triton.next_power_of_2(length), 128), 16384)
+
+
+# The kernels below keep their arguments grouped by tensor (pointer, then its strides) on shared
+# lines, as Triton code usually is; one argument per line would triple their length.
+# fmt: off
+
+
+@triton.jit
+def _load(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """Load a 2-D tile, masking (with 0) only the axes that can run past the tensor."""
+    if CHECK_ROWS and CHECK_COLS:
+        return tl.load(ptrs, mask=rows_ok[:, None] & cols_ok[None, :], other=0.0)
+    elif CHECK_ROWS:
+        return tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+    elif CHECK_COLS:
+        return tl.load(ptrs, mask=cols_ok[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _mask_scores(s, mask_base, stride_mt, stride_ms, rows, cols, T, S,
+                 CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, CHECK: tl.constexpr):
+    """Apply the user mask, and on boundary tiles the causal and length limits, to base-2 scores.
+
+    ``rows`` (query indices) and ``cols`` (key indices) are 2-D and broadcast against ``s``,
+    so the same code serves scores laid out (queries, keys) and (keys, queries). Mask reads
+    clamp their indices into range: rows or columns past the end only feed outputs that are
+    never stored, or are set to -inf below.
+    """
+    if MASK_KIND != 0:
+        user = tl.load(mask_base + tl.minimum(rows, T - 1) * stride_mt
+                       + tl.minimum(cols, S - 1) * stride_ms)
+        if MASK_KIND == 1:
+            s = tl.where(user != 0, s, float("-inf"))
+        else:
+            s = s + user.to(tl.float32) * 1.4426950408889634  # to base 2, like the scores
+    if CHECK:
+        keep = (rows < T) & (cols < S)
+        if CAUSAL:
+            keep = keep & (cols <= rows + (S - T))
+        s = tl.where(keep, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _key_range(start_m, T, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr):
+    """Key tiles a query block needs: [0, free) with no masking, [free, hi) with masking.
+
+    Causal: the block's first query sees keys up to ``start_m + S - T``, so every query of
+    the block sees the keys below that; its last query sees keys below
+    ``start_m + BLOCK_M + S - T``, so tiles from there on are skipped.
+    """
+    if CAUSAL:
+        hi = tl.minimum(S, start_m + BLOCK_M + S - T)
+        free = tl.minimum(tl.maximum(start_m + 1 + S - T, 0), S)
+    else:
+        hi = S
+        free = S
+    return free // BLOCK_N * BLOCK_N, hi
+
+
+@triton.jit
+def _query_range(start_n, T, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr):
+    """Query tiles a key block needs: [lo, mid) masked, [mid, full) unmasked, [tail, T) masked.
+
+    Causal: key j is seen by queries ``i >= j - (S - T)``; queries from
+    ``start_n + BLOCK_N - 1 - (S - T)`` on see every key of the block. Rows past the last full
+    tile need the length check.
+    """
+    full = T // BLOCK_M * BLOCK_M
+    if CAUSAL:
+        lo = tl.maximum(start_n - (S - T), 0) // BLOCK_M * BLOCK_M
+        seen_by_all = tl.maximum(start_n + BLOCK_N - 1 - (S - T), lo)
+        mid = tl.minimum((seen_by_all + BLOCK_M - 1) // BLOCK_M * BLOCK_M, T)
+    else:
+        lo = 0
+        mid = 0
+    return lo, mid, full, tl.maximum(mid, full)
+
+
+@triton.jit
+def _forward_tiles(acc, row_max, row_sum, q, k_base, v_base, mask_base, rows, lo, hi,
+                   stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms,
+                   T, S, qk_scale,
+                   HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, CHECK: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """Online softmax over the key tiles starting in [lo, hi); returns the updated state."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k_t = _load(k_base + offs_d[:, None] * stride_kd + cols[None, :] * stride_ks,
+                    offs_d < HEAD_DIM, cols < S, BLOCK_D != HEAD_DIM, CHECK)  # (D, N)
+        s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale  # (M, N), base 2
+        s = _mask_scores(s, mask_base, stride_mt, stride_ms, rows[:, None], cols[None, :],
+                         T, S, CAUSAL, MASK_KIND, CHECK)
+        new_max = tl.maximum(row_max, tl.max(s, 1))
+        # A row with nothing visible yet keeps max -inf; subtract 0 instead to avoid inf - inf.
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        p = tl.math.exp2(s - safe_max[:, None])
+        correction = tl.math.exp2(row_max - safe_max)
+        row_sum = row_sum * correction + tl.sum(p, 1)
+        v = _load(v_base + cols[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+                  cols < S, offs_dv < VALUE_DIM, CHECK, BLOCK_DV != VALUE_DIM)  # (N, Dv)
+        acc = tl.dot(p.to(v.dtype), v, acc * correction[:, None], input_precision=PRECISION)
+        row_max = new_max
+    return acc, row_max, row_sum
+
+
+@triton.autotune(configs=_forward_configs(), key=TUNE_KEY,
+                 prune_configs_by=_shared_memory_pruner("BLOCK_M", "BLOCK_N"),
+                 do_bench=_quick_bench)
+@triton.jit
+def _forward_kernel(Q, K, V, Mask, Out, Lse,
+                    stride_qn, stride_qt, stride_qd,
+                    stride_kn, stride_ks, stride_kd,
+                    stride_vn, stride_vs, stride_vd,
+                    stride_mo, stride_mi, stride_mt, stride_ms,
+                    stride_on, stride_ot, stride_od,
+                    inner, T, S, qk_scale, t_bucket, s_bucket,
+                    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: BLOCK_M queries of one head, all their keys; writes output and LSE.
+
+    ``qk_scale`` is the scale times log2(e); ``t_bucket``/``s_bucket`` only key the autotuner.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    head = tl.program_id(1).to(tl.int64)
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q = _load(Q + head * stride_qn + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+              rows < T, offs_d < HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # (M, D)
+    k_base = K + head * stride_kn
+    v_base = V + head * stride_vn
+    mask_base = Mask + (head // inner) * stride_mo + (head % inner) * stride_mi
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    free, hi = _key_range(start_m, T, S, BLOCK_M, BLOCK_N, CAUSAL)
+    acc, row_max, row_sum = _forward_tiles(
+        acc, row_max, row_sum, q, k_base, v_base, mask_base, rows, 0, free,
+        stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
+        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND, False, PRECISION)
+    acc, row_max, row_sum = _forward_tiles(
+        acc, row_max, row_sum, q, k_base, v_base, mask_base, rows, free, hi,
+        stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
+        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND, True, PRECISION)
+
+    empty = row_sum == 0.0  # nothing visible: output 0, and +inf makes every weight exp2(-inf)
+    row_sum = tl.where(empty, 1.0, row_sum)
+    lse = tl.where(empty, float("inf"), row_max + tl.math.log2(row_sum))
+    tl.store(Lse + head * T + rows, lse, mask=rows < T)
+    tl.store(Out + head * stride_on + rows[:, None] * stride_ot + offs_dv[None, :] * stride_od,
+             (acc / row_sum[:, None]).to(Out.dtype.element_ty),
+             mask=(rows < T)[:, None] & (offs_dv < VALUE_DIM)[None, :])
+
+
+@triton.jit
+def _preprocess_kernel(Out, DOut, Delta,
+                       stride_on, stride_ot, stride_od, stride_dn, stride_dt, stride_dd,
+                       T, VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+                       BLOCK_M: tl.constexpr):
+    """delta[i] = sum_d O[i, d] * dO[i, d], in float32, for BLOCK_M queries of one head."""
+    head = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    ok = (rows < T)[:, None] & (offs_dv < VALUE_DIM)[None, :]
+    o = tl.load(Out + head * stride_on + rows[:, None] * stride_ot + offs_dv[None, :] * stride_od,
+                mask=ok, other=0.0)
+    do = tl.load(DOut + head * stride_dn + rows[:, None] * stride_dt
+                 + offs_dv[None, :] * stride_dd, mask=ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + head * T + rows, delta, mask=rows < T)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, cols, lo, hi,
+                stride_qt, stride_qd, stride_dt, stride_dd, stride_mt, stride_ms,
+                T, S, qk_scale,
+                HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, CHECK: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """Accumulate dK, dV of one key block over the query tiles starting in [lo, hi).
+
+    Scores are laid out (keys, queries), so the recomputed weights Pᵀ feed dV = Pᵀ dO directly.
+    """
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        q_t = _load(q_base + offs_d[:, None] * stride_qd + rows[None, :] * stride_qt,
+                    offs_d < HEAD_DIM, rows < T, BLOCK_D != HEAD_DIM, CHECK)  # (D, M)
+        if CHECK:
+            lse = tl.load(lse_base + rows, mask=rows < T, other=0.0)
+            delta = tl.load(delta_base + rows, mask=rows < T, other=0.0)
+        else:
+            lse = tl.load(lse_base + rows)
+            delta = tl.load(delta_base + rows)
+        s_t = tl.dot(k, q_t, input_precision=PRECISION) * qk_scale  # (N, M), base 2
+        s_t = _mask_scores(s_t, mask_base, stride_mt, stride_ms, rows[None, :], cols[:, None],
+                           T, S, CAUSAL, MASK_KIND, CHECK)
+        p_t = tl.math.exp2(s_t - lse[None, :])
+        do = _load(do_base + rows[:, None] * stride_dt + offs_dv[None, :] * stride_dd,
+                   rows < T, offs_dv < VALUE_DIM, CHECK, BLOCK_DV != VALUE_DIM)  # (M, Dv)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (N, M)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.autotune(configs=_dkdv_configs(), key=TUNE_KEY,
+                 prune_configs_by=_shared_memory_pruner("BLOCK_N", "BLOCK_M"),
+                 do_bench=_quick_bench)
+@triton.jit
+def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV,
+                 stride_qn, stride_qt, stride_qd,
+                 stride_kn, stride_ks, stride_kd,
+                 stride_vn, stride_vs, stride_vd,
+                 stride_mo, stride_mi, stride_mt, stride_ms,
+                 stride_dn, stride_dt, stride_dd,
+                 inner, T, S, qk_scale, scale, t_bucket, s_bucket,
+                 HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: BLOCK_N keys of one head, all the queries that see them; writes dK, dV."""
+    start_n = tl.program_id(0) * BLOCK_N
+    head = tl.program_id(1).to(tl.int64)
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    k = _load(K + head * stride_kn + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+              cols < S, offs_d < HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # (N, D)
+    v = _load(V + head * stride_vn + cols[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+              cols < S, offs_dv < VALUE_DIM, True, BLOCK_DV != VALUE_DIM)  # (N, Dv)
+    q_base = Q + head * stride_qn
+    do_base = DOut + head * stride_dn
+    mask_base = Mask + (head // inner) * stride_mo + (head % inner) * stride_mi
+    lse_base = Lse + head * T
+    delta_base = Delta + head * T
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    lo, mid, full, tail = _query_range(start_n, T, S, BLOCK_M, BLOCK_N, CAUSAL)
+    dk, dv = _dkdv_tiles(
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, cols, lo, mid,
+        stride_qt, stride_qd, stride_dt, stride_dd, stride_mt, stride_ms, T, S, qk_scale,
+        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL, MASK_KIND, True, PRECISION)
+    dk, dv = _dkdv_tiles(
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, cols, mid, full,
+        stride_qt, stride_qd, stride_dt, stride_dd, stride_mt, stride_ms, T, S, qk_scale,
+        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL, MASK_KIND, False, PRECISION)
+    dk, dv = _dkdv_tiles(
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, cols, tail, T,
+        stride_qt, stride_qd, stride_dt, stride_dd, stride_mt, stride_ms, T, S, qk_scale,
+        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL, MASK_KIND, True, PRECISION)
+
+    # dK and dV are written contiguous, (N, S, D) and (N, S, Dv).
+    key_ok = (cols < S)[:, None]
+    tl.store(DK + head * S * HEAD_DIM + cols[:, None] * HEAD_DIM + offs_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=key_ok & (offs_d < HEAD_DIM)[None, :])
+    tl.store(DV + head * S * VALUE_DIM + cols[:, None] * VALUE_DIM + offs_dv[None, :],
+             dv.to(DV.dtype.element_ty), mask=key_ok & (offs_dv < VALUE_DIM)[None, :])
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, mask_base, rows, lo, hi,
+              stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms,
+              T, S, qk_scale,
+              HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, CHECK: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """Accumulate dQ of one query block over the key tiles starting in [lo, hi)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k_t = _load(k_base + offs_d[:, None] * stride_kd + cols[None, :] * stride_ks,
+                    offs_d < HEAD_DIM, cols < S, BLOCK_D != HEAD_DIM, CHECK)  # (D, N)
+        v_t = _load(v_base + offs_dv[:, None] * stride_vd + cols[None, :] * stride_vs,
+                    offs_dv < VALUE_DIM, cols < S, BLOCK_DV != VALUE_DIM, CHECK)  # (Dv, N)
+        s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale  # (M, N), base 2
+        s = _mask_scores(s, mask_base, stride_mt, stride_ms, rows[:, None], cols[None, :],
+                         T, S, CAUSAL, MASK_KIND, CHECK)
+        p = tl.math.exp2(s - lse[:, None])
+        dp = tl.dot(do, v_t, input_precision=PRECISION)  # (M, N)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.autotune(configs=_dq_configs(), key=TUNE_KEY,
+                 prune_configs_by=_shared_memory_pruner("BLOCK_M", "BLOCK_N"),
+                 do_bench=_quick_bench)
+@triton.jit
+def _dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
+               stride_qn, stride_qt, stride_qd,
+               stride_kn, stride_ks, stride_kd,
+               stride_vn, stride_vs, stride_vd,
+               stride_mo, stride_mi, stride_mt, stride_ms,
+               stride_dn, stride_dt, stride_dd,
+               inner, T, S, qk_scale, scale, t_bucket, s_bucket,
+               HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: BLOCK_M queries of one head, all the keys they see; writes dQ."""
+    start_m = tl.program_id(0) * BLOCK_M
+    head = tl.program_id(1).to(tl.int64)
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q = _load(Q + head * stride_qn + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+              rows < T, offs_d < HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # (M, D)
+    do = _load(DOut + head * stride_dn + rows[:, None] * stride_dt
+               + offs_dv[None, :] * stride_dd,
+               rows < T, offs_dv < VALUE_DIM, True, BLOCK_DV != VALUE_DIM)  # (M, Dv)
+    lse = tl.load(Lse + head * T + rows, mask=rows < T, other=float("inf"))
+    delta = tl.load(Delta + head * T + rows, mask=rows < T, other=0.0)
+    k_base = K + head * stride_kn
+    v_base = V + head * stride_vn
+    mask_base = Mask + (head // inner) * stride_mo + (head % inner) * stride_mi
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    free, hi = _key_range(start_m, T, S, BLOCK_M, BLOCK_N, CAUSAL)
+    dq = _dq_tiles(
+        dq, q, do, lse, delta, k_base, v_base, mask_base, rows, 0, free,
+        stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
+        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND, False, PRECISION)
+    dq = _dq_tiles(
+        dq, q, do, lse, delta, k_base, v_base, mask_base, rows, free, hi,
+        stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
+        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND, True, PRECISION)
+
+    # dQ is written contiguous, (N, T, D).
+    tl.store(DQ + head * T * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty),
+             mask=(rows < T)[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+# fmt: on
+
+
+def _block_dim(size: int) -> int:
+    """The tile width for a head dim: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(size))
+
+
+def _shape_args(query: Tensor, value: Tensor, causal: bool, mask_kind: int) -> dict:
+    """The compile-time arguments every kernel shares."""
+    head_dim, value_dim = query.shape[-1], value.shape[-1]
+    return {
+        "HEAD_DIM": head_dim,
+        "VALUE_DIM": value_dim,
+        "BLOCK_D": _block_dim(head_dim),
+        "BLOCK_DV": _block_dim(value_dim),
+        "CAUSAL": causal,
+        "MASK_KIND": mask_kind,
+        "PRECISION": "ieee" if query.dtype == torch.float32 else "tf32",
+    }
+
+
+def _mask_strides(mask: Tensor | None) -> tuple[int, int, int, int]:
+    return (0, 0, 0, 0) if mask is None else tuple(mask.stride())
+
+
+def _forward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    inner: int,
+    mask_kind: int,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Launch the forward kernel on (N, T, D) inputs; returns output (N, T, Dv) and LSE (N, T)."""
+    n, t, _ = query.shape
+    s, value_dim = key.shape[1], value.shape[2]
+    out = torch.empty((n, t, value_dim), dtype=query.dtype, device=query.device)
+    lse = torch.empty((n, t), dtype=torch.float32, device=query.device)
+    grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), n)  # noqa: E731
+    _forward_kernel[grid](
+        query,
+        key,
+        value,
+        query if mask is None else mask,
+        out,
+        lse,
+        *query.stride(),
+        *key.stride(),
+        *value.stride(),
+        *_mask_strides(mask),
+        *out.stride(),
+        inner,
+        t,
+        s,
+        scale * LOG2E,
+        _length_bucket(t),
+        _length_bucket(s),
+        **_shape_args(query, value, causal, mask_kind),
+    )
+    return out, lse
+
+
+def _backward(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    mask: Tensor | None,
+    inner: int,
+    mask_kind: int,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Launch the three backward kernels; returns dQ, dK, dV shaped like the inputs."""
+    n, t, _ = query.shape
+    s, value_dim = key.shape[1], value.shape[2]
+    shape_args = _shape_args(query, value, causal, mask_kind)
+    mask_arg = query if mask is None else mask
+
+    delta = torch.empty((n, t), dtype=torch.float32, device=query.device)
+    block_rows = 16 if INTERPRETING else 64
+    _preprocess_kernel[(triton.cdiv(t, block_rows), n)](
+        out,
+        grad_out,
+        delta,
+        *out.stride(),
+        *grad_out.stride(),
+        t,
+        VALUE_DIM=value_dim,
+        BLOCK_DV=shape_args["BLOCK_DV"],
+        BLOCK_M=block_rows,
+    )
+
+    grad_query = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    grad_key = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    grad_value = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    common = (
+        *query.stride(),
+        *key.stride(),
+        *value.stride(),
+        *_mask_strides(mask),
+        *grad_out.stride(),
+        inner,
+        t,
+        s,
+        scale * LOG2E,
+        scale,
+        _length_bucket(t),
+        _length_bucket(s),
+    )
+    _dkdv_kernel[lambda meta: (triton.cdiv(s, meta["BLOCK_N"]), n)](
+        query,
+        key,
+        value,
+        mask_arg,
+        grad_out,
+        lse,
+        delta,
+        grad_key,
+        grad_value,
+        *common,
+        **shape_args,
+    )
+    _dq_kernel[lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), n)](
+        query,
+        key,
+        value,
+        mask_arg,
+        grad_out,
+        lse,
+        delta,
+        grad_query,
+        *common,
+        **shape_args,
+    )
+    return grad_query, grad_key, grad_value
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Autograd wrapper: the forward saves Q, K, V, O and the LSE; the backward recomputes."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        mask: Tensor | None,
+        inner: int,
+        mask_kind: int,
+        causal: bool,
+        scale: float,
+    ) -> Tensor:
+        out, lse = _forward(query, key, value, mask, inner, mask_kind, causal, scale)
+        ctx.save_for_backward(query, key, value, out, lse, mask)
+        ctx.settings = (inner, mask_kind, causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        query, key, value, out, lse, mask = ctx.saved_tensors
+        grads = _backward(grad_out, query, key, value, out, lse, mask, *ctx.settings)
+        return (*grads, None, None, None, None, None)
+
+
+def _kernel_mask(
+    mask: Tensor | None, lead: torch.Size, t: int, s: int, device: torch.device
+) -> tuple[Tensor | None, int, int]:
+    """The mask as a (outer, inner, T, S) view with broadcast dims at stride 0, and its kind.
+
+    ``inner`` is the last leading dim (heads, usually); a key-padding mask of shape
+    (B, 1, 1, S) thus stays (B, 1, 1, S) in memory, read with strides (S, 0, 0, 1).
+    """
+    inner = lead[-1] if len(lead) > 0 else 1
+    if mask is None:
+        return None, inner, MASK_NONE
+    outer = math.prod(lead[:-1])
+    view = mask.to(device).expand(*lead, t, s).reshape(outer, inner, t, s)
+    if mask.dtype == torch.bool:
+        return view.view(torch.uint8), inner, MASK_BOOL
+    return view, inner, MASK_FLOAT
+
+
+def unsupported_reason(
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
+) -> str | None:
+    """Why these tensors cannot go through the kernels (device, dtype, head dim), or None."""
+    if not (query.is_cuda or (INTERPRETING and query.device.type == "cpu")):
+        return (
+            f"the Triton kernels run on CUDA tensors (or on CPU with TRITON_INTERPRET=1 set "
+            f"before triton is imported); got a tensor on {query.device}"
+        )
+    if query.dtype not in SUPPORTED_DTYPES:
+        return f"the Triton kernels take float16, bfloat16 or float32, got {query.dtype}"
+    if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
+        return (
+            f"the Triton kernels support head dims up to {MAX_HEAD_DIM}, got "
+            f"{query.shape[-1]} (query/key) and {value.shape[-1]} (value)"
+        )
+    if mask is not None and mask.dtype != torch.bool and mask.requires_grad:
+        return "the Triton kernels do not compute gradients for a float mask"
+    return None
+
+
+def triton_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float,
+) -> Tensor:
+    """softmax(query @ keyᵀ * scale + mask) @ value with the fused kernels, differentiable.
+
+    Args:
+        query, key, value: ``(..., T, D)``, ``(..., S, D)``, ``(..., S, Dv)`` with the same
+            leading dims, float16/bfloat16/float32, CUDA (or CPU under TRITON_INTERPRET=1).
+        mask: boolean (True = may attend) or float (added to the scaled scores),
+            broadcastable to ``(..., T, S)``; broadcast dims are read with stride 0.
+        causal: bottom-right alignment, query i sees keys ``j <= i + (S - T)``.
+        scale: multiplies the dot products.
+
+    Returns ``(..., T, Dv)`` in the input dtype. Validation of shapes and options is
+    ``selfattn.attention``'s job; this checks only what the kernels themselves need.
+    """
+    reason = unsupported_reason(query, key, value, mask)
+    if reason is not None:
+        raise ValueError(reason)
+    lead = query.shape[:-2]
+    t, s, value_dim = query.shape[-2], key.shape[-2], value.shape[-1]
+    if t == 0 or s == 0 or math.prod(lead) == 0:
+        # Nothing to attend to (or nobody asking): zeros, still connected to the graph.
+        return (query.sum() + key.sum() + value.sum()) * 0 + query.new_zeros(*lead, t, value_dim)
+    flat = [x.reshape(-1, *x.shape[-2:]) for x in (query, key, value)]  # (N, T|S, D)
+    kernel_mask, inner, mask_kind = _kernel_mask(mask, lead, t, s, query.device)
+    out = _FusedAttention.apply(*flat, kernel_mask, inner, mask_kind, causal, float(scale))
+    return out.reshape(*lead, t, value_dim)
+
+
+def tuned_configs() -> dict[str, str]:
+    """The configuration each autotuned kernel picked on its latest call (for reports)."""
+    kernels = {"forward": _forward_kernel, "dk/dv": _dkdv_kernel, "dq": _dq_kernel}
+    picked = {}
+    for name, kernel in kernels.items():
+        config = getattr(kernel, "best_config", None)
+        if config is None:
+            picked[name] = "not run"
+            continue
+        block_m, block_n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+        picked[name] = (
+            f"BLOCK_M={block_m} BLOCK_N={block_n} "
+            f"warps={config.num_warps} stages={config.num_stages}"
+        )
+    return picked

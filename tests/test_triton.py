@@ -1,0 +1,201 @@
+"""The Triton kernels (forward and backward) against the explicit path, under the interpreter.
+
+TRITON_INTERPRET=1 is set before triton is imported, so the same kernels that run on a GPU run
+here on CPU float32 tensors (small shapes: the interpreter is slow).
+
+Tolerance (flash-attention's rule): against the explicit path in float64, our error (max abs,
+output and each gradient) is at most twice that of torch's own SDPA in the same dtype, plus an
+absolute floor of ``ABS_FLOOR[dtype]`` (1e-6 in float32, 1e-4 in float16) for cases where
+SDPA happens to be exact.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if os.environ["TRITON_INTERPRET"] != "1":
+    pytest.skip("these tests run the kernels under TRITON_INTERPRET=1", allow_module_level=True)
+
+from selfattn.attention import BACKENDS, attention, choose_backend, make_call
+
+ABS_FLOOR = {torch.float32: 1e-6, torch.float16: 1e-4}
+
+
+def _inputs(t: int, s: int, d: int, dv: int | None = None, lead=(2, 3), seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(*lead, t, d, generator=generator, dtype=torch.float64)
+    k = torch.randn(*lead, s, d, generator=generator, dtype=torch.float64)
+    v = torch.randn(*lead, s, dv or d, generator=generator, dtype=torch.float64)
+    grad = torch.randn(*lead, t, dv or d, generator=generator, dtype=torch.float64)
+    return q, k, v, grad
+
+
+def _run(backend: str, q, k, v, grad, dtype, **options):
+    """Output and (dq, dk, dv) of one backend, inputs cast to ``dtype``."""
+    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    out = attention(*leaves, backend=backend, **options)
+    grads = torch.autograd.grad(out, leaves, grad.to(dtype))
+    return [out.detach(), *grads]
+
+
+def assert_matches_reference(q, k, v, grad, dtype=torch.float32, **options):
+    """Triton within twice SDPA's error of the float64 explicit path, output and gradients."""
+    reference = _run("explicit", q, k, v, grad, torch.float64, **options)
+    ours = _run("triton", q, k, v, grad, dtype, **options)
+    baseline = _run("sdpa", q, k, v, grad, dtype, **options)
+    for name, got, base, want in zip(
+        ("output", "dq", "dk", "dv"), ours, baseline, reference, strict=True
+    ):
+        assert torch.isfinite(got).all(), f"{name} has NaN or inf"
+        error = (got.double() - want).abs().max().item()
+        base_error = (base.double() - want).abs().max().item()
+        bound = 2 * base_error + ABS_FLOOR[dtype]
+        assert error <= bound, f"{name}: error {error:.2e} > 2 × SDPA's {base_error:.2e} + floor"
+
+
+LENGTHS = [(1, 1), (7, 7), (33, 33), (64, 64), (7, 33), (33, 7), (1, 64), (64, 1)]
+
+
+@pytest.mark.parametrize("t, s", LENGTHS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_lengths_and_causal(t, s, causal):
+    assert_matches_reference(*_inputs(t, s, 16), causal=causal)
+
+
+@pytest.mark.parametrize("d, dv", [(64, 64), (5, 5), (59, 59), (16, 24)])
+def test_head_dims_padded_to_a_power_of_two(d, dv):
+    assert_matches_reference(*_inputs(33, 64, d, dv), causal=True)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.05])
+def test_any_scale(scale):
+    assert_matches_reference(*_inputs(33, 33, 16), scale=scale)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_padding_mask_broadcast_over_heads_and_queries(causal):
+    lengths = torch.tensor([64, 40])
+    mask = (torch.arange(64) < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    assert_matches_reference(*_inputs(33, 64, 16), mask=mask, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_general_bool_mask(causal):
+    mask = torch.rand(33, 64, generator=torch.Generator().manual_seed(1)) > 0.3  # (T, S)
+    assert_matches_reference(*_inputs(33, 64, 16), mask=mask, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_float_mask_with_minus_infinity(causal):
+    mask = torch.randn(2, 3, 33, 64, generator=torch.Generator().manual_seed(2))
+    mask[..., ::5] = float("-inf")
+    assert_matches_reference(*_inputs(33, 64, 16), mask=mask, causal=causal)
+
+
+def test_fully_masked_rows_give_zero_output_and_zero_gradients():
+    q, k, v, grad = _inputs(33, 64, 16)
+    mask = torch.ones(2, 3, 33, 64, dtype=torch.bool)
+    mask[0, 1, 5] = False
+    mask[1, :, 20:] = False
+    out, dq, dk, dv = _run("triton", q, k, v, grad, torch.float32, mask=mask)
+    assert (out[0, 1, 5] == 0).all() and (out[1, :, 20:] == 0).all()
+    assert (dq[0, 1, 5] == 0).all() and (dq[1, :, 20:] == 0).all()
+    assert all(torch.isfinite(x).all() for x in (out, dq, dk, dv))
+    assert_matches_reference(q, k, v, grad, mask=mask)
+
+
+def test_more_queries_than_keys_leaves_the_first_rows_empty():
+    # Bottom-right causal with T=33, S=7: queries 0..25 see no key at all.
+    out, dq, _, _ = _run("triton", *_inputs(33, 7, 16), torch.float32, causal=True)
+    assert (out[..., :26, :] == 0).all() and (dq[..., :26, :] == 0).all()
+
+
+def test_float_mask_row_of_minus_infinity_is_empty():
+    q, k, v, grad = _inputs(7, 33, 16)
+    mask = torch.zeros(7, 33)
+    mask[3] = float("-inf")
+    out, dq, _, _ = _run("triton", q, k, v, grad, torch.float32, mask=mask)
+    assert (out[..., 3, :] == 0).all() and (dq[..., 3, :] == 0).all()
+    assert torch.isfinite(dq).all()
+
+
+def test_no_keys_at_all_gives_zeros():
+    q, k, v, grad = _inputs(5, 0, 16)
+    out, dq, dk, dv = _run("triton", q, k, v, grad, torch.float32)
+    assert out.shape == (2, 3, 5, 16) and (out == 0).all() and (dq == 0).all()
+    assert dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_cosine_similarity_through_the_dispatcher():
+    assert_matches_reference(*_inputs(33, 33, 16), similarity="cosine", causal=True)
+
+
+@pytest.mark.parametrize("lead", [(), (2,), (2, 1, 3)])
+def test_any_leading_dims(lead):
+    mask = torch.rand(*lead, 1, 33, generator=torch.Generator().manual_seed(3)) > 0.2
+    assert_matches_reference(*_inputs(7, 33, 16, lead=lead), mask=mask)
+
+
+def test_non_contiguous_inputs():
+    # (B, T, H, D) transposed to (B, H, T, D), as a layer that splits heads produces.
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (
+        torch.randn(2, n, 3, 16, generator=generator, dtype=torch.float64).transpose(1, 2)
+        for n in (7, 33, 33)
+    )
+    grad = torch.randn(2, 3, 7, 16, generator=generator, dtype=torch.float64)
+    assert not q.float().is_contiguous()
+    assert_matches_reference(q, k, v, grad, causal=True)
+
+
+def test_float16_within_twice_sdpa_error():
+    assert_matches_reference(*_inputs(33, 64, 16), dtype=torch.float16, causal=True)
+
+
+def _why_not(q=None, k=None, v=None, mask=None, dropout_p=0.0) -> str | None:
+    q, k, v = (torch.randn(7, 16) if x is None else x for x in (q, k, v))
+    call = make_call(q, k, v, mask, False, "dot", None, dropout_p)
+    return BACKENDS["triton"].why_not(call)
+
+
+def test_why_not_explains_each_refusal(monkeypatch):
+    assert _why_not() is None
+    assert "dropout" in _why_not(dropout_p=0.1)
+    wide = torch.randn(7, 512)
+    assert "up to 256" in _why_not(wide, wide, wide)
+    double = torch.randn(7, 16, dtype=torch.float64)
+    assert "float64" in _why_not(double, double, double)
+    assert "gradients for a float mask" in _why_not(mask=torch.zeros(7, 7, requires_grad=True))
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    message = _why_not()
+    assert "CUDA" in message and "TRITON_INTERPRET=1" in message
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *args: None)
+    assert "pip install" in _why_not()
+
+
+def test_refusals_raise_from_attention():
+    q, k, v, _ = (x.float() for x in _inputs(7, 7, 16))
+    with pytest.raises(ValueError, match="dropout"):
+        attention(q, k, v, dropout_p=0.5, backend="triton")
+    with pytest.raises(ValueError, match="cannot return a trace"):
+        attention(q, k, v, backend="triton", return_trace=True)
+
+
+def test_auto_keeps_sdpa_on_cpu():
+    q, k, v, _ = (x.float() for x in _inputs(7, 7, 16))
+    call = make_call(q, k, v, None, False, "dot", None, 0.0)
+    assert choose_backend(call).name == "sdpa"
+
+
+def test_importing_selfattn_does_not_import_triton():
+    code = "import sys, selfattn, selfattn.attention; assert 'triton' not in sys.modules"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
