@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	touch $(STAMP)
 
+# The main job on the default model; also writes the interactive page bank.html.
 demo: install
-	$(VENV)/bin/selfattn demo
+	$(VENV)/bin/selfattn explain "I went to the bank to deposit money." --word bank --html bank.html
 
 test: install
 	$(PY) -m pytest -q

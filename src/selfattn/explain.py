@@ -43,6 +43,14 @@ class RecordedRun(Protocol):
     def token_index(self, word: str, occurrence: int = 0) -> int: ...
 
 
+class TextModel(Protocol):
+    """A model that runs a text with recording (``selfattn.models.model.Model``)."""
+
+    name: str
+
+    def run(self, text: str, truncate: bool = False) -> RecordedRun: ...
+
+
 @dataclass(frozen=True)
 class Steps:
     """One query row of one head, step by step; every number from the recorded q, k, v."""
@@ -194,6 +202,30 @@ def explain(
         alternative=alternative,
         groups=groups,
     )
+
+
+def explain_text(
+    model: TextModel,
+    text: str,
+    *,
+    word: str | None = None,
+    index: int | None = None,
+    occurrence: int = 0,
+    truncate: bool = False,
+    **options,
+) -> tuple[RecordedRun, Explanation]:
+    """Run ``text`` through ``model`` and explain the query given by ``word`` or ``index``.
+
+    ``options`` are those of :func:`explain` (layer, head, similarity, scale, words). This is
+    what ``selfattn explain`` and the web explorer's ``/api/explain`` both call.
+    """
+    if word is not None and index is not None:
+        raise ValueError("give either a word or a token index, not both")
+    run = model.run(text, truncate=truncate)
+    query = run.token_index(word, occurrence) if word is not None else index
+    if query is not None and not 0 <= query < len(run.tokens):
+        raise IndexError(f"token index {query} is out of range: tokens 0..{len(run.tokens) - 1}")
+    return run, explain(run, model_name=model.name, query=query, **options)
 
 
 def query_steps(trace: AttentionTrace, query: int) -> Steps:

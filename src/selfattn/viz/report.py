@@ -115,15 +115,19 @@ def save_heatmap(e: Explanation, path: Path) -> Path:
 
 def page(run: RecordedRun, e: Explanation) -> str:
     """The interactive offline page of the whole run, opened on the explained layer/head."""
+    return render_page(page_data(run, e))
+
+
+def page_data(run: RecordedRun, e: Explanation) -> dict:
+    """The page's payload (see :mod:`selfattn.viz.html`) for a run and its explanation."""
     query, key, value = stacked_qkv(run)
     capture = run.captures[0]
     scale = capture.scale or default_scale(capture.similarity, query.shape[-1])
-    payload = page_payload(
+    return page_payload(
         tokens=e.tokens, query=query, key=key, value=value, scale=scale,
         similarity=capture.similarity, model_name=e.model, text=e.text, layer=e.layer,
         head=e.head or 0, query_index=e.query, words=run.word_ids, causal=capture.causal,
     )  # fmt: skip
-    return render_page(payload)
 
 
 def print_comparison(console: Console, c: Comparison, model: str) -> None:
