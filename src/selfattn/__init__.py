@@ -9,6 +9,8 @@ from selfattn.layers import (
     SinusoidalPositions,
     TransformerBlock,
 )
+from selfattn.models.loading import load
+from selfattn.models.model import Model, Run
 from selfattn.recording import Capture, Recording, record
 
 __all__ = [
@@ -17,12 +19,15 @@ __all__ = [
     "Capture",
     "KVCache",
     "LearnedPositions",
+    "Model",
     "MultiHeadAttention",
     "Recording",
+    "Run",
     "SelfAttention",
     "SinusoidalPositions",
     "TransformerBlock",
     "attention",
     "default_scale",
+    "load",
     "record",
 ]

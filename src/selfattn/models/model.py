@@ -1,0 +1,303 @@
+"""A loaded model with its tokenizer: look inside one text (``run``), embed many (``encode``),
+continue a prompt (``generate``).
+
+:class:`Model` wraps a network built from our layers (:class:`~selfattn.models.bert.Bert` or
+:class:`~selfattn.models.gpt.GPT`). :meth:`Model.run` runs one text on the fast path under
+:func:`selfattn.record` and returns a :class:`Run`: tokens aligned to words, every layer's hidden
+states, and attention weights and traces recomputed on demand for the layers and heads asked for.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from rich.progress import Progress
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
+
+from selfattn.attention import BACKENDS, AttentionTrace
+from selfattn.errors import SelfAttnError
+from selfattn.layers import AttentionModule
+from selfattn.models.bert import Bert, EncoderOutput
+from selfattn.models.gpt import GPT, DecoderOutput
+from selfattn.recording import Recording, record
+from selfattn.text import Encoding, Span, Tokenizer, Word
+
+PROGRESS_MIN_BATCHES = 4  # progress=None shows a bar above this many batches on a terminal
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What a viewer needs to know about a model, whatever its architecture."""
+
+    kind: str  # "encoder" (BERT family) or "decoder" (GPT family)
+    model_type: str  # config.json's model_type: "bert", "gpt2"
+    n_layers: int
+    n_heads: int
+    d_model: int
+    max_positions: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class SentenceConfig:
+    """How sentence-transformers turns this checkpoint's token vectors into one vector."""
+
+    POOLINGS: ClassVar[tuple[str, ...]] = ("mean_tokens", "cls_token", "max_tokens")
+
+    pooling: str = "mean_tokens"  # one of POOLINGS (names as in 1_Pooling/config.json)
+    max_seq_length: int = 512  # longer texts are cut to this many tokens
+
+
+def set_backend(model: nn.Module, backend: str) -> None:
+    """Set the attention backend of every attention module in ``model``."""
+    if backend != "auto" and backend not in BACKENDS:
+        raise SelfAttnError(
+            f"unknown attention backend {backend!r}; choose one of: auto, {', '.join(BACKENDS)}"
+        )
+    for module in model.modules():
+        if isinstance(module, AttentionModule):
+            module.backend = backend
+
+
+def pool(hidden: Tensor, mask: Tensor, pooling: str) -> Tensor:
+    """One vector per sequence from token vectors (B, T, D) and the padding mask (B, T)."""
+    if pooling == "cls_token":
+        return hidden[:, 0]
+    weights = mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+    if pooling == "max_tokens":
+        return hidden.masked_fill(weights == 0, torch.finfo(hidden.dtype).min).amax(dim=1)
+    return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One text through the model: tokens, words, hidden states and the recorded attention.
+
+    Layers of :meth:`attention` and :meth:`trace` count attention layers, ``0 .. n_layers-1``;
+    layers of :attr:`hidden_states` and :meth:`word_vector` count states, ``0`` being the
+    embeddings and ``n_layers`` the last block's output. Negative indices count from the end.
+    """
+
+    encoding: Encoding
+    hidden_states: Tensor  # (L+1, T, D): embeddings, then each block's output
+    captures: Recording  # q, k, v of every attention layer, recorded on the fast path
+    logits: Tensor | None  # (T, vocab) next-token scores, decoders only
+
+    @property
+    def text(self) -> str:
+        return self.encoding.text
+
+    @property
+    def tokens(self) -> list[str]:
+        return self.encoding.tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.encoding.ids
+
+    @property
+    def offsets(self) -> list[Span]:
+        return self.encoding.offsets
+
+    @property
+    def word_ids(self) -> list[int | None]:
+        return self.encoding.word_ids
+
+    @property
+    def words(self) -> list[Word]:
+        return self.encoding.words
+
+    @property
+    def n_layers(self) -> int:
+        return self.hidden_states.shape[0] - 1
+
+    @property
+    def n_heads(self) -> int:
+        return self.captures[0].n_heads
+
+    def trace(self, layer: int, head: int | None = None) -> AttentionTrace:
+        """Every intermediate of one head (``(T, T)`` weights) or all heads (``(H, T, T)``)."""
+        if not -self.n_layers <= layer < self.n_layers:
+            raise IndexError(
+                f"layer {layer} out of range: this model has attention layers "
+                f"0..{self.n_layers - 1}"
+            )
+        return self.captures.layer(layer % self.n_layers)[0].trace(head)
+
+    def attention(self, layer: int, head: int | None = None) -> Tensor:
+        """Attention weights of one head ``(T, T)``, or of all heads ``(H, T, T)``."""
+        return self.trace(layer, head).weights
+
+    def word_tokens(self, word_or_span: str | Span, occurrence: int = 0) -> range:
+        """Token indices of a word (whole word, case-insensitive) or a character span."""
+        return self.encoding.select(word_or_span, occurrence)
+
+    def token_index(self, word: str, occurrence: int = 0) -> int:
+        """Index of the first token of ``word`` (its ``occurrence``-th match)."""
+        return self.word_tokens(word, occurrence).start
+
+    def word_vector(self, word_or_span: str | Span, layer: int = -1, occurrence: int = 0) -> Tensor:
+        """Mean hidden state ``(D,)`` of the word's tokens at ``layer`` (default: the last)."""
+        if not -self.n_layers - 1 <= layer <= self.n_layers:
+            raise IndexError(
+                f"layer {layer} out of range: hidden states are 0 (embeddings)..{self.n_layers}"
+            )
+        tokens = self.word_tokens(word_or_span, occurrence)
+        return self.hidden_states[layer, tokens.start : tokens.stop].mean(dim=0)
+
+
+class Model(nn.Module):
+    """A pretrained network and its tokenizer; call it like the network, or use the helpers."""
+
+    def __init__(
+        self,
+        network: Bert | GPT,
+        config: ModelConfig,
+        *,
+        name: str,
+        tokenizer: Tokenizer | None = None,
+        sentence: SentenceConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.network = network
+        self.config = config
+        self.name = name
+        self.tokenizer = tokenizer
+        self.sentence = sentence
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> EncoderOutput | DecoderOutput:
+        """input_ids (B, T); attention_mask (B, T), 1 for real tokens; token types (encoders).
+
+        Encoders give ``last_hidden_state`` and ``hidden_states``; decoders ``logits`` and
+        ``hidden_states`` (the last before the final layer norm).
+        """
+        if self.config.kind == "decoder":
+            if token_type_ids is not None:
+                raise SelfAttnError("token_type_ids are for encoders; a decoder takes none")
+            return self.network(input_ids, attention_mask=attention_mask)
+        return self.network(input_ids, attention_mask, token_type_ids)
+
+    def set_backend(self, backend: str) -> None:
+        """Run every attention module on ``backend`` (``"auto"``, ``"sdpa"``, ``"explicit"``...)."""
+        set_backend(self, backend)
+
+    def run(self, text: str, truncate: bool = False) -> Run:
+        """Run one text, recording every attention call, for looking inside.
+
+        Text longer than the model's positions is an error unless ``truncate=True``, which
+        keeps the first tokens (special tokens kept).
+        """
+        tokenizer = self._require_tokenizer()
+        if not text.strip():
+            raise SelfAttnError("the text is empty; pass a sentence to run")
+        limit = self.config.max_positions
+        if not truncate and (count := tokenizer.count(text)) > limit:
+            raise SelfAttnError(
+                f"the text is {count} tokens but {self.name} takes at most {limit}; "
+                "shorten it or pass truncate=True"
+            )
+        encoding = tokenizer.encode(text, max_length=limit if truncate else None)
+        input_ids = torch.tensor([encoding.ids], device=self.device)
+        with torch.no_grad(), record(self.network) as recording:
+            output = self(input_ids)
+        hidden_states = torch.stack(output.hidden_states).squeeze(1)  # (L+1, T, D)
+        logits = output.logits[0] if isinstance(output, DecoderOutput) else None
+        return Run(encoding, hidden_states, recording, logits)
+
+    def encode(
+        self,
+        texts: Sequence[str],
+        batch_size: int = 32,
+        normalize: bool = True,
+        progress: bool | None = None,
+    ) -> Tensor:
+        """Sentence embeddings ``(N, D)``, as sentence-transformers computes them.
+
+        Pooling and the truncation length come from the checkpoint's sentence-transformers
+        files (mean pooling, 256 tokens for MiniLM); ``normalize`` scales each to unit length
+        (MiniLM's own pipeline ends with that Normalize step). Texts are sorted by length and
+        each batch is padded only to its longest. A single string counts as one text.
+        """
+        if self.config.kind != "encoder" or self.sentence is None:
+            raise SelfAttnError(f"encode needs an encoder (BERT family); {self.name} is a decoder")
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        tokenizer = self._require_tokenizer()
+        ids = tokenizer.encode_ids(texts, max_length=self.sentence.max_seq_length)
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]), reverse=True)
+        batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+        if progress is None:
+            progress = len(batches) > PROGRESS_MIN_BATCHES and sys.stderr.isatty()
+        embeddings = torch.empty(len(ids), self.config.d_model, dtype=self.dtype)
+        with torch.inference_mode(), Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task("encoding", total=len(texts))
+            for batch in batches:
+                embeddings[batch] = self._embed([ids[i] for i in batch]).cpu()
+                bar.advance(task, len(batch))
+        return F.normalize(embeddings, dim=-1) if normalize else embeddings
+
+    def _embed(self, batch_ids: list[list[int]]) -> Tensor:
+        """Pooled vectors (B, D) of one batch of token ids, padded to the batch's longest."""
+        rows = [torch.tensor(row) for row in batch_ids]
+        input_ids = pad_sequence(rows, batch_first=True).to(self.device)  # (B, T)
+        lengths = torch.tensor([len(row) for row in batch_ids], device=self.device)
+        mask = torch.arange(input_ids.shape[1], device=self.device) < lengths[:, None]  # (B, T)
+        padded = bool((lengths < input_ids.shape[1]).any())
+        hidden = self(input_ids, mask if padded else None).last_hidden_state
+        return pool(hidden, mask, self.sentence.pooling)
+
+    def generate(
+        self,
+        prompt: str,
+        max_new_tokens: int = 50,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        use_cache: bool = True,
+    ) -> str:
+        """The text a decoder writes after ``prompt`` (the continuation only); temperature 0
+        is greedy, ``seed`` makes sampling repeatable."""
+        if self.config.kind != "decoder":
+            raise SelfAttnError(f"generate needs a decoder (GPT family); {self.name} is an encoder")
+        tokenizer = self._require_tokenizer()
+        prompt_ids = tokenizer.encode(prompt).ids
+        if not prompt_ids:
+            raise SelfAttnError("the prompt is empty; pass some text to continue")
+        input_ids = torch.tensor([prompt_ids], device=self.device)
+        output_ids = self.network.generate(
+            input_ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            use_cache=use_cache,
+        )
+        full_text = tokenizer.decode(output_ids[0].tolist())
+        return full_text[len(tokenizer.decode(prompt_ids)) :]
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise SelfAttnError(
+                f"{self.name} has no tokenizer.json; add the checkpoint's tokenizer to its folder "
+                "or call the model on token ids"
+            )
+        return self.tokenizer

@@ -1,0 +1,152 @@
+"""Text to tokens and back, and which tokens make up which word (through character offsets).
+
+A checkpoint's ``tokenizer.json`` is read with Hugging Face ``tokenizers`` (word-piece for BERT,
+byte-level BPE for GPT-2). Words are found in the text itself, the same way for every
+tokenizer: runs of letters and digits (``don't`` and ``3.50`` stay whole) and single punctuation
+marks. A token belongs to the words its character span overlaps, so a word split into pieces
+(``token`` + ``##izer``) maps to all of them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import tokenizers
+from tokenizers import decoders
+
+from selfattn.errors import SelfAttnError
+
+WORD_PATTERN = re.compile(r"\d+(?:[.,]\d+)+|\w+(?:['’]\w+)*|[^\w\s]")
+
+Span = tuple[int, int]  # (start, end) character positions, end excluded
+
+
+@dataclass(frozen=True)
+class Word:
+    """One word of the text: its characters and the tokens that overlap them."""
+
+    text: str
+    start: int
+    end: int
+    tokens: range  # indices into the encoding's tokens
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """A text as the model sees it, with the alignment between words and tokens."""
+
+    text: str
+    ids: list[int]
+    tokens: list[str]  # readable pieces: "##ing" for word-piece, " bank" for byte-level BPE
+    offsets: list[Span]  # each token's characters in ``text``; (0, 0) for special tokens
+    words: list[Word]  # the words that have at least one token (all, unless truncated)
+    word_ids: list[int | None]  # index into ``words`` of each token; None for special tokens
+
+    def find(self, word: str, occurrence: int = 0) -> Span:
+        """Character span of a whole-word, case-insensitive match of ``word`` (or a phrase)."""
+        if not word.strip():
+            raise SelfAttnError("the word to find is empty; pass a word of the text")
+        pattern = re.compile(rf"(?<!\w){re.escape(word.strip())}(?!\w)", re.IGNORECASE)
+        matches = [match.span() for match in pattern.finditer(self.text)]
+        if occurrence >= len(matches) or occurrence < -len(matches):
+            listed = ", ".join(dict.fromkeys(w.text for w in self.words))
+            found = f"it occurs {len(matches)} time(s)" if matches else "it is not in the text"
+            raise SelfAttnError(
+                f"cannot find occurrence {occurrence} of the word {word!r} ({found}); "
+                f"the words are: {listed}"
+            )
+        return matches[occurrence]
+
+    def tokens_in(self, span: Span) -> range:
+        """The tokens whose characters overlap ``span``; an error if none do."""
+        start, end = span
+        hits = [i for i, (s, e) in enumerate(self.offsets) if s < end and e > start]
+        if not hits:
+            raise SelfAttnError(
+                f"no token covers characters {start}..{end} of a {len(self.text)}-character "
+                "text (outside it, only spaces, or cut off by truncation); choose another span"
+            )
+        return range(hits[0], hits[-1] + 1)
+
+    def select(self, word_or_span: str | Span, occurrence: int = 0) -> range:
+        """Tokens of a word (whole-word match, case-insensitive) or of a character span."""
+        if isinstance(word_or_span, str):
+            return self.tokens_in(self.find(word_or_span, occurrence))
+        return self.tokens_in(word_or_span)
+
+
+class Tokenizer:
+    """A checkpoint's ``tokenizer.json``; never pads, truncates only when asked."""
+
+    def __init__(self, backend: tokenizers.Tokenizer) -> None:
+        self.backend = backend
+        self.backend.no_truncation()
+        self.backend.no_padding()
+        self.byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        try:
+            return cls(tokenizers.Tokenizer.from_file(str(path)))
+        except Exception as error:  # tokenizers raises a bare Exception for bad files
+            first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise SelfAttnError(
+                f"cannot read the tokenizer {path}: {first_line}; replace it with the "
+                "checkpoint's original tokenizer.json"
+            ) from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    def count(self, text: str) -> int:
+        """How many tokens ``text`` becomes, special tokens included."""
+        return len(self.backend.encode(text))
+
+    def encode(self, text: str, max_length: int | None = None) -> Encoding:
+        """Tokens of ``text`` (special tokens added), cut to ``max_length`` if given."""
+        encoded = self._encode_batch([text], max_length)[0]
+        if self.byte_level:
+            pieces = [self.backend.decode([i], skip_special_tokens=False) for i in encoded.ids]
+        else:
+            pieces = list(encoded.tokens)
+        offsets = [
+            (0, 0) if special else span
+            for span, special in zip(encoded.offsets, encoded.special_tokens_mask, strict=True)
+        ]
+        words, word_ids = align_words(text, offsets)
+        return Encoding(text, list(encoded.ids), pieces, offsets, words, word_ids)
+
+    def encode_ids(self, texts: list[str], max_length: int | None = None) -> list[list[int]]:
+        """Token ids of many texts at once (the library's parallel path), each cut if asked."""
+        return [encoded.ids for encoded in self._encode_batch(texts, max_length)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=True)
+
+    def _encode_batch(self, texts: list[str], max_length: int | None) -> list:
+        if max_length is None:
+            return self.backend.encode_batch(texts)
+        self.backend.enable_truncation(max_length)
+        try:
+            return self.backend.encode_batch(texts)
+        finally:
+            self.backend.no_truncation()
+
+
+def align_words(text: str, offsets: list[Span]) -> tuple[list[Word], list[int | None]]:
+    """The words of ``text`` that some token overlaps, and each token's (first) word."""
+    words: list[Word] = []
+    word_ids: list[int | None] = [None] * len(offsets)
+    for match in WORD_PATTERN.finditer(text):
+        start, end = match.span()
+        hits = [i for i, (s, e) in enumerate(offsets) if s < end and e > start]
+        if not hits:
+            continue
+        for i in hits:
+            if word_ids[i] is None:
+                word_ids[i] = len(words)
+        words.append(Word(match.group(), start, end, range(hits[0], hits[-1] + 1)))
+    return words, word_ids

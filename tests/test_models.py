@@ -1,0 +1,245 @@
+"""The real all-MiniLM-L6-v2 on our attention equals Hugging Face and sentence-transformers.
+
+Tolerances (float32 throughout): hidden states 1e-4 absolute, attention weights 1e-5 absolute,
+pooler output 1e-5, sentence embeddings cosine >= 0.99999 to sentence-transformers'.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import selfattn
+from selfattn.errors import SelfAttnError
+from selfattn.models.loading import resolve
+
+SENTENCES = [
+    "I went to the bank to deposit money.",
+    "We sat on the bank of the river and watched the water.",
+    "Ciao gioco a giochi",
+    "Hello, world!!!",
+    "What?! No way... really?",
+    "The café’s crème brûlée costs €7.50 — a bargain.",
+    "Naïve coöperation in São Paulo, Zürich and Kraków.",
+    "日本語のテキストも大丈夫ですか？",
+    "Привет, как дела?",
+    "¿Dónde está la biblioteca? ¡Aquí!",
+    "Pi is 3.14159, e is 2.71828 and 1e-12 is small.",
+    "Call 555-0199 before 9:30am on 2024-03-15.",
+    "Emoji 🙂 and symbols ∑ ∫ √ ≠ ≈ ∞",
+    "x",
+    "a b c d e f g h i j k l m n o p q r s t u v w x y z",
+    "   leading and trailing spaces   ",
+    "Tabs\tand\nnewlines\r\nin text",
+    "URLs like https://example.com/path?q=1&r=2 and e-mail a.b@c.de",
+    "don't won't can't shouldn't y'all",
+    "HTML <b>bold</b> &amp; entities &lt;tag&gt;",
+    "C++ and C# and F# are languages; so is Python 3.12.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Attention is all you need.",
+    "Self-attention weighs every token against every other token.",
+    "Queries, keys and values are linear maps of the same input.",
+    "UPPER CASE and lower case and MiXeD cAsE",
+    "supercalifragilisticexpialidocious antidisestablishmentarianism",
+    "$$$ %%% ^^^ *** ((( ))) [[[ ]]] {{{ }}}",
+    "A sentence with a number 1234567890 in the middle.",
+    "Words words words words words words words words words words words.",
+    " ".join(["The river bank flooded after the storm."] * 55),  # ~490 tokens
+]
+TEXTS_FOR_ENCODE = [*SENTENCES[:-1], " ".join(["long"] * 400)]  # the last is cut at 256 tokens
+MONEY_1 = "I went to the bank to deposit money."
+MONEY_2 = "The bank approved my loan and kept my savings safe."
+RIVER = "We sat on the bank of the river and watched the water."
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return selfattn.load("minilm")
+
+
+@pytest.fixture(scope="module")
+def hf_minilm():
+    transformers = pytest.importorskip("transformers")
+    folder, _ = resolve("minilm")
+    return transformers.AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+
+
+def padded_batch(minilm, texts):
+    encodings = [minilm.tokenizer.encode(text) for text in texts]
+    length = max(len(e.ids) for e in encodings)
+    input_ids = torch.zeros(len(texts), length, dtype=torch.long)
+    mask = torch.zeros(len(texts), length, dtype=torch.long)
+    for row, encoding in enumerate(encodings):
+        input_ids[row, : len(encoding.ids)] = torch.tensor(encoding.ids)
+        mask[row, : len(encoding.ids)] = 1
+    return input_ids, mask
+
+
+def test_aliases_resolve_to_the_installed_checkpoint():
+    folders = {
+        resolve(name)[0]
+        for name in ("minilm", "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
+    }
+    assert len(folders) == 1
+    assert (folders.pop() / "model.safetensors").is_file()
+
+
+def test_config_describes_the_model(minilm):
+    assert minilm.name == "all-MiniLM-L6-v2"
+    assert (minilm.config.n_layers, minilm.config.n_heads, minilm.config.d_model) == (6, 12, 384)
+    assert (minilm.config.max_positions, minilm.config.kind) == (512, "encoder")
+    assert minilm.network.pooler is not None  # MiniLM's checkpoint carries a pooler
+    assert minilm.sentence.pooling == "mean_tokens"
+    assert minilm.sentence.max_seq_length == 256
+
+
+@pytest.mark.parametrize("start", range(0, len(SENTENCES), 8))
+def test_every_layer_and_head_matches_hugging_face(minilm, hf_minilm, start):
+    """Batches with padding; the last batch holds the ~490-token sentence.
+
+    Compared at real tokens only: what a padding position holds is meaningless (no real token
+    attends to it) and drifts between implementations.
+    """
+    texts = SENTENCES[start : start + 8]
+    input_ids, mask = padded_batch(minilm, texts)
+    real = mask.bool()
+    with torch.no_grad(), selfattn.record(minilm) as recording:
+        ours = minilm(input_ids, mask)
+        theirs = hf_minilm(
+            input_ids, attention_mask=mask, output_hidden_states=True, output_attentions=True
+        )
+    assert len(ours.hidden_states) == len(theirs.hidden_states) == 7
+    for mine, hf in zip(ours.hidden_states, theirs.hidden_states, strict=True):
+        torch.testing.assert_close(mine[real], hf[real], atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours.pooler_output, theirs.pooler_output, atol=1e-5, rtol=0)
+    for layer, hf_weights in enumerate(theirs.attentions):  # (B, H, T, T)
+        capture = recording.layer(layer)[0]
+        for row in range(len(texts)):
+            length = int(mask[row].sum())
+            torch.testing.assert_close(
+                capture.weights(batch=row)[:, :length],
+                hf_weights[row, :, :length],
+                atol=1e-5,
+                rtol=0,
+            )
+
+
+def test_run_matches_hugging_face_on_one_text(minilm, hf_minilm):
+    run = minilm.run(SENTENCES[5])
+    with torch.no_grad():
+        theirs = hf_minilm(
+            torch.tensor([run.token_ids]), output_hidden_states=True, output_attentions=True
+        )
+    torch.testing.assert_close(
+        run.hidden_states, torch.cat(theirs.hidden_states), atol=1e-4, rtol=0
+    )
+    for layer in range(6):
+        torch.testing.assert_close(
+            run.attention(layer), theirs.attentions[layer][0], atol=1e-5, rtol=0
+        )
+
+
+def test_encode_matches_sentence_transformers(minilm):
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    folder, _ = resolve("minilm")
+    reference = sentence_transformers.SentenceTransformer(str(folder), device="cpu")
+    theirs = reference.encode(TEXTS_FOR_ENCODE, convert_to_tensor=True, batch_size=8)
+    ours = minilm.encode(TEXTS_FOR_ENCODE, batch_size=8)
+    assert ours.shape == (len(TEXTS_FOR_ENCODE), 384)
+    assert F.cosine_similarity(ours, theirs).min() >= 0.99999
+    torch.testing.assert_close(ours.norm(dim=-1), torch.ones(len(ours)), atol=1e-5, rtol=0)
+    raw = minilm.encode(TEXTS_FOR_ENCODE[:3], normalize=False)
+    assert raw.norm(dim=-1).min() > 1.5  # not unit length: the Normalize step is skipped
+
+
+def test_encode_is_independent_of_batching_and_order(minilm):
+    """Tolerance 1e-5: only padding differs between the batchings."""
+    texts = SENTENCES[:12]
+    one_batch = minilm.encode(texts, batch_size=32)
+    small_batches = minilm.encode(texts[::-1], batch_size=3).flip(0)
+    torch.testing.assert_close(one_batch, small_batches, atol=1e-5, rtol=0)
+    assert minilm.encode("one text").shape == (1, 384)
+
+
+def test_bank_in_two_money_sentences_is_closer_than_in_a_river_sentence(minilm):
+    money_1, money_2, river = (minilm.run(text) for text in (MONEY_1, MONEY_2, RIVER))
+    bank_1, bank_2, bank_river = (run.word_vector("bank") for run in (money_1, money_2, river))
+    money_pair = F.cosine_similarity(bank_1, bank_2, dim=0)
+    mixed_pair = F.cosine_similarity(bank_1, bank_river, dim=0)
+    assert money_pair > mixed_pair + 0.05
+
+
+def test_a_last_layer_head_weighs_deposit_and_money_for_bank(minilm):
+    run = minilm.run(MONEY_1)
+    bank = run.token_index("bank")
+    content = [i for i, word in enumerate(run.word_ids) if word is not None and i != bank]
+    top_words_per_head = []
+    for head in range(run.n_heads):
+        trace = run.trace(-1, head)
+        torch.testing.assert_close(trace.weights.sum(-1), torch.ones(len(run.tokens)))
+        torch.testing.assert_close(trace.weights, run.attention(-1, head), atol=0, rtol=0)
+        row = trace.weights[bank, content]
+        top_words_per_head.append({run.tokens[content[i]] for i in row.topk(2).indices})
+    assert {"deposit", "money"} in top_words_per_head
+
+
+def test_run_gives_tokens_words_and_states(minilm):
+    run = minilm.run("The river-bank's tokenizer, café!")
+    assert run.tokens[0] == "[CLS]" and run.tokens[-1] == "[SEP]"
+    assert run.word_ids[0] is None and run.word_ids[-1] is None
+    assert [word.text for word in run.words] == [
+        "The",
+        "river",
+        "-",
+        "bank's",
+        "tokenizer",
+        ",",
+        "café",
+        "!",
+    ]
+    tokenizer_pieces = run.word_tokens("tokenizer")
+    assert [run.tokens[i] for i in tokenizer_pieces] == ["token", "##izer"]
+    assert run.text[slice(*run.offsets[run.token_index("CAFÉ")])] == "café"
+    assert run.hidden_states.shape == (7, len(run.tokens), 384)
+    assert run.attention(0).shape == (12, len(run.tokens), len(run.tokens))
+    trace = run.trace(2)
+    assert trace.query.shape == (12, len(run.tokens), 32)
+    expected = run.hidden_states[3, tokenizer_pieces.start : tokenizer_pieces.stop].mean(0)
+    torch.testing.assert_close(run.word_vector("tokenizer", layer=3), expected)
+    span = run.word_tokens((4, 9))  # "river" by characters
+    assert [run.tokens[i] for i in span] == ["river"]
+    assert len(run.captures) == 6
+
+
+def test_run_refuses_what_it_cannot_do(minilm):
+    run = minilm.run(MONEY_1)
+    with pytest.raises(IndexError, match=r"layers 0\.\.5"):
+        run.attention(6)
+    with pytest.raises(IndexError, match=r"heads 0\.\.11"):
+        run.attention(0, 12)
+    with pytest.raises(IndexError, match=r"0 \(embeddings\)\.\.6"):
+        run.word_vector("bank", layer=7)
+    with pytest.raises(SelfAttnError, match="the words are: I, went, to, the, bank"):
+        run.word_vector("river")
+    with pytest.raises(SelfAttnError, match="occurs 1 time"):
+        run.token_index("bank", occurrence=1)
+    with pytest.raises(SelfAttnError, match="empty"):
+        minilm.run("   \n")
+    with pytest.raises(SelfAttnError, match="truncate=True"):
+        minilm.run("word " * 600)
+    with pytest.raises(SelfAttnError, match="decoder"):
+        minilm.generate("hello")
+
+
+def test_run_truncates_when_asked(minilm):
+    run = minilm.run("word " * 600, truncate=True)
+    assert len(run.tokens) == 512
+    assert run.tokens[-1] == "[SEP]"
+    assert len(run.words) == 510
+
+
+def test_backend_reaches_every_attention_module():
+    model = selfattn.load("minilm", backend="explicit")
+    backends = {m.backend for m in model.modules() if isinstance(m, selfattn.MultiHeadAttention)}
+    assert backends == {"explicit"}
+    with pytest.raises(SelfAttnError, match="unknown attention backend 'nope'"):
+        model.set_backend("nope")
