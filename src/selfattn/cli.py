@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
 from rich.console import Console
 
@@ -47,6 +50,135 @@ def demo() -> None:
             trace.output, tokens, ["d0", "d1", "d2", "d3"], "5. output = weights @ V", vectors=True
         )
     )
+
+
+TRAIN_HELP = {
+    "data": "Text file to train on (UTF-8); the first 90% trains, the last 10% is held out.",
+    "out": "Directory for checkpoints (safetensors + JSON); `generate --checkpoint` reads it.",
+    "preset": "Model sizes and training settings by name (default shakespeare-char-cpu; "
+    "with --resume, the checkpoint's). Other flags override single settings.",
+    "resume": "Continue the checkpoint in --out up to --max-iters, exactly where it stopped.",
+    "max_iters": "Total optimizer steps (counted from the first run when resuming).",
+    "batch_size": "Sequences per step and process (global batch = this × processes).",
+    "block_size": "Characters per training sequence; also the model's context length.",
+    "lr": "Peak learning rate, reached after the warm-up.",
+    "min_lr": "Learning rate at the end of the cosine decay.",
+    "warmup_iters": "Steps of linear learning-rate warm-up.",
+    "lr_decay_iters": "Step at which the cosine decay reaches --min-lr.",
+    "weight_decay": "AdamW weight decay (on matrices and embeddings only).",
+    "grad_clip": "Clip the global gradient norm to this (0: no clipping).",
+    "eval_interval": "Steps between evaluations on the held-out split (and checkpoints).",
+    "eval_iters": "Held-out batches per evaluation.",
+    "log_interval": "Steps between progress-bar updates.",
+    "seed": "Seed of the initial weights and the batch order (each process offsets it).",
+    "n_layer": "Transformer blocks.",
+    "n_head": "Attention heads per block.",
+    "n_embd": "Embedding width (a multiple of --n-head).",
+    "dropout": "Dropout probability during training.",
+    "device": "auto (CUDA when present), cpu or cuda.",
+}
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    """Print typer-style one-line "Error: ..." to stderr (on rank 0 under torchrun)."""
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        typer.echo(f"Error: {message}", err=True)
+    return typer.Exit(code)
+
+
+@app.command()
+def train(
+    data: Annotated[Path, typer.Option(help=TRAIN_HELP["data"])],
+    out: Annotated[Path, typer.Option(help=TRAIN_HELP["out"])],
+    preset: Annotated[str | None, typer.Option(help=TRAIN_HELP["preset"])] = None,
+    resume: Annotated[bool, typer.Option(help=TRAIN_HELP["resume"])] = False,
+    max_iters: Annotated[int | None, typer.Option(help=TRAIN_HELP["max_iters"])] = None,
+    batch_size: Annotated[int | None, typer.Option(help=TRAIN_HELP["batch_size"])] = None,
+    block_size: Annotated[int | None, typer.Option(help=TRAIN_HELP["block_size"])] = None,
+    lr: Annotated[float | None, typer.Option(help=TRAIN_HELP["lr"])] = None,
+    min_lr: Annotated[float | None, typer.Option(help=TRAIN_HELP["min_lr"])] = None,
+    warmup_iters: Annotated[int | None, typer.Option(help=TRAIN_HELP["warmup_iters"])] = None,
+    lr_decay_iters: Annotated[int | None, typer.Option(help=TRAIN_HELP["lr_decay_iters"])] = None,
+    weight_decay: Annotated[float | None, typer.Option(help=TRAIN_HELP["weight_decay"])] = None,
+    grad_clip: Annotated[float | None, typer.Option(help=TRAIN_HELP["grad_clip"])] = None,
+    eval_interval: Annotated[int | None, typer.Option(help=TRAIN_HELP["eval_interval"])] = None,
+    eval_iters: Annotated[int | None, typer.Option(help=TRAIN_HELP["eval_iters"])] = None,
+    log_interval: Annotated[int | None, typer.Option(help=TRAIN_HELP["log_interval"])] = None,
+    seed: Annotated[int | None, typer.Option(help=TRAIN_HELP["seed"])] = None,
+    n_layer: Annotated[int | None, typer.Option(help=TRAIN_HELP["n_layer"])] = None,
+    n_head: Annotated[int | None, typer.Option(help=TRAIN_HELP["n_head"])] = None,
+    n_embd: Annotated[int | None, typer.Option(help=TRAIN_HELP["n_embd"])] = None,
+    dropout: Annotated[float | None, typer.Option(help=TRAIN_HELP["dropout"])] = None,
+    device: Annotated[str, typer.Option(help=TRAIN_HELP["device"])] = "auto",
+) -> None:
+    """Train a character-level GPT on a text file; `torchrun --nproc_per_node=N -m selfattn
+    train ...` trains on N processes with DistributedDataParallel."""
+    from selfattn.errors import SelfAttnError
+    from selfattn.train import train_gpt
+
+    given = {
+        "max_iters": max_iters, "batch_size": batch_size, "block_size": block_size,
+        "learning_rate": lr, "min_lr": min_lr, "warmup_iters": warmup_iters,
+        "lr_decay_iters": lr_decay_iters, "weight_decay": weight_decay, "grad_clip": grad_clip,
+        "eval_interval": eval_interval, "eval_iters": eval_iters, "log_interval": log_interval,
+        "seed": seed, "n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "dropout": dropout,
+    }  # fmt: skip
+    if device not in ("auto", "cpu", "cuda"):
+        raise _fail(f"unknown device {device!r}; choose auto, cpu or cuda", 2)
+    overrides = {key: value for key, value in given.items() if value is not None}
+    try:
+        run = train_gpt(
+            data, out, preset=preset, overrides=overrides, resume=resume, device=device,
+            console=console,
+        )  # fmt: skip
+    except SelfAttnError as error:
+        raise _fail(str(error)) from None
+    result = run.result
+    if result.interrupted:
+        console.print(f"Interrupted at step {result.step}: checkpoint saved in {out} (--resume).")
+        raise typer.Exit(130)
+    if result.step == result.start_step:
+        console.print(f"Nothing to do: {out} is already at step {result.step} (--max-iters).")
+        return
+    last = result.history[-1]
+    console.print(
+        f"step {result.step}: val loss {last['val']:.4f}; {result.ms_per_iter:.1f} ms/iter, "
+        f"{result.tokens_per_second:,.0f} tokens/s; checkpoint in {out}"
+    )
+
+
+@app.command()
+def generate(
+    checkpoint: Annotated[Path, typer.Option(help="A `selfattn train --out` directory.")],
+    prompt: Annotated[
+        str, typer.Argument(help="Text to continue, in characters of the training text.")
+    ] = "\n",
+    max_new_tokens: Annotated[int, typer.Option(min=0, help="Characters to generate.")] = 500,
+    temperature: Annotated[
+        float, typer.Option(min=0.0, help="Sampling temperature; 0 is greedy.")
+    ] = 0.8,
+    top_k: Annotated[
+        int | None, typer.Option(min=1, help="Sample among the k likeliest only.")
+    ] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
+) -> None:
+    """Continue PROMPT with a model trained by `selfattn train`."""
+    import torch
+
+    from selfattn.errors import SelfAttnError
+    from selfattn.train import load_checkpoint
+
+    try:
+        model, tokenizer, _, _ = load_checkpoint(checkpoint)
+        if not prompt:
+            raise SelfAttnError("the prompt is empty; give at least one character")
+        ids = torch.tensor([tokenizer.encode(prompt)])
+    except SelfAttnError as error:
+        raise _fail(str(error)) from None
+    output = model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    typer.echo(tokenizer.decode(output[0]))
 
 
 def main() -> None:

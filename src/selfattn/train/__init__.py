@@ -1,0 +1,39 @@
+"""Training transformers from scratch: character data, a model-agnostic loop, checkpoints, DDP.
+
+``train_gpt`` is what ``selfattn train`` runs; ``load_checkpoint`` gives back a trained model,
+its tokenizer, configs and training state (for ``generate``); ``load_model`` gives it as the
+viewers' :class:`~selfattn.models.model.Model` (for ``explain``).
+"""
+
+from selfattn.train.checkpoint import (
+    RunConfig,
+    TrainingState,
+    load_checkpoint,
+    load_model,
+    save_checkpoint,
+)
+from selfattn.train.data import CharTokenizer, RandomBatches, TextData
+from selfattn.train.loop import TrainConfig, TrainResult, configure_optimizer, evaluate, train
+from selfattn.train.presets import PRESETS, Preset, get_preset
+from selfattn.train.run import TrainedRun, train_gpt
+
+__all__ = [
+    "PRESETS",
+    "CharTokenizer",
+    "Preset",
+    "RandomBatches",
+    "RunConfig",
+    "TextData",
+    "TrainConfig",
+    "TrainResult",
+    "TrainedRun",
+    "TrainingState",
+    "configure_optimizer",
+    "evaluate",
+    "get_preset",
+    "load_checkpoint",
+    "load_model",
+    "save_checkpoint",
+    "train",
+    "train_gpt",
+]

@@ -1,0 +1,226 @@
+"""Training checkpoints: safetensors and JSON in a directory, written atomically.
+
+Layout of ``OUT/`` (what ``selfattn train --out OUT`` writes)::
+
+    OUT/LATEST                   name of the current checkpoint directory, replaced atomically
+    OUT/step-0002000-<id>/
+        model.safetensors        weights (the tied embedding / head saved once)
+        config.json              model config, training config, preset name, data file
+        tokenizer.json           the character vocabulary
+        optimizer.safetensors    AdamW's per-parameter tensors (moments, step counts)
+        rng.safetensors          generator states per rank, for an exact resume
+        state.json               step, evaluation history, optimizer hyper-parameters
+
+A checkpoint is written into a temporary directory, synced, renamed into place, and only then
+does ``LATEST`` point at it (``os.replace``); an interruption at any moment leaves the previous
+checkpoint current and intact. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file, save_model
+from torch import Tensor, nn
+
+from selfattn.errors import SelfAttnError
+from selfattn.models.gpt import GPT, GPTConfig
+from selfattn.train.data import CharTokenizer
+from selfattn.train.loop import TrainConfig
+
+FORMAT = "selfattn-train-checkpoint"
+LATEST = "LATEST"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What a checkpoint was trained as: model, training settings, preset name, data file."""
+
+    model: GPTConfig
+    train: TrainConfig
+    preset: str
+    data: str
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "model_type": "gpt",
+            "model": dataclasses.asdict(self.model),
+            "train": dataclasses.asdict(self.train),
+            "preset": self.preset,
+            "data": self.data,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> RunConfig:
+        return cls(
+            GPTConfig(**data["model"]), TrainConfig(**data["train"]), data["preset"], data["data"]
+        )
+
+
+@dataclass
+class TrainingState:
+    """Everything besides the weights that an exact resume needs."""
+
+    step: int
+    history: list[dict[str, float]]
+    optimizer: dict  # an optimizer state_dict
+    rng: dict[str, Tensor]  # "rank{r}.{name}" -> generator state (uint8)
+
+
+def save_checkpoint(
+    out_dir: Path,
+    model: nn.Module,
+    tokenizer: CharTokenizer,
+    config: RunConfig,
+    state: TrainingState,
+) -> Path:
+    """Write a checkpoint under ``out_dir`` atomically and make it the latest; return its path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir))
+    try:
+        save_model(model, str(tmp / "model.safetensors"))
+        _write_json(tmp / "config.json", config.to_json())
+        tokenizer.save(tmp / "tokenizer.json")
+        tensors, groups = _split_optimizer_state(state.optimizer)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        save_file(
+            {key: value.contiguous() for key, value in state.rng.items()},
+            str(tmp / "rng.safetensors"),
+        )
+        _write_json(
+            tmp / "state.json",
+            {"step": state.step, "history": state.history, "optimizer_param_groups": groups},
+        )
+        for path in tmp.iterdir():
+            _fsync(path)
+        final = out_dir / f"step-{state.step:07d}-{tmp.name.removeprefix('.tmp-')}"
+        os.replace(tmp, final)
+        _fsync(out_dir)
+        pointer = out_dir / f".{LATEST}.tmp"
+        pointer.write_text(final.name + "\n")
+        _fsync(pointer)
+        os.replace(pointer, out_dir / LATEST)
+        _fsync(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _remove_stale(out_dir, keep=final.name)
+    return final
+
+
+def load_checkpoint(
+    path: Path, device: torch.device | str = "cpu"
+) -> tuple[GPT, CharTokenizer, RunConfig, TrainingState]:
+    """The model (eval mode), tokenizer, configs and training state of a checkpoint.
+
+    ``path`` is a training output directory (its latest checkpoint is read) or one checkpoint
+    directory. Raises :class:`SelfAttnError` with a one-line message if there is none.
+    """
+    directory = checkpoint_dir(path)
+    try:
+        config = RunConfig.from_json(json.loads((directory / "config.json").read_text()))
+        tokenizer = CharTokenizer.load(directory / "tokenizer.json")
+        saved = json.loads((directory / "state.json").read_text())
+        optimizer = _join_optimizer_state(
+            load_file(str(directory / "optimizer.safetensors"), device=str(device)),
+            saved["optimizer_param_groups"],
+        )
+        rng = load_file(str(directory / "rng.safetensors"))
+        model = GPT(config.model)
+        safetensors.torch.load_model(model, str(directory / "model.safetensors"))
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as error:
+        raise SelfAttnError(f"checkpoint {directory} is unreadable: {error}") from None
+    state = TrainingState(saved["step"], saved["history"], optimizer, rng)
+    return model.to(device).eval(), tokenizer, config, state
+
+
+def load_model(path: Path, device: torch.device | str = "cpu", backend: str = "auto"):
+    """A checkpoint as a :class:`selfattn.models.model.Model`: what explain and the viewers use."""
+    from selfattn.models.model import Model, ModelConfig, set_backend
+    from selfattn.text import Tokenizer
+
+    network, tokenizer, config, _ = load_checkpoint(path, device)
+    sizes = config.model
+    info = ModelConfig(
+        "decoder", "gpt", sizes.n_layer, sizes.n_head, sizes.n_embd, sizes.block_size,
+        sizes.vocab_size,
+    )  # fmt: skip
+    model = Model(network, info, name=str(path), tokenizer=Tokenizer(tokenizer.to_hf()))
+    set_backend(model, backend)
+    return model.eval()
+
+
+def checkpoint_dir(path: Path) -> Path:
+    """The checkpoint directory that ``path`` names (directly or through its LATEST file)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise SelfAttnError(
+            f"checkpoint directory {path} does not exist; train one with "
+            f"`selfattn train --data FILE --out {path}`"
+        )
+    if (path / LATEST).is_file():
+        path = path / (path / LATEST).read_text().strip()
+    if not (path / "config.json").is_file():
+        raise SelfAttnError(
+            f"{path} holds no checkpoint (no LATEST or config.json); pass the --out directory "
+            "of `selfattn train`"
+        )
+    return path
+
+
+def has_checkpoint(path: Path) -> bool:
+    path = Path(path)
+    return (path / LATEST).is_file() or (path / "config.json").is_file()
+
+
+def _split_optimizer_state(state_dict: dict) -> tuple[dict[str, Tensor], list[dict]]:
+    """Optimizer tensors keyed "{param}.{name}" for safetensors; the param groups for JSON."""
+    tensors = {
+        f"{index}.{name}": torch.as_tensor(value).contiguous()
+        for index, param_state in state_dict["state"].items()
+        for name, value in param_state.items()
+    }
+    return tensors, state_dict["param_groups"]
+
+
+def _join_optimizer_state(tensors: dict[str, Tensor], groups: list[dict]) -> dict:
+    state: dict[int, dict[str, Tensor]] = {}
+    for key, value in tensors.items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    for group in groups:
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+    return {"state": state, "param_groups": groups}
+
+
+def _write_json(path: Path, data: object) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or directory's contents to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale(out_dir: Path, keep: str) -> None:
+    """Remove older checkpoints and temporary directories left by interrupted saves."""
+    for entry in out_dir.iterdir():
+        stale = entry.name.startswith("step-") or entry.name.startswith(".tmp-")
+        if entry.is_dir() and stale and entry.name != keep:
+            shutil.rmtree(entry, ignore_errors=True)

@@ -1,0 +1,163 @@
+"""Character-level text data: the tokenizer, the 90/10 split, and seeded random batches.
+
+The same scheme as nanoGPT's shakespeare_char: the vocabulary is every character of the text,
+sorted; the first 90% of the text trains, the last 10% is held out; a batch is ``batch_size``
+windows of ``block_size + 1`` characters at random offsets, inputs and next-character targets.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import tokenizers
+import torch
+from tokenizers import Regex, decoders, models, pre_tokenizers
+from torch import Tensor
+
+from selfattn.errors import SelfAttnError
+
+TRAIN_FRACTION = 0.9
+SPLITS = ("train", "val")
+
+
+class CharTokenizer:
+    """One token per character; ids follow the sorted vocabulary."""
+
+    def __init__(self, chars: str) -> None:
+        if not chars or len(set(chars)) != len(chars):
+            raise ValueError("a character vocabulary needs distinct characters, at least one")
+        self.chars = chars
+        self._ids = {char: i for i, char in enumerate(chars)}
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        return cls("".join(sorted(set(text))))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> list[int]:
+        unknown = sorted(set(text) - self._ids.keys())
+        if unknown:
+            raise SelfAttnError(
+                f"characters not in the model's vocabulary: {''.join(unknown)!r}; "
+                "use only characters of the training text"
+            )
+        return [self._ids[char] for char in text]
+
+    def decode(self, ids: list[int] | Tensor) -> str:
+        if isinstance(ids, Tensor):
+            ids = ids.tolist()
+        return "".join(self.chars[i] for i in ids)
+
+    def tokens(self, text: str) -> list[str]:
+        """The text as the model sees it: one token string per character."""
+        self.encode(text)
+        return list(text)
+
+    def to_hf(self) -> tokenizers.Tokenizer:
+        """The same vocabulary as a Hugging Face tokenizer (one token per character, with
+        character offsets), for the viewers that read checkpoints through ``tokenizers``."""
+        backend = tokenizers.Tokenizer(models.WordLevel(self._ids, unk_token="[UNK]"))
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+        backend.decoder = decoders.Fuse()
+        return backend
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CharTokenizer) and other.chars == self.chars
+
+    def __hash__(self) -> int:
+        return hash(self.chars)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"type": "char", "chars": self.chars}, ensure_ascii=False))
+
+    @classmethod
+    def load(cls, path: Path) -> CharTokenizer:
+        return cls(json.loads(path.read_text())["chars"])
+
+
+@dataclass(frozen=True)
+class TextData:
+    """A text file as token ids, split into the first 90% (train) and the rest (val)."""
+
+    tokenizer: CharTokenizer
+    train: Tensor  # (N_train,) int64
+    val: Tensor  # (N_val,) int64
+
+    @classmethod
+    def from_file(
+        cls, path: Path, block_size: int, tokenizer: CharTokenizer | None = None
+    ) -> TextData:
+        """Read, encode and split ``path``; each split must hold at least one window."""
+        text = read_text(path)
+        tokenizer = tokenizer or CharTokenizer.from_text(text)
+        ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+        n_train = int(TRAIN_FRACTION * len(ids))
+        data = cls(tokenizer, ids[:n_train], ids[n_train:])
+        shortest = min(len(data.train), len(data.val))
+        if shortest < block_size + 1:
+            raise SelfAttnError(
+                f"{path} is too short for block size {block_size}: its {len(ids)} characters "
+                f"give a {len(data.val)}-character validation split (the last 10%), and each "
+                f"split needs at least {block_size + 1}; use more text or a smaller --block-size"
+            )
+        return data
+
+
+def read_text(path: Path) -> str:
+    """The file's text; a one-line error if it is missing, unreadable or empty."""
+    path = Path(path)
+    if not path.is_file():
+        raise SelfAttnError(f"data file {path} does not exist; pass a text file with --data")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise SelfAttnError(f"cannot read {path} as UTF-8 text: {error}") from None
+    if not text:
+        raise SelfAttnError(f"data file {path} is empty; pass a file with text in it")
+    return text
+
+
+class RandomBatches:
+    """Random windows of one process's shard: its own seeded generator per split.
+
+    Each rank draws from generators seeded from ``(seed, rank, split)``, so ranks read different
+    batches and the batch stream is reproducible; drawing validation batches never moves the
+    training stream. ``state_dict`` holds the generator states for an exact resume.
+    """
+
+    def __init__(
+        self, data: TextData, batch_size: int, block_size: int, seed: int, rank: int = 0
+    ) -> None:
+        self.batch_size = batch_size
+        self.block_size = block_size
+        # (N - block, block + 1) overlapping views: row i is tokens i .. i + block
+        self.windows = {
+            split: getattr(data, split).unfold(0, block_size + 1, 1) for split in SPLITS
+        }
+        self.generators = {
+            split: torch.Generator().manual_seed(batch_seed(seed, rank, split)) for split in SPLITS
+        }
+
+    def batch(self, split: str) -> tuple[Tensor, Tensor]:
+        """Inputs and targets, each (batch_size, block_size), of the given split."""
+        windows = self.windows[split]
+        starts = torch.randint(len(windows), (self.batch_size,), generator=self.generators[split])
+        rows = windows[starts]  # (B, block + 1)
+        return rows[:, :-1], rows[:, 1:]
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {split: generator.get_state() for split, generator in self.generators.items()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        for split, generator in self.generators.items():
+            generator.set_state(state[split])
+
+
+def batch_seed(seed: int, rank: int, split: str) -> int:
+    """A distinct generator seed for each (seed, rank, split)."""
+    return seed * 1_000_003 + 2 * rank + SPLITS.index(split)

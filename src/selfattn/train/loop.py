@@ -1,0 +1,283 @@
+"""A small training loop that knows nothing about the model it trains.
+
+It takes a model whose ``forward(x, y)`` returns an object with a ``.loss``, an optimizer, a
+:class:`BatchSource` and a :class:`TrainConfig`, and runs AdamW steps with warm-up and cosine
+decay, gradient clipping and periodic evaluation on held-out batches. Under torch.distributed
+the model is a DistributedDataParallel wrapper and the loop averages what it reports.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import Tensor, nn
+
+from selfattn.train import distributed
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train: batch shape, step count, learning-rate schedule, AdamW, evaluation."""
+
+    max_iters: int  # total optimizer steps, counted from the first run when resuming
+    batch_size: int  # sequences per step and process (global batch = batch_size × world)
+    block_size: int  # tokens per sequence
+    learning_rate: float  # peak, reached after warm-up
+    min_lr: float  # floor of the cosine decay
+    warmup_iters: int
+    lr_decay_iters: int  # step at which the cosine reaches min_lr (then it stays there)
+    weight_decay: float = 0.1  # on tensors of 2+ dims only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
+    eval_interval: int = 250  # steps between evaluations (and checkpoints)
+    eval_iters: int = 20  # held-out batches per evaluation
+    log_interval: int = 10  # steps between progress-bar updates
+    seed: int = 1337
+
+    def __post_init__(self) -> None:
+        for name in ("max_iters", "batch_size", "block_size", "eval_interval", "eval_iters"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.log_interval < 1:
+            raise ValueError(f"log_interval must be positive, got {self.log_interval}")
+        if not 0 < self.min_lr <= self.learning_rate:
+            raise ValueError(
+                f"need 0 < min_lr <= learning_rate, got {self.min_lr} and {self.learning_rate}"
+            )
+        if not 0 <= self.warmup_iters < self.lr_decay_iters:
+            raise ValueError(
+                f"need 0 <= warmup_iters < lr_decay_iters, got {self.warmup_iters} and "
+                f"{self.lr_decay_iters}"
+            )
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("weight_decay and grad_clip must be >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"AdamW betas must be in [0, 1), got {self.beta1}, {self.beta2}")
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    """nanoGPT's schedule for the step about to be taken (0-based): linear warm-up, cosine decay."""
+    if step < config.warmup_iters:
+        return config.learning_rate * (step + 1) / (config.warmup_iters + 1)
+    if step > config.lr_decay_iters:
+        return config.min_lr
+    ratio = (step - config.warmup_iters) / (config.lr_decay_iters - config.warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
+    return config.min_lr + coeff * (config.learning_rate - config.min_lr)
+
+
+def configure_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and embeddings only (2+ dims), not biases or norms.
+
+    Uses the fused kernel (CPU and CUDA in recent torch), else the multi-tensor one.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    options = {"lr": config.learning_rate, "betas": (config.beta1, config.beta2)}
+    try:
+        return torch.optim.AdamW(groups, fused=True, **options)
+    except RuntimeError:
+        return torch.optim.AdamW(groups, foreach=True, **options)
+
+
+class BatchSource(Protocol):
+    """Where batches come from: ``batch("train")`` or ``batch("val")`` gives (inputs, targets)."""
+
+    def batch(self, split: str) -> tuple[Tensor, Tensor]: ...
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: BatchSource, iters: int, split: str = "val") -> float:
+    """Mean loss over ``iters`` batches of ``split`` in eval mode, averaged across ranks."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device)
+    for _ in range(iters):
+        x, y = batches.batch(split)
+        total += model(x.to(device), y.to(device)).loss
+    model.train(was_training)
+    return distributed.mean_across_ranks(total / iters).item()
+
+
+@dataclass
+class TrainResult:
+    """What one call of :func:`train` did."""
+
+    start_step: int
+    step: int  # steps completed in total
+    losses: list[float]  # training loss of each step this call took (this rank's batch)
+    history: list[dict[str, float]]  # evaluations so far: step, train (recent mean), val
+    interrupted: bool = False
+    train_seconds: float = 0.0  # time in training steps, without evaluation and checkpoints
+    wall_seconds: float = 0.0
+    tokens_per_step: int = 0  # global: batch_size × block_size × world size
+
+    @property
+    def ms_per_iter(self) -> float:
+        steps = self.step - self.start_step
+        return 1000 * self.train_seconds / steps if steps else float("nan")
+
+    @property
+    def tokens_per_second(self) -> float:
+        steps = self.step - self.start_step
+        return steps * self.tokens_per_step / self.train_seconds if steps else float("nan")
+
+
+SaveFn = Callable[[int, list[dict[str, float]]], None]
+
+
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: BatchSource,
+    config: TrainConfig,
+    *,
+    start_step: int = 0,
+    history: list[dict[str, float]] | None = None,
+    save: SaveFn | None = None,
+    console: Console | None = None,
+) -> TrainResult:
+    """Train from ``start_step`` up to ``config.max_iters`` steps.
+
+    Evaluates at step 0 (fresh runs), every ``eval_interval`` steps and at the end, calling
+    ``save(step, history)`` after each evaluation; ``save`` runs on every rank (it may gather
+    state) and is expected to write on rank 0 only. SIGINT/SIGTERM stop the loop between two
+    steps (on every rank at the same step), then ``save`` runs and the result says
+    ``interrupted``. Progress goes to ``console`` (None: no output).
+    """
+    device = next(model.parameters()).device
+    history = list(history or [])
+    result = TrainResult(
+        start_step,
+        start_step,
+        [],
+        history,
+        tokens_per_step=config.batch_size * config.block_size * distributed.world_size(),
+    )
+    wall_start = time.perf_counter()
+    model.train()
+    if start_step == 0:
+        history.append({"step": 0, "val": evaluate(model, batches, config.eval_iters)})
+        _report(console, history[-1])
+    step_losses: list[Tensor] = []
+    window = 0  # index in step_losses of the first step since the last evaluation
+    saved_step = start_step
+    with _stop_on_signals() as stop, _progress(console, config, start_step) as progress:
+        while result.step < config.max_iters:
+            # ranks agree on stopping at log steps only: no per-step collective and sync
+            single = distributed.world_size() == 1
+            if (single or result.step % config.log_interval == 0) and distributed.any_across_ranks(
+                stop.is_set(), device
+            ):
+                result.interrupted = True
+                break
+            tick = time.perf_counter()
+            lr = learning_rate(result.step, config)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = batches.batch("train")
+            loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True)).loss
+            loss.backward()
+            if config.grad_clip:
+                nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_losses.append(loss.detach())
+            result.step += 1
+            step = result.step
+            if step % config.log_interval == 0 or step == config.max_iters:
+                last = loss.item()  # the one sync per log interval
+                result.train_seconds += time.perf_counter() - tick
+                if progress is not None:
+                    steps = step - start_step
+                    rate = steps * result.tokens_per_step / result.train_seconds
+                    progress.update(
+                        progress.task_ids[0], completed=step, loss=last, lr=lr, rate=rate
+                    )
+            else:
+                result.train_seconds += time.perf_counter() - tick
+            if step % config.eval_interval == 0 or step == config.max_iters:
+                record = {
+                    "step": step,
+                    "train": torch.stack(step_losses[window:]).mean().item(),
+                    "val": evaluate(model, batches, config.eval_iters),
+                }
+                history.append(record)
+                window = len(step_losses)
+                _report(console if progress is None else progress.console, record)
+                if save is not None:
+                    save(step, history)
+                    saved_step = step
+    if result.interrupted and save is not None and saved_step != result.step:
+        save(result.step, history)
+    result.losses = torch.stack(step_losses).tolist() if step_losses else []
+    result.wall_seconds = time.perf_counter() - wall_start
+    return result
+
+
+def _report(console: Console | None, record: dict[str, float]) -> None:
+    if console is None:
+        return
+    train = f"train loss {record['train']:.4f}, " if "train" in record else ""
+    console.print(f"step {record['step']:>6}: {train}val loss {record['val']:.4f}")
+
+
+@contextmanager
+def _progress(
+    console: Console | None, config: TrainConfig, start: int
+) -> Iterator[Progress | None]:
+    """A rich progress bar with loss, learning rate and tokens/s; None without a console."""
+    if console is None:
+        yield None
+        return
+    progress = Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}  lr {task.fields[lr]:.2e}"),
+        TextColumn("{task.fields[rate]:,.0f} tok/s"),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    progress.add_task(
+        "train",
+        total=config.max_iters,
+        completed=start,
+        loss=float("nan"),
+        lr=learning_rate(start, config),
+        rate=0.0,
+    )
+    with progress:
+        yield progress
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """An event set by Ctrl-C (SIGINT) or SIGTERM while the block runs, so a step is never cut."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

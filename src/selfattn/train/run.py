@@ -1,0 +1,204 @@
+"""Train a character-level GPT on a text file: what ``selfattn train`` runs, on one process or many.
+
+This is where the pieces meet: presets and overrides, the data, the model, the optimizer, the
+checkpoints (with an exact resume) and torch.distributed. The loop itself stays model-agnostic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from torch import Tensor
+
+from selfattn.errors import SelfAttnError
+from selfattn.models.gpt import GPT, GPTConfig
+from selfattn.train import distributed
+from selfattn.train.checkpoint import (
+    RunConfig,
+    TrainingState,
+    has_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from selfattn.train.data import CharTokenizer, RandomBatches, TextData
+from selfattn.train.loop import TrainResult, configure_optimizer, train
+from selfattn.train.presets import DEFAULT_PRESET, Preset, get_preset
+
+
+@dataclass
+class TrainedRun:
+    """The trained model (on its device, eval mode), its tokenizer and configs, and the result."""
+
+    model: GPT
+    tokenizer: CharTokenizer
+    config: RunConfig
+    result: TrainResult
+
+
+def train_gpt(
+    data: Path,
+    out: Path,
+    *,
+    preset: str | None = None,
+    overrides: dict[str, object] | None = None,
+    resume: bool = False,
+    device: str = "auto",
+    console: Console | None = None,
+) -> TrainedRun:
+    """Train (or with ``resume``, continue) a GPT on ``data``, writing checkpoints to ``out``.
+
+    The settings are the preset's (default ``shakespeare-char-cpu``; when resuming, the
+    checkpoint's) with ``overrides`` applied (model fields and :class:`TrainConfig` fields).
+    Under torchrun each rank trains on its own batches; rank 0 writes and prints.
+    """
+    context = distributed.setup(device)
+    try:
+        return _train_gpt(
+            context,
+            Path(data),
+            Path(out),
+            preset,
+            overrides or {},
+            resume,
+            console if context.is_main else None,
+        )
+    finally:
+        distributed.teardown()
+
+
+def _train_gpt(
+    context: distributed.Context,
+    data_path: Path,
+    out: Path,
+    preset_name: str | None,
+    overrides: dict[str, object],
+    resume: bool,
+    console: Console | None,
+) -> TrainedRun:
+    checkpoint = None
+    if resume:
+        if not has_checkpoint(out):
+            raise SelfAttnError(
+                f"nothing to resume: {out} holds no checkpoint; drop --resume to start a new run"
+            )
+        checkpoint = load_checkpoint(out, context.device)
+    elif has_checkpoint(out):
+        raise SelfAttnError(
+            f"{out} already holds a checkpoint; pass --resume to continue it, "
+            "or choose another --out"
+        )
+
+    if checkpoint is not None:
+        _, tokenizer, saved, _ = checkpoint
+        base = Preset.from_configs(saved.preset, saved.model, saved.train)
+        preset = (get_preset(preset_name) if preset_name else base).override(**overrides)
+        data = TextData.from_file(data_path, preset.train.block_size, tokenizer)
+    else:
+        preset = get_preset(preset_name or DEFAULT_PRESET).override(**overrides)
+        data = TextData.from_file(data_path, preset.train.block_size)
+    config = RunConfig(
+        preset.model_config(data.tokenizer.vocab_size), preset.train, preset.name, str(data_path)
+    )
+    settings = config.train
+
+    if context.device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    torch.manual_seed(settings.seed)  # the same initial weights on every rank
+    if checkpoint is not None:
+        model, _, saved, state = checkpoint
+        _check_same_model(out, saved.model, config.model)
+        model.train()
+    else:
+        model = GPT(config.model).to(context.device)
+        state = None
+    torch.manual_seed(settings.seed + context.rank)  # distinct dropout per rank
+    batches = RandomBatches(
+        data, settings.batch_size, settings.block_size, settings.seed, context.rank
+    )
+    optimizer = configure_optimizer(model, settings)
+    if state is not None:
+        optimizer.load_state_dict(state.optimizer)
+        _restore_rng(state.rng, context, batches, console)
+
+    def save(step: int, history: list[dict[str, float]]) -> None:
+        states = distributed.gather(_rng_state(batches, context))
+        if context.is_main:
+            rng = {
+                f"rank{r}.{k}": v for r, per_rank in enumerate(states) for k, v in per_rank.items()
+            }
+            state = TrainingState(step, history, optimizer.state_dict(), rng)
+            save_checkpoint(out, model, data.tokenizer, config, state)
+
+    result = train(
+        distributed.wrap(model, context),
+        optimizer,
+        batches,
+        settings,
+        start_step=state.step if state else 0,
+        history=state.history if state else None,
+        save=save,
+        console=console,
+    )
+    return TrainedRun(model.eval(), data.tokenizer, config, result)
+
+
+def _check_same_model(out: Path, saved: GPTConfig, wanted: GPTConfig) -> None:
+    """Refuse to resume a checkpoint into a model of another shape, naming what differs."""
+    if saved == wanted:
+        return
+    fields = (
+        "vocab_size",
+        "block_size",
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "bias",
+        "dropout",
+        "activation",
+        "layer_norm_eps",
+    )
+    diffs = ", ".join(
+        f"{name} {getattr(saved, name)} vs {getattr(wanted, name)}"
+        for name in fields
+        if getattr(saved, name) != getattr(wanted, name)
+    )
+    raise SelfAttnError(
+        f"the checkpoint in {out} is from another configuration ({diffs}: checkpoint vs this "
+        "run); resume with its settings or train into a new --out"
+    )
+
+
+def _rng_state(batches: RandomBatches, context: distributed.Context) -> dict[str, Tensor]:
+    """This rank's generator states: batch streams, torch's CPU generator, its CUDA one."""
+    state = {f"batches.{split}": value for split, value in batches.state_dict().items()}
+    state["torch"] = torch.get_rng_state()
+    if context.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(context.device)
+    return state
+
+
+def _restore_rng(
+    rng: dict[str, Tensor],
+    context: distributed.Context,
+    batches: RandomBatches,
+    console: Console | None,
+) -> None:
+    saved_ranks = {key.split(".", 1)[0] for key in rng}
+    if console is not None and len(saved_ranks) != context.world_size:
+        console.print(
+            f"note: the checkpoint was written by {len(saved_ranks)} processes, this run has "
+            f"{context.world_size}; batches continue from fresh seeds where states are missing"
+        )
+    prefix = f"rank{context.rank}."
+    mine = {key.removeprefix(prefix): value for key, value in rng.items() if key.startswith(prefix)}
+    if not mine:
+        return
+    batches.load_state_dict(
+        {key.removeprefix("batches."): value for key, value in mine.items() if "batches." in key}
+    )
+    torch.set_rng_state(mine["torch"])
+    if "cuda" in mine and context.device.type == "cuda":
+        torch.cuda.set_rng_state(mine["cuda"], context.device)

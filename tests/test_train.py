@@ -1,0 +1,292 @@
+"""Training from scratch: the loop, exact resume, atomic checkpoints, DDP, generation, errors.
+
+Tolerances: resume and seeded generation are bit-exact (same ops, same RNG states on CPU);
+DDP ranks end bit-identical (DDP averages gradients before the same update on each rank);
+DDP against one process with the same global batch agrees to 1e-5 (only the order of float
+sums differs).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_model
+from torch import nn
+from typer.testing import CliRunner
+
+from selfattn.cli import app
+from selfattn.models.gpt import GPT
+from selfattn.train import (
+    RandomBatches,
+    TextData,
+    TrainConfig,
+    configure_optimizer,
+    get_preset,
+    load_checkpoint,
+    save_checkpoint,
+    train,
+    train_gpt,
+)
+from selfattn.train import checkpoint as checkpoint_module
+
+CORPUS = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+    "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\n"
+    "Resolved. resolved.\n\n"
+) * 12
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest, and steadiest on a busy machine, on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text(CORPUS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory) -> Path:
+    """A tiny model trained for 30 steps; its --out directory."""
+    out = tmp_path_factory.mktemp("run") / "out"
+    train_gpt(corpus, out, preset="tiny", overrides={"max_iters": 30}, device="cpu")
+    return out
+
+
+def test_loss_falls_on_a_tiny_corpus(corpus, tmp_path):
+    """40 steps take the held-out loss from ~ln(vocab) to at least 1 nat lower."""
+    run = train_gpt(corpus, tmp_path / "out", preset="tiny", overrides={"max_iters": 40})
+    history = run.result.history
+    assert history[0]["step"] == 0 and history[-1]["step"] == 40
+    assert history[-1]["val"] < history[0]["val"] - 1.0, history
+
+
+def test_loop_is_model_agnostic_and_decays_only_matrices():
+    """A bigram table (no GPT) trains through the same loop; biases get no weight decay."""
+
+    class Bigram(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Embedding(5, 5)
+            self.bias = nn.Parameter(torch.zeros(5))
+
+        def forward(self, x, y):
+            logits = self.table(x) + self.bias
+            return SimpleNamespace(
+                loss=nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+            )
+
+    class Cycle:  # 0 -> 1 -> 2 -> 3 -> 4 -> 0: perfectly predictable
+        def batch(self, split):
+            start = torch.randint(5, (4, 1))
+            x = (start + torch.arange(8)) % 5
+            return x, (x + 1) % 5
+
+    torch.manual_seed(0)
+    model = Bigram()
+    config = TrainConfig(
+        max_iters=60, batch_size=4, block_size=8, learning_rate=0.1, min_lr=0.01,
+        warmup_iters=5, lr_decay_iters=60, eval_interval=30, eval_iters=2,
+    )  # fmt: skip
+    optimizer = configure_optimizer(model, config)
+    decays = {len(g["params"][0].shape): g["weight_decay"] for g in optimizer.param_groups}
+    assert decays == {2: 0.1, 1: 0.0}
+    result = train(model, optimizer, Cycle(), config)
+    assert result.history[-1]["val"] < 0.2 < result.history[0]["val"]
+
+
+def test_resume_gives_the_same_losses_as_straight_training(corpus, tmp_path):
+    """20 steps + resume to 40 == 40 straight steps: every loss and weight bit-exact."""
+    straight = train_gpt(corpus, tmp_path / "a", preset="tiny", overrides={"max_iters": 40})
+    first = train_gpt(corpus, tmp_path / "b", preset="tiny", overrides={"max_iters": 20})
+    second = train_gpt(corpus, tmp_path / "b", overrides={"max_iters": 40}, resume=True)
+    assert second.result.start_step == 20
+    assert first.result.losses + second.result.losses == straight.result.losses
+    for (name, a), b in zip(
+        straight.model.state_dict().items(), second.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("failing_step", ["optimizer tensors", "LATEST pointer"])
+def test_a_crash_mid_save_leaves_the_previous_checkpoint(
+    trained, tmp_path, monkeypatch, failing_step
+):
+    """A save that dies part-way changes nothing: the last checkpoint loads, weights exact."""
+    out = tmp_path / "out"
+    model, tokenizer, config, state = load_checkpoint(trained)
+    save_checkpoint(out, model, tokenizer, config, state)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    if failing_step == "optimizer tensors":
+        monkeypatch.setattr(checkpoint_module, "save_file", crash)
+    else:
+        real_replace = os.replace
+        monkeypatch.setattr(
+            checkpoint_module.os, "replace",
+            lambda src, dst: crash() if Path(dst).name == "LATEST" else real_replace(src, dst),
+        )  # fmt: skip
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    state.step += 5
+    with pytest.raises(OSError, match="simulated"):
+        save_checkpoint(out, model, tokenizer, config, state)
+    monkeypatch.undo()
+
+    reloaded, _, _, reloaded_state = load_checkpoint(out)
+    assert reloaded_state.step == 30
+    for key, value in reloaded.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert not any(entry.name.startswith(".tmp-") for entry in out.iterdir())
+
+
+def test_ctrl_c_stops_between_steps_and_saves(corpus):
+    """SIGINT during step 7 lets it finish, then the loop saves step 7 and reports it."""
+    data = TextData.from_file(corpus, 16)
+    preset = get_preset("tiny")
+    torch.manual_seed(0)
+    model = GPT(preset.model_config(data.tokenizer.vocab_size))
+    batches = RandomBatches(data, 8, 16, seed=0)
+    calls = 0
+
+    class InterruptAtSeven:
+        def batch(self, split):
+            nonlocal calls
+            if split == "train":
+                calls += 1
+                if calls == 7:
+                    os.kill(os.getpid(), signal.SIGINT)
+            return batches.batch(split)
+
+    saved = []
+    result = train(
+        model, configure_optimizer(model, preset.train), InterruptAtSeven(), preset.train,
+        save=lambda step, history: saved.append(step),
+    )  # fmt: skip
+    assert result.interrupted and result.step == 7 and saved == [7]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ddp_worker(rank: int, port: int, corpus: Path, out: Path, overrides: dict) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    run = train_gpt(corpus, out / "ckpt", preset="tiny", overrides=overrides, device="cpu")
+    save_model(run.model, str(out / f"rank{rank}.safetensors"))  # tied weight once
+    (out / f"rank{rank}.val").write_text(repr(run.result.history[-1]["val"]))
+
+
+class _GlobalBatch:
+    """One process reading what two DDP ranks read: their batches side by side."""
+
+    def __init__(self, data: TextData, seed: int) -> None:
+        self.ranks = [RandomBatches(data, 4, 16, seed, rank) for rank in (0, 1)]
+
+    def batch(self, split):
+        pairs = [ranks.batch(split) for ranks in self.ranks]
+        return torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])
+
+
+def test_two_process_ddp_matches_one_process_with_the_global_batch(corpus, tmp_path):
+    """gloo DDP, 2 ranks × batch 4: identical ranks; = 1 process × batch 8 within 1e-5."""
+    overrides = {"max_iters": 8, "batch_size": 4, "eval_interval": 8}
+    context = mp.start_processes(
+        _ddp_worker, args=(_free_port(), corpus, tmp_path, overrides), nprocs=2, join=False,
+        start_method="spawn",
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("DDP workers did not finish within 120 s")
+    rank0 = load_file(str(tmp_path / "rank0.safetensors"))
+    rank1 = load_file(str(tmp_path / "rank1.safetensors"))
+    assert all(torch.equal(rank0[key], rank1[key]) for key in rank0)
+
+    data = TextData.from_file(corpus, 16)
+    preset = get_preset("tiny").override(**overrides)
+    torch.manual_seed(preset.train.seed)
+    model = GPT(preset.model_config(data.tokenizer.vocab_size))
+    config = preset.train
+    result = train(
+        model, configure_optimizer(model, config), _GlobalBatch(data, config.seed), config
+    )
+    single = model.state_dict()
+    for key, value in rank0.items():
+        torch.testing.assert_close(value, single[key], atol=1e-5, rtol=0, msg=key)
+    ddp_val = float((tmp_path / "rank0.val").read_text())
+    assert abs(ddp_val - result.history[-1]["val"]) < 1e-5
+
+
+def test_generation_is_reproducible_with_a_seed(trained):
+    """The same seed gives the same text (exact); another seed gives other text."""
+    runner = CliRunner()
+    args = ["generate", "--checkpoint", str(trained), "All:", "--max-new-tokens", "40"]
+    first = runner.invoke(app, [*args, "--seed", "3"])
+    again = runner.invoke(app, [*args, "--seed", "3"])
+    other = runner.invoke(app, [*args, "--seed", "4"])
+    assert first.exit_code == 0, first.output
+    assert first.stdout.startswith("All:") and len(first.stdout.rstrip("\n")) == 44
+    assert first.stdout == again.stdout != other.stdout
+
+
+def _error_line(args: list[str]) -> str:
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code in (1, 2), result.output
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    return lines[0]
+
+
+def test_bad_inputs_give_one_clear_line(corpus, trained, tmp_path):
+    """Each mistake: exit code 1 or 2, one "Error: ..." line on stderr, no traceback."""
+    empty, short = tmp_path / "empty.txt", tmp_path / "short.txt"
+    empty.write_text("")
+    short.write_text("To be or not to be")
+    out = str(tmp_path / "out")
+    base = ["train", "--preset", "tiny", "--out", out]
+
+    assert "does not exist" in _error_line([*base, "--data", str(tmp_path / "missing.txt")])
+    assert "is empty" in _error_line([*base, "--data", str(empty)])
+    assert "too short for block size 16" in _error_line([*base, "--data", str(short)])
+    line = _error_line(["train", "--data", str(corpus), "--out", out, "--preset", "huge"])
+    assert "unknown preset 'huge'" in line and "shakespeare-char-cpu" in line and "tiny" in line
+    line = _error_line(["train", "--data", str(corpus), "--out", str(trained), "--resume",
+                        "--n-embd", "64", "--max-iters", "40"])  # fmt: skip
+    assert "another configuration" in line and "n_embd 32 vs 64" in line
+    assert "--resume" in _error_line(["train", "--data", str(corpus), "--out", str(trained)])
+    assert "nothing to resume" in _error_line([*base, "--data", str(corpus), "--resume"])
+    line = _error_line(["generate", "--checkpoint", str(tmp_path / "nowhere"), "hi"])
+    assert "does not exist" in line
+    assert "not in the model's vocabulary" in _error_line(
+        ["generate", "--checkpoint", str(trained), "Zebra"]
+    )
