@@ -160,8 +160,13 @@
 
   let previous = null; // the last render's window/document listeners, removed on re-render
 
-  /** Build the explorer for one payload inside `root` (replacing what was there). */
-  function render(payload, root = document.getElementById("app")) {
+  /**
+   * Build the explorer for one payload inside `root` (replacing what was there).
+   * options.hash (default true): read and write the selection in the URL hash;
+   * options.onChange(selection): called with {layer, head, query} after every change.
+   */
+  function render(payload, root = document.getElementById("app"), options = {}) {
+    const { hash = true, onChange = null } = options;
     previous?.abort();
     previous = new AbortController();
     const { signal } = previous;
@@ -182,7 +187,7 @@
     };
     const state = { layer: 0, head: 0, query: 0, hover: null, shadeBy: "matrix", sortByWeight: false };
     applySelection(state, payload.selection || {}, model);
-    applySelection(state, readHash(), model);
+    if (hash) applySelection(state, readHash(), model);
 
     const ui = buildLayout(model);
     root.replaceChildren(ui.page);
@@ -205,8 +210,9 @@
       drawHeatmap(ui.map, result.weights, model.tokens, state, model.causal);
       showRow(state.hover ?? state.query);
       fillSteps(ui, model, result, state, tokenName);
-      const hash = `#layer=${state.layer}&head=${state.head}&query=${state.query}`;
-      if (location.hash !== hash) history.replaceState(null, "", hash);
+      const fragment = `#layer=${state.layer}&head=${state.head}&query=${state.query}`;
+      if (hash && location.hash !== fragment) history.replaceState(null, "", fragment);
+      onChange?.({ layer: state.layer, head: state.head, query: state.query });
     }
 
     function showRow(i) {
@@ -241,14 +247,14 @@
       el.addEventListener("click", () => select({ layer: el.dataset.layer, head: el.dataset.head })),
     );
     attachMapEvents(ui, model, state, current, select);
-    window.addEventListener("hashchange", () => select(readHash()), { signal });
+    if (hash) window.addEventListener("hashchange", () => select(readHash()), { signal });
     const redrawLines = () => showRow(state.hover ?? state.query);
     window.addEventListener("resize", redrawLines, { signal });
     ui.flow.addEventListener("scroll", redrawLines);
     document.addEventListener(
       "keydown",
       (event) => {
-        if (event.target.closest("select, input")) return;
+        if (event.target.closest("select, input, textarea")) return;
         if (event.key === "ArrowRight") select({ query: Math.min(T - 1, state.query + 1) });
         if (event.key === "ArrowLeft") select({ query: Math.max(0, state.query - 1) });
         if (event.key === "Enter" && event.target.matches(".token")) select({ query: +event.target.dataset.index });

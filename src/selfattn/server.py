@@ -1,0 +1,355 @@
+"""`selfattn serve`: the attention explorer as a local web app (FastAPI), one model shared.
+
+The model is loaded once, at start-up, and handed to :func:`create_app`; the web chooses
+nothing on disk. Every endpoint calls the same code as the command line: ``/api/explain``
+returns ``explain_text(...)[1].to_json()`` exactly as ``selfattn explain --json`` prints it,
+``/api/compare`` what ``selfattn compare --json`` prints and ``/api/view`` the payload of the
+offline page (:func:`selfattn.viz.report.page_data`), which the live page renders with the
+same script.
+
+Safety, because a browser tab is an untrusted client:
+
+- Bound to 127.0.0.1 by default, and only ``Host: 127.0.0.1``/``localhost`` is answered then,
+  so a web page cannot reach the API through DNS rebinding.
+- Bodies are JSON objects with typed, known fields only (unknown fields are refused), texts
+  are limited in characters (413) and in the model's positions (413) before any work starts.
+- Model runs happen on a small thread pool under ``torch.inference_mode()``; at most
+  ``workers + queue`` requests are admitted, the rest get 503 "busy" at once, so a burst
+  waits in a bounded queue instead of piling up memory.
+- Every error is one line of ``detail``: user mistakes (``SelfAttnError``, ``ValueError``,
+  ``IndexError``) are 400 with their message, anything else is a generic 500 whose traceback
+  goes to the server's log only.
+- The page is served from the package with a strict Content-Security-Policy: scripts and
+  styles from this server only, requests to this server only, nothing from the network.
+  FastAPI's ``/docs`` page loads its assets from a CDN, so it is switched off;
+  ``/openapi.json`` describes the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from importlib.resources import files
+from typing import Annotated, Any, Literal
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+from selfattn import explain as explaining
+from selfattn.errors import SelfAttnError
+from selfattn.viz import report
+
+MAX_CHARS = 2_000  # per text; the model's positions limit tokens as well
+MAX_SENTENCES = 4
+WORKERS = 2  # model runs at once (the CPU has few cores; more only queue inside torch)
+QUEUE = 8  # requests admitted beyond the running ones; the next get 503
+LOCAL_HOSTS = ("127.0.0.1", "localhost")
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+STATIC = {  # the only files served: name -> media type
+    "serve.html": "text/html; charset=utf-8",
+    "serve.js": "text/javascript; charset=utf-8",
+    "serve.css": "text/css; charset=utf-8",
+    "view.js": "text/javascript; charset=utf-8",
+    "view.css": "text/css; charset=utf-8",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests: JSON objects with known, typed fields only
+
+
+class StrictBody(BaseModel):
+    """Strict JSON: no "1" for 1, no unknown fields (no way to name a file or model)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+Text = Annotated[str, Field(description=f"The text to run (at most {MAX_CHARS} characters).")]
+Layer = Annotated[int | None, Field(description="Layer (0 = first); none: the most telling.")]
+Head = Annotated[
+    int | Literal["mean"] | None,
+    Field(description="Head number or 'mean' (the layer's heads averaged); none: chosen."),
+]
+
+
+class Selection(StrictBody):
+    """A text and, optionally, what to look at in it (as `selfattn explain` takes them)."""
+
+    text: Text
+    word: str | None = Field(None, description="The word to explain as a query.")
+    index: int | None = Field(None, description="The token index to explain instead of word.")
+    occurrence: int = Field(0, ge=0, description="Which occurrence of word (0 = first).")
+    layer: Layer = None
+    head: Head = None
+
+
+class ExplainRequest(Selection):
+    """`selfattn explain --json`'s options."""
+
+    similarity: Literal["dot", "cosine"] | None = Field(
+        None, description="Recompute the head with this similarity, next to the model's."
+    )
+    scale: float | None = Field(
+        None, allow_inf_nan=False, description="Recompute the head with this scale (1 = none)."
+    )
+    words: bool = Field(False, description="Also merge word pieces: keys summed, queries mean.")
+
+
+class CompareRequest(StrictBody):
+    """`selfattn compare --json`'s arguments."""
+
+    sentences: list[str] = Field(min_length=2, max_length=MAX_SENTENCES)
+    word: str = Field(description="The word to follow across the sentences.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Limits and the worker pool
+
+
+class TooLarge(Exception):
+    """A request beyond the explorer's size limits (413)."""
+
+
+class Busy(Exception):
+    """Every worker and queue slot is taken (503)."""
+
+
+class Pool:
+    """A few threads for model runs, and a bound on the requests admitted to wait for them."""
+
+    def __init__(self, workers: int, queue: int) -> None:
+        self.executor = ThreadPoolExecutor(workers, thread_name_prefix="selfattn-worker")
+        self.capacity = workers + queue
+        self.admitted = 0
+        self.lock = threading.Lock()
+
+    async def run(self, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)`` on a worker under inference mode; Busy when the queue is full."""
+        with self.lock:
+            if self.admitted >= self.capacity:
+                raise Busy
+            self.admitted += 1
+        future = self.executor.submit(_inference, function, *args)
+        future.add_done_callback(self._release)  # also when the client leaves mid-request
+        return await asyncio.wrap_future(future)
+
+    def _release(self, _future: object) -> None:
+        with self.lock:
+            self.admitted -= 1
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+@asynccontextmanager
+async def _closing(pool: Pool) -> AsyncIterator[None]:
+    yield
+    pool.close()
+
+
+def _inference(function: Callable[..., Any], *args: Any) -> Any:
+    with torch.inference_mode():
+        return function(*args)
+
+
+def check_size(model, text: str) -> None:
+    """413 for a text over the character limit or the model's positions, before any run."""
+    if len(text) > MAX_CHARS:
+        raise TooLarge(
+            f"the text is {len(text):,} characters; the explorer takes at most {MAX_CHARS:,}"
+        )
+    limit = model.config.max_positions
+    if model.tokenizer is not None and (count := model.tokenizer.count(text)) > limit:
+        raise TooLarge(f"the text is {count:,} tokens; {model.name} takes at most {limit:,}")
+
+
+def as_json(data: dict) -> Response:
+    """Serialise on the worker (large payloads), exactly as the command line prints them."""
+    return Response(json.dumps(data), media_type="application/json")
+
+
+# ---------------------------------------------------------------------------------------------
+# The app
+
+
+def create_app(
+    model,
+    *,
+    workers: int = WORKERS,
+    queue: int = QUEUE,
+    allowed_hosts: tuple[str, ...] = LOCAL_HOSTS,
+) -> FastAPI:
+    """The explorer for one loaded ``Model`` (shared by every request; never reloaded).
+
+    ``allowed_hosts``: the Host headers answered (``("*",)`` when served to the network).
+    """
+    pool = Pool(workers, queue)
+    app = FastAPI(
+        title="selfattn explorer",
+        summary="Self-attention of a real model on your text, step by step.",
+        version="1",
+        docs_url=None,  # FastAPI's docs pages load from a CDN; /openapi.json stays
+        redoc_url=None,
+        lifespan=lambda _app: _closing(pool),
+    )
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
+    _add_error_handlers(app)
+    static = {name: (files("selfattn.viz") / "static" / name).read_bytes() for name in STATIC}
+
+    @app.middleware("http")
+    async def security_headers(request: Request, call_next):
+        response = await call_next(request)
+        response.headers["Content-Security-Policy"] = CSP
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        response.headers["Referrer-Policy"] = "no-referrer"
+        response.headers["Cache-Control"] = "no-store"
+        return response
+
+    @app.get("/", include_in_schema=False)
+    def index() -> Response:
+        return Response(static["serve.html"], media_type=STATIC["serve.html"])
+
+    @app.get("/static/{name}", include_in_schema=False)
+    def asset(name: str) -> Response:
+        if name not in STATIC:
+            return JSONResponse({"detail": f"no file {name!r}"}, status_code=404)
+        return Response(static[name], media_type=STATIC[name])
+
+    @app.get("/api/models")
+    def models() -> dict:
+        """The model loaded at start-up, and the limits of the explorer."""
+        config = model.config
+        return {
+            "models": [
+                {
+                    "name": model.name,
+                    "kind": config.kind,
+                    "layers": config.n_layers,
+                    "heads": config.n_heads,
+                    "max_positions": config.max_positions,
+                }
+            ],
+            "limits": {"max_chars": MAX_CHARS, "max_sentences": MAX_SENTENCES},
+        }
+
+    @app.post("/api/explain")
+    async def explain(body: ExplainRequest) -> Response:
+        """What `selfattn explain --json` prints for the same options: every step's numbers.
+
+        ``weights`` = softmax(``scaled``), ``output`` = weights @ ``values``; with
+        ``similarity``/``scale``, ``alternative`` holds the head recomputed that way.
+        """
+        check_size(model, body.text)
+        return await pool.run(_explain, model, body)
+
+    @app.post("/api/view")
+    async def view(body: Selection) -> Response:
+        """The live page's payload: q, k, v of every layer and head (see selfattn.viz.html)."""
+        check_size(model, body.text)
+        return await pool.run(_view, model, body)
+
+    @app.post("/api/compare")
+    async def compare(body: CompareRequest) -> Response:
+        """What `selfattn compare --json` prints: the word's cosine similarity, layer by layer."""
+        for sentence in body.sentences:
+            check_size(model, sentence)
+        return await pool.run(_compare, model, body)
+
+    return app
+
+
+def _explain(model, body: ExplainRequest) -> Response:
+    options = body.model_dump(exclude={"text", "word", "index", "occurrence"})
+    _, explanation = explaining.explain_text(
+        model, body.text, word=body.word, index=body.index, occurrence=body.occurrence, **options
+    )
+    return as_json(explanation.to_json())
+
+
+def _view(model, body: Selection) -> Response:
+    run, explanation = explaining.explain_text(
+        model, body.text, word=body.word, index=body.index, occurrence=body.occurrence,
+        layer=body.layer, head=body.head,
+    )  # fmt: skip
+    return as_json(report.page_data(run, explanation))
+
+
+def _compare(model, body: CompareRequest) -> Response:
+    comparison = explaining.compare([model.run(s) for s in body.sentences], body.word)
+    return as_json(comparison.to_json() | {"model": model.name})
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: one line of detail, never a traceback
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _validation_detail(error: RequestValidationError) -> str:
+    """Pydantic's error list as one line: 'layer: Input should be a valid integer'."""
+    parts = []
+    for item in error.errors():
+        if item["type"] == "json_invalid":
+            return "the request body is not valid JSON"
+        where = ".".join(str(part) for part in item["loc"] if part != "body")
+        parts.append(f"{where}: {item['msg']}" if where else item["msg"])
+    return "; ".join(parts) or "invalid request"
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    def reply(status: int, detail: str, **headers: str) -> JSONResponse:
+        return JSONResponse({"detail": detail}, status_code=status, headers=headers or None)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
+        return reply(422, _validation_detail(error))
+
+    @app.exception_handler(TooLarge)
+    async def too_large(_request: Request, error: TooLarge) -> JSONResponse:
+        return reply(413, _one_line(error))
+
+    @app.exception_handler(Busy)
+    async def busy(_request: Request, _error: Busy) -> JSONResponse:
+        return reply(503, "the explorer is busy; retry in a moment", **{"Retry-After": "1"})
+
+    async def user_error(_request: Request, error: Exception) -> JSONResponse:
+        return reply(400, _one_line(error))
+
+    for kind in (SelfAttnError, ValueError, IndexError):
+        app.add_exception_handler(kind, user_error)
+
+    @app.exception_handler(Exception)
+    async def internal(_request: Request, _error: Exception) -> JSONResponse:
+        # Starlette re-raises the error after this reply, so the server's log has the traceback.
+        return reply(500, "internal error; the server's log has the details")
+
+
+# ---------------------------------------------------------------------------------------------
+# Running it
+
+
+def is_local(host: str) -> bool:
+    """Whether binding ``host`` keeps the explorer on this machine."""
+    return host in LOCAL_HOSTS or host == "::1"
+
+
+def serve(model, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve the explorer with uvicorn until interrupted."""
+    import uvicorn
+
+    hosts = LOCAL_HOSTS if is_local(host) else ("*",)
+    uvicorn.run(create_app(model, allowed_hosts=hosts), host=host, port=port, log_level="info")

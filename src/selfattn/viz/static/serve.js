@@ -1,0 +1,367 @@
+// selfattn serve: the live explorer. Three views over the server's JSON API:
+//   Explore   POST /api/view     -> view.js's render(payload) (tokens, map, steps, model view)
+//   Compare   POST /api/compare  -> the word's cosine similarity per layer, what it attends to
+//   Ablation  POST /api/explain  -> the model's weights next to the head recomputed with
+//                                   another similarity or scale, and their entropies
+// What is on screen lives in the address bar (?view=...&text=...&layer=...&head=...&word=...),
+// so reloading or sharing the address shows the same thing. User text reaches the page
+// through textContent only.
+"use strict";
+
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const BANK = ["I went to the bank to deposit money.", "We sat on the bank of the river and watched the water."];
+  const RETRIES = 3; // on 503 "busy", after the server's Retry-After
+
+  /** createElement with attributes; string children become text nodes (never parsed). */
+  function h(tag, attrs = {}, ...children) {
+    const el = document.createElement(tag);
+    for (const [name, value] of Object.entries(attrs)) {
+      if (name === "class") el.className = value;
+      else el.setAttribute(name, value);
+    }
+    for (const child of children) el.append(child);
+    return el;
+  }
+
+  const fmt = (x, digits = 4) => (Number.isFinite(x) ? x.toFixed(digits) : String(x));
+
+  // ---------- the server ----------
+
+  /** GET (no body) or POST JSON; the server's one-line `detail` becomes the Error's message. */
+  async function api(path, body) {
+    const init = body === undefined ? {} : { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) };
+    for (let attempt = 0; ; attempt++) {
+      const response = await fetch(path, init);
+      if (response.status === 503 && attempt < RETRIES) {
+        await new Promise((done) => setTimeout(done, 1000 * (+response.headers.get("Retry-After") || 1)));
+        continue;
+      }
+      const data = await response.json().catch(() => ({}));
+      if (!response.ok) throw new Error(data.detail || `the server answered ${response.status}`);
+      return data;
+    }
+  }
+
+  function showError(message) {
+    $("error").textContent = message || "";
+    $("error").hidden = !message;
+  }
+
+  /** Run `work` for one view: marks `target` busy, shows errors, drops answers overtaken by a newer request. */
+  const tickets = {};
+  async function request(view, target, work) {
+    const ticket = (tickets[view] = (tickets[view] || 0) + 1);
+    target.dataset.ready = "false";
+    target.setAttribute("aria-busy", "true");
+    showError("");
+    try {
+      const data = await work.fetch();
+      if (ticket !== tickets[view]) return;
+      work.show(data);
+      target.dataset.ready = "true";
+    } catch (error) {
+      if (ticket !== tickets[view]) return;
+      target.dataset.ready = "error";
+      showError(error.message);
+    } finally {
+      if (ticket === tickets[view]) target.removeAttribute("aria-busy");
+    }
+  }
+
+  // ---------- the address bar ----------
+
+  const params = () => new URLSearchParams(location.search);
+
+  /** Change some of the address's parameters in place (no reload); null or "" removes one. */
+  function addressWith(changes, base = params()) {
+    for (const [name, value] of Object.entries(changes)) {
+      base.delete(name);
+      for (const item of [value].flat()) if (item !== null && item !== undefined && item !== "") base.append(name, String(item));
+    }
+    return `${location.pathname}?${base}`;
+  }
+  const updateAddress = (changes) => history.replaceState(null, "", addressWith(changes));
+  /** A new history entry holding exactly `values`: what a submitted form shows. */
+  const navigate = (values) => history.pushState(null, "", addressWith(values, new URLSearchParams()));
+
+  const intOrNull = (value) => (value === null || value === "" || !/^\d+$/.test(value) ? null : +value);
+  const headOf = (value) => (value === "mean" ? "mean" : intOrNull(value));
+
+  // ---------- Explore ----------
+
+  async function explore(fromAddress) {
+    const text = $("explore-text").value;
+    const word = $("explore-word").value.trim();
+    const p = params();
+    const body = { text };
+    if (word) body.word = word;
+    if (fromAddress) {
+      // reproduce the address exactly: its layer, head and query token
+      const [layer, head, index] = [intOrNull(p.get("layer")), headOf(p.get("head")), intOrNull(p.get("index"))];
+      if (layer !== null) body.layer = layer;
+      if (head !== null) body.head = head;
+      if (index !== null && !word) body.index = index;
+    } else {
+      navigate({ view: "explore", text, word });
+    }
+    await request("explore", $("app"), {
+      fetch: () => api("/api/view", body),
+      show: (payload) => {
+        if (body.head === "mean") payload.selection.head = "mean"; // the payload names heads by number
+        const wordQuery = body.word ? payload.selection.query : null;
+        window.selfattn.render(payload, $("app"), {
+          hash: false,
+          onChange: ({ layer, head, query }) => {
+            const byWord = query === wordQuery;
+            updateAddress({ layer, head, word: byWord ? body.word : null, index: byWord ? null : query });
+            $("explore-word").value = byWord ? body.word : "";
+          },
+        });
+      },
+    });
+  }
+
+  // ---------- Compare ----------
+
+  function sentenceInputs() {
+    return [...document.querySelectorAll("#compare-sentences .compare-sentence")];
+  }
+
+  function addSentence(value = "") {
+    const inputs = sentenceInputs();
+    if (inputs.length >= limits().max_sentences) return;
+    const input = h("input", { class: "compare-sentence", "aria-label": `sentence ${inputs.length + 1}`, autocomplete: "off" });
+    input.value = value;
+    const remove = h("button", { type: "button", class: "secondary remove", "aria-label": "remove this sentence" }, "×");
+    const row = h("div", { class: "sentence-row" }, h("span", { class: "label" }, `S${inputs.length + 1}`), input, remove);
+    remove.addEventListener("click", () => {
+      if (sentenceInputs().length > 2) row.remove();
+      renumber();
+    });
+    $("compare-sentences").append(row);
+    renumber();
+  }
+
+  function renumber() {
+    const rows = [...document.querySelectorAll("#compare-sentences .sentence-row")];
+    rows.forEach((row, i) => (row.querySelector(".label").textContent = `S${i + 1}`));
+    $("compare-add").disabled = rows.length >= limits().max_sentences;
+  }
+
+  function setSentences(sentences) {
+    $("compare-sentences").replaceChildren();
+    for (const sentence of sentences) addSentence(sentence);
+    while (sentenceInputs().length < 2) addSentence();
+  }
+
+  async function compare(fromAddress) {
+    const sentences = sentenceInputs().map((input) => input.value).filter((s) => s.trim());
+    const word = $("compare-word").value.trim();
+    if (!fromAddress) navigate({ view: "compare", s: sentences, word });
+    await request("compare", $("compare-result"), {
+      fetch: () => api("/api/compare", { sentences, word }),
+      show: showComparison,
+    });
+  }
+
+  function showComparison(data) {
+    const n = data.sentences.length;
+    const pairs = [];
+    for (let a = 0; a < n; a++) for (let b = a + 1; b < n; b++) pairs.push([a, b]);
+    const table = h(
+      "table",
+      { id: "compare-table", class: "grid-table" },
+      h("thead", {}, h("tr", {}, h("th", {}, "layer"), ...pairs.map(([a, b]) => h("th", {}, `S${a + 1} vs S${b + 1}`)))),
+      h(
+        "tbody",
+        {},
+        ...data.layers.map(({ layer, cosine }) =>
+          h(
+            "tr",
+            { "data-layer": String(layer) },
+            h("td", { class: "num" }, String(layer)),
+            ...pairs.map(([a, b]) => {
+              const cell = h("td", { class: "num cosine", "data-pair": `${a}-${b}`, "data-value": String(cosine[a][b]) }, fmt(cosine[a][b], 3));
+              cell.style.setProperty("--level", String(Math.max(0, Math.min(1, cosine[a][b]))));
+              return cell;
+            }),
+          ),
+        ),
+      ),
+    );
+    const attended = h(
+      "ol",
+      { id: "compare-attended", class: "attended" },
+      ...data.sentences.map((sentence, i) =>
+        h(
+          "li",
+          { "data-sentence": String(i) },
+          h("span", { class: "label" }, `S${i + 1}`),
+          h("span", { class: "sentence" }, sentence),
+          h(
+            "span",
+            { class: "looks" },
+            `“${data.word}” attends to: `,
+            ...data.attended[i].map(({ word, weight }) => h("span", { class: "chip", "data-word": word, "data-weight": String(weight) }, word, " ", h("b", {}, fmt(weight, 2)))),
+          ),
+        ),
+      ),
+    );
+    $("compare-result").replaceChildren(
+      h(
+        "section",
+        { class: "card" },
+        h("h2", {}, `“${data.word}” across ${n} sentences`),
+        attended,
+        h("p", { class: "hint" }, `attention: layer ${data.attended_layer}, mean of heads, word pieces merged; the word itself and special tokens left out`),
+        h("h3", {}, "cosine similarity of its vectors, layer by layer"),
+        h("p", { class: "hint" }, "layer 0 = the embedding output (the same word, only the position differs); 1.000 = the same direction"),
+        table,
+      ),
+    );
+  }
+
+  // ---------- Similarity & scale ----------
+
+  async function ablation(fromAddress) {
+    const body = {
+      text: $("ablation-text").value,
+      word: $("ablation-word").value.trim(),
+      similarity: $("ablation-similarity").value,
+    };
+    const layer = intOrNull($("ablation-layer").value);
+    const head = intOrNull($("ablation-head").value);
+    const scale = $("ablation-scale").value.trim();
+    if (layer !== null) body.layer = layer;
+    if (head !== null) body.head = head;
+    if (scale !== "") body.scale = Number(scale);
+    if (!fromAddress) navigate({ view: "ablation", ...body, layer, head, scale });
+    await request("ablation", $("ablation-result"), {
+      fetch: () => api("/api/explain", body),
+      show: showAblation,
+    });
+  }
+
+  function entropyLine(id, label, steps) {
+    const how = steps.similarity === "cosine" ? "cosine" : "dot product";
+    return h("p", { class: "entropy" }, h("b", {}, label), ` ${how}, scale ${fmt(steps.scale)} · entropy `, h("b", { id, "data-value": String(steps.entropy_bits) }, `${fmt(steps.entropy_bits, 3)} bits`));
+  }
+
+  function showAblation(data) {
+    const alt = data.alternative;
+    const own = { similarity: data.similarity, scale: data.scale, entropy_bits: data.entropy_bits };
+    const largest = Math.max(...data.weights, ...alt.weights) || 1;
+    const bar = (w, cls) => {
+      const fill = h("span", { class: `bar ${cls}` });
+      fill.style.width = `${(w / largest) * 100}%`;
+      return h("td", { class: "bar-cell" }, h("span", { class: "bar-track" }, fill));
+    };
+    const rows = data.tokens.map((token, j) =>
+      h(
+        "tr",
+        { "data-key": String(j), class: j === data.query.index ? "self" : "" },
+        h("td", { class: "key" }, h("span", { class: "idx" }, String(j)), " ", token),
+        h("td", { class: "num", "data-model": String(data.weights[j]) }, fmt(data.weights[j])),
+        bar(data.weights[j], "model"),
+        h("td", { class: "num strong", "data-recomputed": String(alt.weights[j]) }, fmt(alt.weights[j])),
+        bar(alt.weights[j], "recomputed"),
+      ),
+    );
+    const verdict = alt.entropy_bits < own.entropy_bits ? "sharper" : alt.entropy_bits > own.entropy_bits ? "flatter" : "as spread";
+    const head = data.head === "mean" ? "mean of heads" : `head ${data.head}`;
+    $("ablation-result").replaceChildren(
+      h(
+        "section",
+        { class: "card" },
+        h("h2", {}, `query ${data.query.index} “${data.query.token}” · layer ${data.layer}, ${head}`),
+        h("p", { class: "hint" }, data.choice),
+        entropyLine("ablation-entropy-model", "the model:", own),
+        entropyLine("ablation-entropy-recomputed", "recomputed:", alt),
+        h("p", { id: "ablation-verdict", class: "verdict" }, `recomputed weights are ${verdict} than the model's`),
+        h(
+          "div",
+          { class: "steps-scroll" },
+          h(
+            "table",
+            { id: "ablation-table", class: "grid-table" },
+            h("thead", {}, h("tr", {}, h("th", {}, "key"), h("th", {}, "model"), h("th"), h("th", {}, "recomputed"), h("th"))),
+            h("tbody", {}, ...rows),
+          ),
+        ),
+      ),
+    );
+  }
+
+  // ---------- tabs, forms, start-up ----------
+
+  let info = null; // GET /api/models
+  const limits = () => info.limits;
+  const VIEWS = { explore, compare, ablation };
+
+  function showView(view) {
+    for (const name of Object.keys(VIEWS)) {
+      $(`view-${name}`).hidden = name !== view;
+      $(`tab-${name}`).classList.toggle("active", name === view);
+      $(`tab-${name}`).setAttribute("aria-pressed", String(name === view));
+    }
+  }
+
+  function describeModel() {
+    const model = info.models[0];
+    $("model-info").textContent = `${model.name} · ${model.kind} · ${model.layers} layers × ${model.heads} heads · up to ${model.max_positions} tokens`;
+    for (const id of ["explore-text", "ablation-text"]) $(id).maxLength = limits().max_chars;
+    for (let l = 0; l < model.layers; l++) $("ablation-layer").append(h("option", { value: String(l) }, `layer ${l}`));
+    for (let i = 0; i < model.heads; i++) $("ablation-head").append(h("option", { value: String(i) }, `head ${i}`));
+  }
+
+  /** Fill the forms from the address, and run the view it names when it has what it needs. */
+  function fromAddress() {
+    const p = params();
+    const view = VIEWS[p.get("view")] ? p.get("view") : "explore";
+    const text = p.get("text") || "";
+    $("explore-text").value = $("ablation-text").value = text;
+    $("explore-word").value = $("ablation-word").value = p.get("word") || "";
+    $("compare-word").value = p.get("word") || "";
+    setSentences(p.getAll("s").length ? p.getAll("s") : view === "compare" ? [] : BANK);
+    const pick = (id, value) => {
+      if ([...$(id).options].some((o) => o.value === value)) $(id).value = value;
+    };
+    pick("ablation-layer", p.get("layer") || "");
+    pick("ablation-head", p.get("head") || "");
+    pick("ablation-similarity", p.get("similarity") || "cosine");
+    $("ablation-scale").value = p.get("scale") || "";
+    showView(view);
+    const ready = { explore: text, compare: p.getAll("s").length >= 2 && p.get("word"), ablation: text && p.get("word") };
+    if (ready[view]) VIEWS[view](true);
+  }
+
+  function start() {
+    for (const name of Object.keys(VIEWS)) {
+      $(`tab-${name}`).addEventListener("click", () => {
+        showView(name);
+        updateAddress({ view: name });
+      });
+      $(`${name}-form`).addEventListener("submit", (event) => {
+        event.preventDefault();
+        VIEWS[name](false);
+      });
+    }
+    $("compare-add").addEventListener("click", () => addSentence());
+    $("compare-bank").addEventListener("click", () => {
+      setSentences(BANK);
+      $("compare-word").value = "bank";
+    });
+    window.addEventListener("popstate", fromAddress);
+    api("/api/models")
+      .then((data) => {
+        info = data;
+        describeModel();
+        fromAddress();
+        document.body.dataset.ready = "true";
+      })
+      .catch((error) => showError(`cannot reach the explorer's server: ${error.message}`));
+  }
+
+  start();
+})();

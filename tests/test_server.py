@@ -1,0 +1,339 @@
+"""The web explorer's API (FastAPI TestClient, the real default model): every endpoint, every
+error as one line of detail, the same JSON as the command line, and the bounded worker pool.
+"""
+
+import asyncio
+import importlib.util
+import json
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from selfattn import server
+from selfattn.cli import app as cli_app
+from selfattn.models.loading import load
+
+BANK = "I went to the bank to deposit money."
+RIVER = "We sat on the bank of the river and watched the water."
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load("minilm")
+
+
+@pytest.fixture(scope="module")
+def client(model):
+    with TestClient(server.create_app(model), base_url="http://127.0.0.1:8000") as client:
+        yield client
+
+
+@pytest.fixture
+def cli(model, monkeypatch):
+    """The command line, on the module's loaded model (loading it again gives the same)."""
+    monkeypatch.setattr("selfattn.cli._load", lambda name, checkpoint: model)
+
+
+def cli_json(*args: str) -> dict:
+    result = CliRunner().invoke(cli_app, list(args))
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+# ---------------------------------------------------------------------------------------------
+# the same numbers as the command line
+
+
+@pytest.mark.parametrize(
+    ("body", "args"),
+    [
+        ({"word": "bank"}, ["--word", "bank"]),
+        (
+            {"word": "bank", "layer": 2, "head": 7, "similarity": "cosine", "scale": 1.0},
+            [
+                "--word",
+                "bank",
+                "--layer",
+                "2",
+                "--head",
+                "7",
+                "--similarity",
+                "cosine",
+                "--scale",
+                "1.0",
+            ],
+        ),
+        (
+            {"index": 3, "head": "mean", "layer": 5, "words": True},
+            ["--index", "3", "--head", "mean", "--layer", "5", "--words"],
+        ),
+        ({}, []),
+    ],
+)
+def test_explain_equals_the_command_line(client, cli, body, args):
+    response = client.post("/api/explain", json={"text": BANK} | body)
+    assert response.status_code == 200
+    assert response.json() == cli_json("explain", BANK, "--json", *args)
+
+
+def test_compare_equals_the_command_line(client, cli):
+    response = client.post("/api/compare", json={"sentences": [BANK, RIVER], "word": "bank"})
+    assert response.status_code == 200
+    data = response.json()
+    assert data == cli_json("compare", BANK, RIVER, "--word", "bank", "--json")
+    assert data["model"] == "all-MiniLM-L6-v2"
+    assert len(data["layers"]) == 7 and data["layers"][0]["cosine"][0][1] > 0.99
+
+
+def test_view_is_the_page_payload(client, model):
+    from selfattn.explain import explain_text
+    from selfattn.viz.report import page_data
+
+    response = client.post("/api/view", json={"text": BANK, "word": "bank", "layer": 0, "head": 4})
+    assert response.status_code == 200
+    data = response.json()
+    run, explanation = explain_text(model, BANK, word="bank", layer=0, head=4)
+    assert data == json.loads(json.dumps(page_data(run, explanation)))
+    assert data["selection"] == {"layer": 0, "head": 4, "query": 5}
+    assert (data["layers"], data["heads"], data["length"]) == (6, 12, 11)
+
+
+def test_models_describes_the_loaded_model(client):
+    data = client.get("/api/models").json()
+    assert data["models"] == [
+        {
+            "name": "all-MiniLM-L6-v2",
+            "kind": "encoder",
+            "layers": 6,
+            "heads": 12,
+            "max_positions": 512,
+        },
+    ]
+    assert data["limits"] == {"max_chars": server.MAX_CHARS, "max_sentences": 4}
+
+
+# ---------------------------------------------------------------------------------------------
+# the page: served from the package, strict policy, nothing from a CDN
+
+
+def test_page_and_assets_come_from_the_package_under_a_strict_policy(client):
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    policy = page.headers["content-security-policy"]
+    assert "default-src 'none'" in policy and "connect-src 'self'" in policy
+    assert "unsafe-inline" not in policy and "http" not in policy
+    assert "http" not in page.text.replace("http-equiv", "")  # no absolute URL: nothing remote
+    for name in ("view.js", "view.css", "serve.js", "serve.css"):
+        assert f"/static/{name}" in page.text
+        assert client.get(f"/static/{name}").status_code == 200
+    assert client.get("/static/..%2Fserver.py").status_code == 404
+    assert client.get("/static/nothing.js").status_code == 404
+
+
+def test_openapi_is_served_and_the_cdn_docs_are_not(client):
+    schema = client.get("/openapi.json").json()
+    assert {"/api/explain", "/api/view", "/api/compare", "/api/models"} <= set(schema["paths"])
+    assert client.get("/docs").status_code == 404
+    assert client.get("/redoc").status_code == 404
+
+
+def test_only_local_host_names_are_answered(client):
+    assert client.get("/api/models", headers={"host": "localhost:8000"}).status_code == 200
+    assert client.get("/api/models", headers={"host": "attacker.example"}).status_code == 400
+
+
+# ---------------------------------------------------------------------------------------------
+# errors: a status and one line of detail
+
+
+def detail(response, status: int) -> str:
+    assert response.status_code == status, response.text
+    message = response.json()["detail"]
+    assert isinstance(message, str) and "\n" not in message and "Traceback" not in message
+    return message
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ({"text": ""}, 400, "empty"),
+        ({"text": "   "}, 400, "empty"),
+        ({"text": BANK, "word": "river"}, 400, "river"),
+        ({"text": BANK, "layer": 6}, 400, "layer 6 is out of range"),
+        ({"text": BANK, "layer": -1}, 400, "layer -1 is out of range"),
+        ({"text": BANK, "head": 12}, 400, "head 12 is out of range"),
+        ({"text": BANK, "index": 11}, 400, "token index 11 is out of range"),
+        ({"text": BANK, "word": "bank", "index": 1}, 400, "either a word or a token index"),
+        ({"text": BANK, "layer": "1"}, 422, "layer: Input should be a valid integer"),
+        ({"text": BANK, "layer": 1.5}, 422, "layer"),
+        ({"text": BANK, "head": "all"}, 422, "head"),
+        ({"text": BANK, "similarity": "euclid"}, 422, "similarity"),
+        ({"text": BANK, "scale": "big"}, 422, "scale"),
+        ({"text": BANK, "words": "yes"}, 422, "words"),
+        ({"text": 42}, 422, "text: Input should be a valid string"),
+        ({"word": "bank"}, 422, "text: Field required"),
+        ({"text": BANK, "colour": "red"}, 422, "colour: Extra inputs are not permitted"),
+        ({"text": BANK, "model": "/etc/passwd"}, 422, "model: Extra inputs are not permitted"),
+        ({"text": BANK, "checkpoint": "../../x"}, 422, "checkpoint: Extra inputs"),
+        ({"text": "x" * (server.MAX_CHARS + 1)}, 413, "2,001 characters"),
+        ({"text": "! " * 600}, 413, "602 tokens; all-MiniLM-L6-v2 takes at most 512"),
+    ],
+)
+def test_explain_errors(client, body, status, words):
+    assert words in detail(client.post("/api/explain", json=body), status)
+
+
+def test_body_must_be_a_json_object(client):
+    bad = client.post(
+        "/api/explain", content="{not json", headers={"content-type": "application/json"}
+    )
+    assert detail(bad, 422) == "the request body is not valid JSON"
+    assert "valid dictionary" in detail(client.post("/api/explain", json=[BANK]), 422)
+    as_form = client.post(
+        "/api/explain", content=json.dumps({"text": BANK}), headers={"content-type": "text/plain"}
+    )
+    assert as_form.status_code == 422  # a cross-site form cannot post JSON
+
+
+def test_non_finite_scale_is_refused(client):
+    body = json.dumps({"text": BANK, "word": "bank"})[:-1] + ', "scale": NaN}'
+    response = client.post(
+        "/api/explain", content=body, headers={"content-type": "application/json"}
+    )
+    assert "scale" in detail(response, 422)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ({"sentences": [BANK], "word": "bank"}, 422, "at least 2"),
+        ({"sentences": [BANK] * 5, "word": "bank"}, 422, "at most 4"),
+        ({"sentences": [BANK, "No such word here."], "word": "bank"}, 400, "bank"),
+        ({"sentences": [BANK, RIVER]}, 422, "word: Field required"),
+        ({"sentences": BANK, "word": "bank"}, 422, "sentences"),
+        ({"sentences": [BANK, "y" * 2001], "word": "bank"}, 413, "characters"),
+        ({"sentences": [BANK, RIVER], "word": "bank", "model": "gpt2"}, 422, "model"),
+    ],
+)
+def test_compare_errors(client, body, status, words):
+    assert words in detail(client.post("/api/compare", json=body), status)
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({"text": ""}, 400),
+        ({"text": BANK, "head": 99}, 400),
+        ({"text": BANK, "scale": 1}, 422),
+        ({"text": "x" * 3000}, 413),
+    ],
+)
+def test_view_errors(client, body, status):
+    detail(client.post("/api/view", json=body), status)
+
+
+def test_unexpected_errors_are_a_generic_500(model, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret /home/path\nTraceback (most recent call last)")
+
+    monkeypatch.setattr(server.explaining, "explain_text", broken)
+    app = server.create_app(model)
+    with TestClient(app, base_url="http://127.0.0.1", raise_server_exceptions=False) as client:
+        message = detail(client.post("/api/explain", json={"text": BANK}), 500)
+    assert message == "internal error; the server's log has the details"
+
+
+# ---------------------------------------------------------------------------------------------
+# the pool: model runs on workers under inference mode, a full queue answers 503 at once
+
+
+def test_runs_happen_on_workers_in_inference_mode():
+    import torch
+
+    async def main():
+        pool = server.Pool(workers=2, queue=0)
+        seen = await pool.run(
+            lambda: (threading.current_thread().name, torch.is_inference_mode_enabled())
+        )
+        pool.close()
+        return seen
+
+    name, inference = asyncio.run(main())
+    assert name.startswith("selfattn-worker") and inference
+
+
+def test_a_full_queue_answers_busy_and_frees_its_slots():
+    release = threading.Event()
+
+    async def main():
+        pool = server.Pool(workers=1, queue=1)
+        waiting = [asyncio.ensure_future(pool.run(release.wait)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(server.Busy):
+            await pool.run(lambda: None)
+        release.set()
+        await asyncio.gather(*waiting)
+        assert pool.admitted == 0
+        assert await pool.run(lambda: 7) == 7
+        pool.close()
+
+    asyncio.run(main())
+
+
+def test_busy_is_a_503_with_retry_after(model, monkeypatch):
+    app = server.create_app(model, workers=1, queue=0)
+    monkeypatch.setattr(server.Pool, "run", _always_busy)
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        response = client.post("/api/explain", json={"text": BANK})
+    assert detail(response, 503) == "the explorer is busy; retry in a moment"
+    assert response.headers["retry-after"] == "1"
+
+
+async def _always_busy(self, function, *args):
+    raise server.Busy
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+
+
+def test_serve_warns_when_listening_beyond_this_machine(cli, monkeypatch):
+    served = {}
+    monkeypatch.setattr(
+        server, "serve", lambda model, host, port: served.update(host=host, port=port)
+    )
+    result = CliRunner().invoke(cli_app, ["serve", "--host", "0.0.0.0", "--port", "8123"])
+    assert result.exit_code == 0, result.output
+    assert served == {"host": "0.0.0.0", "port": 8123}
+    assert "reachable from the network" in result.stderr
+
+    result = CliRunner().invoke(cli_app, ["serve"])
+    assert served == {"host": "127.0.0.1", "port": 8000}
+    assert "network" not in result.stderr
+
+
+def test_serve_refuses_a_missing_model_in_one_line():
+    result = CliRunner().invoke(cli_app, ["serve", "--model", "/no/such/folder"])
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "no folder" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# under load: the benchmark's own client, bounded
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_burst_of_requests_has_no_errors_and_steady_memory():
+    path = Path(__file__).parents[1] / "benchmarks" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("serve_load", path)
+    bench = sys.modules["serve_load"] = importlib.util.module_from_spec(spec)  # for dataclasses
+    spec.loader.exec_module(bench)
+    result = bench.measure(requests=40, clients=4, timeout=60.0)
+    assert result.errors == {}, result.errors
+    assert result.rss_after - result.rss_before < 200 * 2**20

@@ -1,0 +1,289 @@
+"""The live explorer in headless chromium against a real `selfattn serve` (uvicorn, in a thread):
+typed text, picked layer/head and clicked token give the API's numbers (1e-6), the compare and
+similarity/scale views agree with their endpoints, the address reproduces a view, user text
+stays text, no console errors, and every request goes to 127.0.0.1.
+"""
+
+import math
+import socket
+import threading
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import pytest
+
+from selfattn import server
+from selfattn.models.loading import load
+
+CHROMIUM = Path("/usr/bin/chromium")
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)",
+    ),
+]
+
+BANK = "I went to the bank to deposit money."
+RIVER = "We sat on the bank of the river and watched the water."
+XSS = "<img src=x onerror=alert(1)>"
+# The page computes in float64 from the float32 q, k, v; the API's explain in float32. Weights
+# and outputs agree to 1e-6 absolute; scores and scaled scores (|x| up to ~30 here, sums of
+# float32 products) to 1e-6 relative to the row's largest magnitude.
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    """uvicorn serving the explorer on a free 127.0.0.1 port for this module."""
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    app = server.create_app(load("minilm"))
+    uvicorn_server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=uvicorn_server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uvicorn_server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    uvicorn_server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--no-first-run",
+                "--disable-sync",
+            ],
+        )
+        yield browser
+        browser.close()
+
+
+class Watched:
+    """A page of the live explorer with its console errors, dialogs and requests recorded."""
+
+    def __init__(self, browser, base_url: str, address: str = "/"):
+        self.base = base_url
+        self.errors: list[str] = []
+        self.requests: list[str] = []
+        self.page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("dialog", lambda d: (self.errors.append(f"dialog: {d.message}"), d.dismiss()))
+        self.page.on("request", lambda r: self.requests.append(r.url))
+        self.open(address)
+
+    def open(self, address: str) -> None:
+        self.page.goto(self.base + address)
+        self.page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+
+    def wait(self, target: str) -> None:
+        self.page.wait_for_selector(f"{target}[data-ready='true']", timeout=30_000)
+
+    def check_clean(self) -> None:
+        assert self.errors == []
+        assert self.requests and all(url.startswith(self.base + "/") for url in self.requests)
+
+    def step_rows(self) -> list[dict]:
+        return self.page.evaluate(
+            """() => [...document.querySelectorAll('#steps tbody tr')].map((tr) => ({
+                key: +tr.dataset.key,
+                score: +tr.querySelector('[data-score]').dataset.score,
+                scaled: +tr.querySelector('[data-scaled]').dataset.scaled,
+                weight: +tr.querySelector('[data-weight]').dataset.weight,
+            }))"""
+        )
+
+    def output(self) -> list[float]:
+        return self.page.evaluate(
+            "() => JSON.parse(document.getElementById('output').dataset.values)"
+        )
+
+
+def api(base_url: str, path: str, body: dict) -> dict:
+    response = httpx.post(base_url + path, json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, abs_tol=TOL)
+
+
+def assert_steps_match(watched: Watched, expected: dict) -> None:
+    """The step panel shows the API's scores, scaled scores, weights and output."""
+    rows = sorted(watched.step_rows(), key=lambda r: r["key"])
+    assert [r["key"] for r in rows] == list(range(len(expected["tokens"])))
+    for name, key in (("score", "scores"), ("scaled", "scaled")):  # relative to the row (TOL)
+        size = max(1.0, *(abs(x) for x in expected[key]))
+        assert [row[name] for row in rows] == pytest.approx(expected[key], abs=TOL * size)
+    assert [row["weight"] for row in rows] == pytest.approx(expected["weights"], abs=TOL)
+    assert watched.output() == pytest.approx(expected["output"], abs=TOL)
+
+
+def test_typed_text_layer_head_and_token_show_the_apis_numbers(browser, base_url):
+    watched = Watched(browser, base_url)
+    page = watched.page
+    page.fill("#explore-text", BANK)
+    page.fill("#explore-word", "bank")
+    page.click("#explore-run")
+    watched.wait("#app")
+    chosen = api(base_url, "/api/explain", {"text": BANK, "word": "bank"})
+    assert page.input_value("#layer") == str(chosen["layer"])
+    assert page.input_value("#head") == str(chosen["head"])
+    assert_steps_match(watched, chosen)
+
+    page.select_option("#layer", "2")
+    page.select_option("#head", "7")
+    page.click(".token[data-index='7']")
+    expected = api(base_url, "/api/explain", {"text": BANK, "index": 7, "layer": 2, "head": 7})
+    assert_steps_match(watched, expected)
+    assert page.text_content("#selection") == "layer 2 · head 7 · query 7 “deposit”"
+    assert "layer=2&head=7&index=7" in page.url
+
+    watched.open(page.url.removeprefix(base_url))  # the address reproduces the view
+    watched.wait("#app")
+    assert page.input_value("#layer") == "2" and page.input_value("#head") == "7"
+    assert page.get_attribute(".token[data-index='7']", "class") == "token selected"
+    assert_steps_match(watched, expected)
+    watched.check_clean()
+
+
+def test_a_shared_address_with_word_layer_and_head(browser, base_url):
+    watched = Watched(browser, base_url, f"/?text={quote(BANK)}&layer=0&head=4&word=bank")
+    watched.wait("#app")
+    page = watched.page
+    assert page.input_value("#explore-word") == "bank"
+    assert page.text_content("#selection") == "layer 0 · head 4 · query 5 “bank”"
+    expected = api(base_url, "/api/explain", {"text": BANK, "word": "bank", "layer": 0, "head": 4})
+    assert_steps_match(watched, expected)
+
+    page.select_option("#head", "mean")
+    assert "head=mean" in page.url
+    weights = page.eval_on_selector_all(
+        "#steps tbody [data-weight]", "(cells) => cells.map((c) => +c.dataset.weight)"
+    )
+    mean = api(base_url, "/api/explain", {"text": BANK, "word": "bank", "layer": 0, "head": "mean"})
+    assert weights == pytest.approx(mean["weights"], abs=TOL)
+
+    page.click(".thumb[data-layer='5'][data-head='3']")  # the model view grid
+    assert page.input_value("#layer") == "5" and page.input_value("#head") == "3"
+    assert "layer=5&head=3&word=bank" in page.url
+    watched.check_clean()
+
+
+def test_compare_view_for_the_bank_sentences(browser, base_url):
+    watched = Watched(browser, base_url)
+    page = watched.page
+    page.click("#tab-compare")
+    page.fill(".sentence-row:nth-child(1) .compare-sentence", BANK)
+    page.fill(".sentence-row:nth-child(2) .compare-sentence", RIVER)
+    page.fill("#compare-word", "bank")
+    page.click("#compare-run")
+    watched.wait("#compare-result")
+    expected = api(base_url, "/api/compare", {"sentences": [BANK, RIVER], "word": "bank"})
+    cells = page.eval_on_selector_all(
+        "#compare-table td[data-pair='0-1']", "(cells) => cells.map((c) => +c.dataset.value)"
+    )
+    assert cells == pytest.approx([layer["cosine"][0][1] for layer in expected["layers"]], abs=TOL)
+    for i, attended in enumerate(expected["attended"]):
+        chips = page.eval_on_selector_all(
+            f"#compare-attended li[data-sentence='{i}'] .chip",
+            "(chips) => chips.map((c) => [c.dataset.word, +c.dataset.weight])",
+        )
+        assert chips == [[a["word"], pytest.approx(a["weight"], abs=TOL)] for a in attended]
+    assert "deposit" in page.text_content("#compare-attended li[data-sentence='0']")
+    assert "river" in page.text_content("#compare-attended li[data-sentence='1']")
+
+    watched.open(page.url.removeprefix(base_url))  # view=compare&s=...&s=...&word=bank
+    watched.wait("#compare-result")
+    assert page.is_visible("#compare-table") and not page.is_visible("#view-explore")
+    watched.check_clean()
+
+
+def test_similarity_and_scale_view_shows_both_weights_and_entropies(browser, base_url):
+    watched = Watched(browser, base_url)
+    page = watched.page
+    page.click("#tab-ablation")
+    page.fill("#ablation-text", BANK)
+    page.fill("#ablation-word", "bank")
+    page.select_option("#ablation-layer", "1")
+    page.select_option("#ablation-head", "3")
+    page.select_option("#ablation-similarity", "dot")
+    page.fill("#ablation-scale", "1")
+    page.click("#ablation-run")
+    watched.wait("#ablation-result")
+    body = {"text": BANK, "word": "bank", "layer": 1, "head": 3, "similarity": "dot", "scale": 1}
+    expected = api(base_url, "/api/explain", body)
+    model, recomputed = (
+        page.eval_on_selector_all(
+            f"#ablation-table [data-{name}]", f"(cells) => cells.map((c) => +c.dataset.{name})"
+        )
+        for name in ("model", "recomputed")
+    )
+    assert model == pytest.approx(expected["weights"], abs=TOL)
+    assert recomputed == pytest.approx(expected["alternative"]["weights"], abs=TOL)
+    for name, value in (("model", expected), ("recomputed", expected["alternative"])):
+        shown = float(page.get_attribute(f"#ablation-entropy-{name}", "data-value"))
+        assert close(shown, value["entropy_bits"])
+    assert "sharper" in page.text_content("#ablation-verdict")  # no scaling: sharper weights
+    assert "similarity=dot" in page.url and "scale=1" in page.url
+    watched.check_clean()
+
+
+def test_user_text_shows_as_text(browser, base_url):
+    watched = Watched(browser, base_url)
+    page = watched.page
+    page.fill("#explore-text", f"{XSS} bank </script>")
+    page.click("#explore-run")
+    watched.wait("#app")
+    assert page.text_content("#text") == f"{XSS} bank </script>"
+    tokens = page.eval_on_selector_all(".token", "(els) => els.map((e) => e.textContent)")
+    assert tokens[:3] == ["[CLS]", "<", "im"] and "</" not in tokens  # the tokenizer's pieces
+
+    page.click("#tab-compare")
+    page.fill(".sentence-row:nth-child(1) .compare-sentence", f"{XSS} the bank")
+    page.fill(".sentence-row:nth-child(2) .compare-sentence", BANK)
+    page.fill("#compare-word", "bank")
+    page.click("#compare-run")
+    watched.wait("#compare-result")
+    assert XSS in page.text_content("#compare-attended li[data-sentence='0'] .sentence")
+    assert page.locator("img").count() == 0
+    watched.check_clean()
+
+
+def test_errors_show_the_servers_one_line(browser, base_url):
+    watched = Watched(browser, base_url)
+    page = watched.page
+    page.fill("#explore-text", BANK)
+    page.fill("#explore-word", "river")
+    page.click("#explore-run")
+    page.wait_for_selector("#app[data-ready='error']", state="attached")
+    assert page.is_visible("#error") and "river" in page.text_content("#error")
+    page.fill("#explore-word", "")
+    page.click("#explore-run")
+    watched.wait("#app")
+    assert not page.is_visible("#error")
+    # the failed request is the only console message: the browser's own "400" line
+    assert len(watched.errors) == 1 and "400" in watched.errors[0]
+    assert all(url.startswith(base_url + "/") for url in watched.requests)
