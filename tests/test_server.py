@@ -199,6 +199,13 @@ def test_body_must_be_a_json_object(client):
     assert as_form.status_code == 422  # a cross-site form cannot post JSON
 
 
+def test_bodies_must_declare_a_bounded_size(client):
+    big = json.dumps({"text": BANK, "word": "b" * server.MAX_BODY})
+    assert "at most" in detail(client.post("/api/explain", content=big), 413)
+    chunked = client.post("/api/explain", content=iter([json.dumps({"text": BANK}).encode()]))
+    assert "Content-Length" in detail(chunked, 411)
+
+
 def test_non_finite_scale_is_refused(client):
     body = json.dumps({"text": BANK, "word": "bank"})[:-1] + ', "scale": NaN}'
     response = client.post(

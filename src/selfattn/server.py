@@ -11,8 +11,9 @@ Safety, because a browser tab is an untrusted client:
 
 - Bound to 127.0.0.1 by default, and only ``Host: 127.0.0.1``/``localhost`` is answered then,
   so a web page cannot reach the API through DNS rebinding.
-- Bodies are JSON objects with typed, known fields only (unknown fields are refused), texts
-  are limited in characters (413) and in the model's positions (413) before any work starts.
+- Bodies are JSON objects with typed, known fields only (unknown fields are refused) and of
+  a declared size under ``MAX_BODY`` (411/413, before they are read); texts are limited in
+  characters (413) and in the model's positions (413) before any work starts.
 - Model runs happen on a small thread pool under ``torch.inference_mode()``; at most
   ``workers + queue`` requests are admitted, the rest get 503 "busy" at once, so a burst
   waits in a bounded queue instead of piling up memory.
@@ -45,10 +46,12 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from selfattn import explain as explaining
 from selfattn.errors import SelfAttnError
+from selfattn.models.model import Model
 from selfattn.viz import report
 
 MAX_CHARS = 2_000  # per text; the model's positions limit tokens as well
 MAX_SENTENCES = 4
+MAX_BODY = 256 * 2**10  # bytes: 4 texts at the limit, every character \u-escaped, fit
 WORKERS = 2  # model runs at once (the CPU has few cores; more only queue inside torch)
 QUEUE = 8  # requests admitted beyond the running ones; the next get 503
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
@@ -163,7 +166,7 @@ def _inference(function: Callable[..., Any], *args: Any) -> Any:
         return function(*args)
 
 
-def check_size(model, text: str) -> None:
+def check_size(model: Model, text: str) -> None:
     """413 for a text over the character limit or the model's positions, before any run."""
     if len(text) > MAX_CHARS:
         raise TooLarge(
@@ -172,6 +175,19 @@ def check_size(model, text: str) -> None:
     limit = model.config.max_positions
     if model.tokenizer is not None and (count := model.tokenizer.count(text)) > limit:
         raise TooLarge(f"the text is {count:,} tokens; {model.name} takes at most {limit:,}")
+
+
+def _refuse_body(request: Request) -> JSONResponse | None:
+    """411/413 for a POST body of unknown size or over MAX_BODY, before it is read."""
+    if request.method != "POST":
+        return None
+    length = request.headers.get("content-length", "")
+    if not length.isdigit():
+        return JSONResponse({"detail": "send the body with a Content-Length"}, status_code=411)
+    if int(length) > MAX_BODY:
+        detail = f"the body is {int(length):,} bytes; the explorer takes at most {MAX_BODY:,}"
+        return JSONResponse({"detail": detail}, status_code=413)
+    return None
 
 
 def as_json(data: dict) -> Response:
@@ -184,7 +200,7 @@ def as_json(data: dict) -> Response:
 
 
 def create_app(
-    model,
+    model: Model,
     *,
     workers: int = WORKERS,
     queue: int = QUEUE,
@@ -208,8 +224,10 @@ def create_app(
     static = {name: (files("selfattn.viz") / "static" / name).read_bytes() for name in STATIC}
 
     @app.middleware("http")
-    async def security_headers(request: Request, call_next):
-        response = await call_next(request)
+    async def guard(request: Request, call_next):
+        """Refuse bodies of unknown or excessive size; every answer gets the security headers."""
+        refused = _refuse_body(request)
+        response = refused if refused is not None else await call_next(request)
         response.headers["Content-Security-Policy"] = CSP
         response.headers["X-Content-Type-Options"] = "nosniff"
         response.headers["Referrer-Policy"] = "no-referrer"
@@ -269,7 +287,7 @@ def create_app(
     return app
 
 
-def _explain(model, body: ExplainRequest) -> Response:
+def _explain(model: Model, body: ExplainRequest) -> Response:
     options = body.model_dump(exclude={"text", "word", "index", "occurrence"})
     _, explanation = explaining.explain_text(
         model, body.text, word=body.word, index=body.index, occurrence=body.occurrence, **options
@@ -277,7 +295,7 @@ def _explain(model, body: ExplainRequest) -> Response:
     return as_json(explanation.to_json())
 
 
-def _view(model, body: Selection) -> Response:
+def _view(model: Model, body: Selection) -> Response:
     run, explanation = explaining.explain_text(
         model, body.text, word=body.word, index=body.index, occurrence=body.occurrence,
         layer=body.layer, head=body.head,
@@ -285,7 +303,7 @@ def _view(model, body: Selection) -> Response:
     return as_json(report.page_data(run, explanation))
 
 
-def _compare(model, body: CompareRequest) -> Response:
+def _compare(model: Model, body: CompareRequest) -> Response:
     comparison = explaining.compare([model.run(s) for s in body.sentences], body.word)
     return as_json(comparison.to_json() | {"model": model.name})
 
@@ -347,7 +365,7 @@ def is_local(host: str) -> bool:
     return host in LOCAL_HOSTS or host == "::1"
 
 
-def serve(model, host: str = "127.0.0.1", port: int = 8000) -> None:
+def serve(model: Model, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Serve the explorer with uvicorn until interrupted."""
     import uvicorn
 
