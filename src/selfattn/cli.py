@@ -79,11 +79,16 @@ TRAIN_HELP = {
 }
 
 
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    """Print typer-style one-line "Error: ..." to stderr (on rank 0 under torchrun)."""
+def _is_main_process() -> bool:
+    """False on the ranks other than 0 under torchrun: only rank 0 prints."""
     import os
 
-    if os.environ.get("RANK", "0") == "0":
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    """Print typer-style one-line "Error: ..." to stderr (on rank 0 under torchrun)."""
+    if _is_main_process():
         typer.echo(f"Error: {message}", err=True)
     return typer.Exit(code)
 
@@ -135,10 +140,18 @@ def train(
         )  # fmt: skip
     except SelfAttnError as error:
         raise _fail(str(error)) from None
+    except KeyboardInterrupt:  # before the loop took over Ctrl-C: nothing to save yet
+        console.print("Interrupted before training started; nothing saved.")
+        raise typer.Exit(130) from None
     result = run.result
     if result.interrupted:
-        console.print(f"Interrupted at step {result.step}: checkpoint saved in {out} (--resume).")
+        if _is_main_process():
+            console.print(
+                f"Interrupted at step {result.step}: checkpoint saved in {out} (--resume)."
+            )
         raise typer.Exit(130)
+    if not _is_main_process():
+        return
     if result.step == result.start_step:
         console.print(f"Nothing to do: {out} is already at step {result.step} (--max-iters).")
         return

@@ -89,6 +89,7 @@ def save_checkpoint(
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir))
     try:
+        tmp.chmod(0o755)  # mkdtemp's 0o700 would hide the checkpoint from other users
         save_model(model, str(tmp / "model.safetensors"))
         _write_json(tmp / "config.json", config.to_json())
         tokenizer.save(tmp / "tokenizer.json")

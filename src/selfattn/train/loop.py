@@ -179,38 +179,21 @@ def train(
     saved_step = start_step
     with _stop_on_signals() as stop, _progress(console, config, start_step) as progress:
         while result.step < config.max_iters:
-            # ranks agree on stopping at log steps only: no per-step collective and sync
-            single = distributed.world_size() == 1
-            if (single or result.step % config.log_interval == 0) and distributed.any_across_ranks(
-                stop.is_set(), device
-            ):
+            if _stop_requested(stop, result.step, config, device):
                 result.interrupted = True
                 break
             tick = time.perf_counter()
             lr = learning_rate(result.step, config)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            x, y = batches.batch("train")
-            loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True)).loss
-            loss.backward()
-            if config.grad_clip:
-                nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step_losses.append(loss.detach())
+            loss = _step(model, optimizer, batches.batch("train"), lr, config.grad_clip, device)
+            step_losses.append(loss)
             result.step += 1
             step = result.step
-            if step % config.log_interval == 0 or step == config.max_iters:
-                last = loss.item()  # the one sync per log interval
-                result.train_seconds += time.perf_counter() - tick
-                if progress is not None:
-                    steps = step - start_step
-                    rate = steps * result.tokens_per_step / result.train_seconds
-                    progress.update(
-                        progress.task_ids[0], completed=step, loss=last, lr=lr, rate=rate
-                    )
-            else:
-                result.train_seconds += time.perf_counter() - tick
+            log = step % config.log_interval == 0 or step == config.max_iters
+            last = loss.item() if log else None  # the one sync per log interval
+            result.train_seconds += time.perf_counter() - tick
+            if log and progress is not None:
+                rate = (step - start_step) * result.tokens_per_step / result.train_seconds
+                progress.update(progress.task_ids[0], completed=step, loss=last, lr=lr, rate=rate)
             if step % config.eval_interval == 0 or step == config.max_iters:
                 record = {
                     "step": step,
@@ -228,6 +211,37 @@ def train(
     result.losses = torch.stack(step_losses).tolist() if step_losses else []
     result.wall_seconds = time.perf_counter() - wall_start
     return result
+
+
+def _step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: tuple[Tensor, Tensor],
+    lr: float,
+    grad_clip: float,
+    device: torch.device,
+) -> Tensor:
+    """One optimizer step at learning rate ``lr``; returns the (detached) loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    x, y = (tensor.to(device, non_blocking=True) for tensor in batch)
+    loss = model(x, y).loss
+    loss.backward()
+    if grad_clip:
+        nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _stop_requested(
+    stop: threading.Event, step: int, config: TrainConfig, device: torch.device
+) -> bool:
+    """Whether a signal asked to stop; under DDP all ranks decide together, at log steps only
+    (no collective and no device sync on the other steps)."""
+    if distributed.world_size() == 1:
+        return stop.is_set()
+    return step % config.log_interval == 0 and distributed.any_across_ranks(stop.is_set(), device)
 
 
 def _report(console: Console | None, record: dict[str, float]) -> None:
