@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
+from selfattn.errors import SelfAttnError
 from selfattn.examples import CIAO_TOKENS, ciao_trace
 from selfattn.viz.terminal import matrix_table
 
@@ -192,6 +196,201 @@ def generate(
         raise _fail(str(error)) from None
     output = model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
     typer.echo(tokenizer.decode(output[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# explain, compare, view: the main job
+
+MODEL_HELP = "Model: 'minilm' (all-MiniLM-L6-v2, the default) or a Hugging Face-style folder."
+CHECKPOINT_HELP = "A `selfattn train --out` directory, instead of --model."
+EXPLAIN_EPILOG = 'Example: selfattn explain "I went to the bank to deposit money." --word bank'
+
+
+def _load(model: str, checkpoint: Path | None):
+    """The model to look into (pretrained, or trained here), with a status line on stderr."""
+    label = str(checkpoint) if checkpoint is not None else model
+    with Console(stderr=True).status(f"Loading {label}…"):
+        if checkpoint is not None:
+            from selfattn.train import load_model
+
+            return load_model(checkpoint)
+        from selfattn.models.loading import load
+
+        return load(model)
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """Turn a user's mistake (bad text, word, layer, file) into one 'Error: ...' line."""
+    try:
+        yield
+    except (SelfAttnError, ValueError, IndexError) as error:
+        message = str(error).strip().splitlines()
+        raise _fail(message[0] if message else type(error).__name__) from None
+
+
+def _parse_head(head: str | None) -> int | str | None:
+    if head is None or head == "mean":
+        return head
+    try:
+        return int(head)
+    except ValueError:
+        raise _fail(f"--head must be a head number or 'mean', got {head!r}", 2) from None
+
+
+@app.command(epilog=EXPLAIN_EPILOG)
+def explain(
+    text: Annotated[str, typer.Argument(help="The sentence to look into.")],
+    word: Annotated[
+        str | None, typer.Option(help="The word to explain as a query (whole word, any case).")
+    ] = None,
+    index: Annotated[
+        int | None, typer.Option(help="The token index to explain instead of --word.")
+    ] = None,
+    occurrence: Annotated[int, typer.Option(help="Which occurrence of --word (0 = first).")] = 0,
+    layer: Annotated[
+        int | None, typer.Option(help="Layer (0 = first); default: the most telling one.")
+    ] = None,
+    head: Annotated[
+        str | None, typer.Option(help="Head number or 'mean'; default: the most telling one.")
+    ] = None,
+    model: Annotated[str, typer.Option(help=MODEL_HELP)] = "minilm",
+    checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
+    words: Annotated[
+        bool, typer.Option("--words", help="Merge word pieces: keys summed, queries averaged.")
+    ] = False,
+    similarity: Annotated[
+        str | None,
+        typer.Option(help="Recompute the head with 'dot' or 'cosine' similarity, side by side."),
+    ] = None,
+    scale: Annotated[
+        float | None, typer.Option(help="Recompute the head with this scale (1 = no scaling).")
+    ] = None,
+    truncate: Annotated[
+        bool, typer.Option("--truncate", help="Cut text longer than the model's positions.")
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object with every number.")
+    ] = False,
+    png: Annotated[Path | None, typer.Option(help="Write the heatmap as a PNG figure.")] = None,
+    svg: Annotated[Path | None, typer.Option(help="Write the heatmap as an SVG figure.")] = None,
+    html: Annotated[
+        Path | None, typer.Option(help="Write the interactive, offline HTML page.")
+    ] = None,
+) -> None:
+    """Show step by step what self-attention did to one word of TEXT on a real model.
+
+    For the query word: raw similarity scores against every key, the scaled scores, the
+    softmax weights (summing to 1), the top attended words and the output vector; then the
+    whole layer/head as a heatmap (rows: queries, columns: keys). Every number is recomputed
+    from the query, key and value the model computed on its fast path.
+    """
+    from selfattn import explain as explaining
+    from selfattn.viz import report
+
+    if word is not None and index is not None:
+        raise _fail("give either --word or --index, not both", 2)
+    if similarity is not None and similarity not in ("dot", "cosine"):
+        raise _fail(f"--similarity must be 'dot' or 'cosine', got {similarity!r}", 2)
+    head_choice = _parse_head(head)
+    with _user_errors():
+        network = _load(model, checkpoint)
+        run, explanation = explaining.explain_text(
+            network, text, word=word, index=index, occurrence=occurrence, truncate=truncate,
+            layer=layer, head=head_choice, similarity=similarity, scale=scale, words=words,
+        )  # fmt: skip
+        if as_json:
+            typer.echo(json.dumps(explanation.to_json()))
+        else:
+            report.print_explanation(console, explanation)
+        for path in (png, svg):
+            if path is not None:
+                report.save_heatmap(explanation, path)
+                Console(stderr=True).print(f"wrote {path}")
+        if html is not None:
+            html.write_text(report.page(run, explanation), encoding="utf-8")
+            Console(stderr=True).print(f"wrote {html}")
+
+
+@app.command(epilog='Example: selfattn compare "I went to the bank to deposit money." '
+             '"I sat on the bank of the river." --word bank')  # fmt: skip
+def compare(
+    sentences: Annotated[list[str], typer.Argument(help="Two or more sentences with the word.")],
+    word: Annotated[str, typer.Option(help="The word to follow across the sentences.")],
+    model: Annotated[str, typer.Option(help=MODEL_HELP)] = "minilm",
+    checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object with every number.")
+    ] = False,
+) -> None:
+    """Follow one word across sentences: how alike its vectors are, layer by layer.
+
+    Layer 0 is the embedding output, the same for the word everywhere but for its position;
+    the layers above mix in context, so "bank" beside "money" drifts away from "bank"
+    beside "river".
+    """
+    from selfattn import explain as explaining
+    from selfattn.viz import report
+
+    if len(sentences) < 2:
+        raise _fail("give at least two sentences to compare", 2)
+    with _user_errors():
+        network = _load(model, checkpoint)
+        comparison = explaining.compare([network.run(s) for s in sentences], word)
+        if as_json:
+            typer.echo(json.dumps(comparison.to_json() | {"model": network.name}))
+        else:
+            report.print_comparison(console, comparison, network.name)
+
+
+@app.command()
+def view(
+    text: Annotated[str, typer.Argument(help="The sentence to explore.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="The HTML file to write.")],
+    model: Annotated[str, typer.Option(help=MODEL_HELP)] = "minilm",
+    checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
+    truncate: Annotated[
+        bool, typer.Option("--truncate", help="Cut text longer than the model's positions.")
+    ] = False,
+) -> None:
+    """Write one self-contained, offline HTML page to explore every layer and head of TEXT."""
+    from selfattn import explain as explaining
+    from selfattn.viz import report
+
+    with _user_errors():
+        network = _load(model, checkpoint)
+        run = network.run(text, truncate=truncate)
+        explanation = explaining.explain(run, model_name=network.name)
+        output.write_text(report.page(run, explanation), encoding="utf-8")
+    console.print(f"wrote {output} (open it in a browser; it needs no network)")
+
+
+@app.command(epilog="Example: selfattn serve, then open http://127.0.0.1:8000/")
+def serve(
+    model: Annotated[str, typer.Option(help=MODEL_HELP)] = "minilm",
+    host: Annotated[
+        str, typer.Option(help="Address to listen on; other than 127.0.0.1, the network sees it.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
+) -> None:
+    """Explore self-attention in the browser: a local web app over one model, loaded once.
+
+    Explore a text (every layer and head, step by step), compare a word across sentences,
+    recompute a head with another similarity or scale; the address bar keeps the view.
+    The JSON API (/api/explain, /api/view, /api/compare, /api/models) is described at
+    /openapi.json; /api/explain returns what `explain --json` prints.
+    """
+    from selfattn import server
+
+    if not server.is_local(host):
+        Console(stderr=True).print(
+            f"[bold yellow]warning:[/] listening on {host}: the explorer is reachable from the "
+            "network, by anyone who can reach this machine (it has no login)"
+        )
+    with _user_errors():
+        network = _load(model, None)
+    console.print(f"selfattn explorer on http://{host}:{port}/ ({network.name}; Ctrl+C stops it)")
+    server.serve(network, host=host, port=port)
 
 
 def main() -> None:
