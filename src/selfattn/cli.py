@@ -373,12 +373,12 @@ def serve(
     ] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
 ) -> None:
-    """Explore self-attention in the browser: a local web app over one model, loaded once.
+    """Explore self-attention in the browser: a local web app over one model.
 
-    Explore a text (every layer and head, step by step), compare a word across sentences,
-    recompute a head with another similarity or scale; the address bar keeps the view.
-    The JSON API (/api/explain, /api/view, /api/compare, /api/models) is described at
-    /openapi.json; /api/explain returns what `explain --json` prints.
+    Explore a text (every layer and head, step by step), follow a word across
+    sentences, recompute a head with another similarity or scale; the address
+    bar keeps the view. The JSON API is described at /openapi.json;
+    /api/explain returns what `explain --json` prints.
     """
     from selfattn import server
 
