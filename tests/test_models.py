@@ -160,6 +160,13 @@ def test_encode_is_independent_of_batching_and_order(minilm):
     assert minilm.encode("one text").shape == (1, 384)
 
 
+def test_encode_progress_bar_goes_to_stderr(minilm, capsys):
+    texts = SENTENCES[:6]
+    with_bar = minilm.encode(texts, batch_size=2, progress=True)
+    torch.testing.assert_close(with_bar, minilm.encode(texts, progress=False), atol=1e-5, rtol=0)
+    assert capsys.readouterr().out == ""
+
+
 def test_bank_in_two_money_sentences_is_closer_than_in_a_river_sentence(minilm):
     money_1, money_2, river = (minilm.run(text) for text in (MONEY_1, MONEY_2, RIVER))
     bank_1, bank_2, bank_river = (run.word_vector("bank") for run in (money_1, money_2, river))

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from rich.console import Console
 from rich.progress import Progress
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
@@ -247,7 +248,10 @@ class Model(nn.Module):
         if progress is None:
             progress = len(batches) > PROGRESS_MIN_BATCHES and sys.stderr.isatty()
         embeddings = torch.empty(len(ids), self.config.d_model, dtype=self.dtype)
-        with torch.inference_mode(), Progress(disable=not progress, transient=True) as bar:
+        with (
+            torch.inference_mode(),
+            Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar,
+        ):
             task = bar.add_task("encoding", total=len(texts))
             for batch in batches:
                 embeddings[batch] = self._embed([ids[i] for i in batch]).cpu()
