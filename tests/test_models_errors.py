@@ -127,6 +127,12 @@ def test_unsupported_model_type(tmp_path):
     refused(tmp_path, "unsupported model_type 'llama' .*; supported: bert, gpt2")
 
 
+def test_config_without_a_size(tmp_path):
+    config = {key: value for key, value in BERT.items() if key != "hidden_size"}
+    write(tmp_path, config, bert_tensors())
+    refused(tmp_path, "config.json lacks the entry 'hidden_size' that bert needs")
+
+
 def test_unsupported_activation(tmp_path):
     write(tmp_path, {**BERT, "hidden_act": "swish"}, bert_tensors())
     refused(tmp_path, "unsupported hidden_act 'swish'.*supported: gelu, gelu_new")

@@ -418,7 +418,13 @@ def load(
         )
     weights_path = folder / "model.safetensors"
     tensors = read_checkpoint(weights_path, ARCHITECTURES[model_type])
-    network, rules, info, sentence = BUILDERS[model_type](raw, tensors, folder)
+    try:
+        network, rules, info, sentence = BUILDERS[model_type](raw, tensors, folder)
+    except KeyError as missing:
+        raise SelfAttnError(
+            f"{folder / 'config.json'} lacks the entry {missing} that {model_type} needs; "
+            "restore the checkpoint's original config.json"
+        ) from None
     load_weights(network, rules, tensors, weights_path)
     tokenizer_path = folder / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tokenizer_path) if tokenizer_path.is_file() else None
