@@ -204,3 +204,12 @@ def test_user_errors_are_one_line(args, message):
     assert len(lines) == 1 and lines[0].startswith("Error:"), result.stderr
     assert message in lines[0]
     assert "Traceback" not in result.output
+
+
+def test_notebook_view_is_the_same_page_in_a_sandboxed_iframe(model):
+    run = model.run("<b>bold</b> bank")
+    page = run._repr_html_()
+    assert page.startswith("<iframe srcdoc=") and 'sandbox="allow-scripts"' in page
+    assert "<b>" not in page and "&lt;script" in page  # the whole page travels escaped
+    focused = run.html(word="bank", layer=0, head=4)
+    assert "selfattn-payload" in focused

@@ -89,6 +89,7 @@ class Run:
     hidden_states: Tensor  # (L+1, T, D): embeddings, then each block's output
     captures: Recording  # q, k, v of every attention layer, recorded on the fast path
     logits: Tensor | None  # (T, vocab) next-token scores, decoders only
+    model_name: str = "model"
 
     @property
     def text(self) -> str:
@@ -151,6 +152,39 @@ class Run:
             )
         tokens = self.word_tokens(word_or_span, occurrence)
         return self.hidden_states[layer, tokens.start : tokens.stop].mean(dim=0)
+
+    def _repr_html_(self) -> str:
+        """The interactive explorer page, for notebooks (in a sandboxed iframe)."""
+        return self.html()
+
+    def html(
+        self, word: str | None = None, layer: int | None = None, head: int | None = None
+    ) -> str:
+        """The explorer page as notebook HTML, opened on ``word`` and ``layer``/``head``."""
+        # The views sit above the models (they take plain data); imported on demand.
+        from selfattn.explain import explain
+        from selfattn.viz.report import notebook_html
+
+        query = self.token_index(word) if word is not None else None
+        explanation = explain(self, model_name=self.model_name, query=query, layer=layer, head=head)
+        return notebook_html(self, explanation)
+
+    def show(
+        self, word: str | None = None, layer: int | None = None, head: int | None = None
+    ) -> None:
+        """Display the explorer in a notebook; elsewhere, open it in the web browser."""
+        page = self.html(word, layer, head)
+        try:
+            from IPython.display import HTML, display
+        except ImportError:
+            import tempfile
+            import webbrowser
+
+            with tempfile.NamedTemporaryFile("w", suffix=".html", delete=False) as file:
+                file.write(page)
+            webbrowser.open(f"file://{file.name}")
+            return
+        display(HTML(page))
 
 
 class Model(nn.Module):
@@ -222,7 +256,7 @@ class Model(nn.Module):
             output = self(input_ids)
         hidden_states = torch.stack(output.hidden_states).squeeze(1)  # (L+1, T, D)
         logits = output.logits[0] if isinstance(output, DecoderOutput) else None
-        return Run(encoding, hidden_states, recording, logits)
+        return Run(encoding, hidden_states, recording, logits, self.name)
 
     def encode(
         self,

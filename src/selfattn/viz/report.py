@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 from itertools import combinations
 from pathlib import Path
 
@@ -116,6 +117,15 @@ def save_heatmap(e: Explanation, path: Path) -> Path:
 def page(run: RecordedRun, e: Explanation) -> str:
     """The interactive offline page of the whole run, opened on the explained layer/head."""
     return render_page(page_data(run, e))
+
+
+def notebook_html(run: RecordedRun, e: Explanation, height: int = 900) -> str:
+    """The page inside a sandboxed iframe, as a notebook's ``_repr_html_`` wants it."""
+    source = html.escape(page(run, e), quote=True)
+    return (
+        f'<iframe srcdoc="{source}" sandbox="allow-scripts" '
+        f'style="width:100%;height:{height}px;border:0"></iframe>'
+    )
 
 
 def page_data(run: RecordedRun, e: Explanation) -> dict:
