@@ -27,7 +27,11 @@ Conventions, the same on every backend:
 - Half and bfloat16 inputs are computed in float32 and the output cast back.
 
 Backends are a small registry (``BACKENDS``): ``explicit`` is the reference and the only one
-that gives a trace; the others are checked against it.
+that gives a trace; the others are checked against it. ``chunked`` (kernels/chunked.py) is
+FlashAttention's online softmax in PyTorch ops: O(T·D) memory, never a ``(T, S)`` tensor.
+``backend="auto"`` (:func:`choose_backend`) takes explicit when a trace is asked for, chunked when
+the weights would exceed ``MEMORY_BUDGET`` (2 GiB) and torch's kernel would be handed a
+``(T, S)`` mask, otherwise torch's fused kernel.
 """
 
 from __future__ import annotations
@@ -42,8 +46,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from selfattn.kernels.chunked import chunked_attention
+
 SIMILARITIES = ("dot", "cosine")
 REDUCED_PRECISION = (torch.float16, torch.bfloat16)
+MEMORY_BUDGET = 2 * 2**30  # bytes of (..., T, S) weights above which auto avoids (T, S) tensors
 
 
 @dataclass(frozen=True)
@@ -247,6 +254,30 @@ def _triton_why_not(call: AttentionCall) -> str | None:
     return None if reason is None else f"backend 'triton': {reason}"
 
 
+def _chunked(call: AttentionCall) -> Tensor:
+    """The tiled kernel; masks are passed as given and sliced per tile, never expanded."""
+    query, key = normalize_for_similarity(call)
+    is_bool = call.mask is not None and call.mask.dtype == torch.bool
+    return chunked_attention(
+        query,
+        key,
+        call.value,
+        allowed=call.mask if is_bool else None,
+        bias=None if is_bool else call.mask,
+        causal=call.causal,
+        scale=call.scale,
+    )
+
+
+def _chunked_why_not(call: AttentionCall) -> str | None:
+    """Why the chunked kernel cannot compute this call exactly as the reference, or None."""
+    if call.dropout_p > 0:
+        return (
+            "backend 'chunked' has no dropout; use backend='explicit' or 'sdpa' for dropout_p > 0"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Backend:
     """An attention implementation and the calls it can compute exactly as the reference."""
@@ -259,6 +290,7 @@ class Backend:
 BACKENDS: dict[str, Backend] = {
     "explicit": Backend("explicit", lambda call: _explicit(call).output),
     "sdpa": Backend("sdpa", _sdpa),
+    "chunked": Backend("chunked", _chunked, _chunked_why_not),
     "triton": Backend("triton", _triton, _triton_why_not),
 }
 
@@ -267,12 +299,24 @@ def choose_backend(call: AttentionCall, return_trace: bool = False) -> Backend:
     """What ``backend="auto"`` runs.
 
     Explicit when a trace is asked for; on CUDA the Triton kernels when they can compute the
-    call; otherwise torch's fused kernel.
+    call; otherwise torch's fused kernel, except for large masked calls, which go to chunked.
+
+    Chunked is chosen when the call has no dropout, its weights would exceed ``MEMORY_BUDGET``
+    and it has a mask or is causal with T != S. Measured on a 2-core CPU with torch 2.13: torch's
+    fused kernel never forms the weights (float32, float64, bfloat16; with or without a mask;
+    dropout aside) and runs 1.2-1.6x faster than chunked (docs/benchmarks.md), but ``_sdpa``
+    hands it a full ``(T, S)`` mask (the bottom-right causal triangle, the user mask combined
+    with it, the fully-masked-row fix) which it converts to float: 1.3 GiB measured at
+    T = 16,384 (causal, S = T + 64), ~20 GiB at 65,536. Chunked slices the mask as given.
     """
     if return_trace:
         return BACKENDS["explicit"]
     if call.query.is_cuda and BACKENDS["triton"].why_not(call) is None:
         return BACKENDS["triton"]
+    t, s = call.query.shape[-2], call.key.shape[-2]
+    sdpa_needs_full_mask = call.mask is not None or (call.causal and t != s)
+    if sdpa_needs_full_mask and call.dropout_p == 0 and call.weights_bytes > MEMORY_BUDGET:
+        return BACKENDS["chunked"]
     return BACKENDS["sdpa"]
 
 

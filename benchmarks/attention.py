@@ -1,0 +1,176 @@
+"""Attention kernels on the CPU: explicit, chunked and torch SDPA, time and peak memory.
+
+B=1, H=8, D=64, float32, T = S from 512 to 65,536 (doubling; forward + backward up to
+32,768 by default); forward, and forward + backward; causal and not. Each case runs in a fresh
+subprocess. Its peak memory is the peak resident size during the first call (Linux VmHWM,
+reset just before it) minus the resident size at the reset: inputs and imports excluded. The
+first call is also the warm-up; the time is the median of the calls after it, or the first
+call alone where one takes more than a few seconds. Achieved GFLOP/s counts 4·B·H·T²·D for
+the forward, 3.5x that for forward + backward, both halved when causal; the fp32 GEMM rate is
+the ceiling. Prints a markdown table, with chunked/sdpa, the ratio of their times, in the
+same run.
+
+    python benchmarks/attention.py                 # the full table (~10-15 minutes on 2 cores)
+    python benchmarks/attention.py --quick         # T <= 2,048, one timed call per case
+    python benchmarks/attention.py --max-t 8192    # a shorter run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HEADS, HEAD_DIM = 8, 64
+BACKENDS = ("explicit", "chunked", "sdpa")
+# The explicit path keeps scores, scaled, masked and weights (forward) and about as many
+# gradients again (backward); a case is skipped when that estimate exceeds this.
+EXPLICIT_LIMIT = 10 * 2**30
+TIMED_SECONDS = 6.0  # repeat a case until about this much time is spent, at most `repeats`
+
+
+def flops(t: int, backward: bool, causal: bool) -> float:
+    forward = 4 * HEADS * t * t * HEAD_DIM
+    return forward * (3.5 if backward else 1.0) * (0.5 if causal else 1.0)
+
+
+def explicit_bytes(t: int, backward: bool) -> int:
+    weights = HEADS * t * t * 4
+    return weights * (8 if backward else 4)
+
+
+def run_case(backend: str, t: int, backward: bool, causal: bool, repeats: int) -> dict:
+    """One case in this process: returns seconds (median) and peak extra bytes."""
+    from selfattn.attention import attention
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(1, HEADS, t, HEAD_DIM, requires_grad=backward) for _ in range(3)]
+    grad_output = torch.randn(1, HEADS, t, HEAD_DIM)
+
+    def call() -> float:
+        start = time.perf_counter()
+        output = attention(*inputs, causal=causal, backend=backend)
+        if backward:
+            output.backward(grad_output)
+            for tensor in inputs:
+                tensor.grad = None
+        return time.perf_counter() - start
+
+    before = reset_peak_rss()
+    first = call()
+    peak = peak_rss() - before
+    times = [first]
+    if first * 2 < TIMED_SECONDS:
+        times = [call() for _ in range(max(1, min(repeats, int(TIMED_SECONDS / first))))]
+    return {"seconds": statistics.median(times), "peak_bytes": peak}
+
+
+def reset_peak_rss() -> int:
+    """Reset the process's peak resident size (Linux) to the current one, and return it."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+    return peak_rss()
+
+
+def peak_rss() -> int:
+    """Peak resident bytes since the last reset (VmHWM)."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def measure(backend: str, t: int, backward: bool, causal: bool, repeats: int) -> dict:
+    """Run one case in a fresh subprocess (its own peak memory)."""
+    command = [sys.executable, __file__, "--case", backend, str(t), str(int(backward))]
+    command += [str(int(causal)), str(repeats)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        return {"error": result.stderr.strip().splitlines()[-1]}
+    return json.loads(result.stdout)
+
+
+def gemm_gflops() -> float:
+    """fp32 matrix product rate, 2048 x 2048 (the ceiling for attention's two products)."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * 2048**3 / min(times) / 1e9
+
+
+def describe(result: dict | None, t: int, backward: bool, causal: bool) -> tuple[str, str, str]:
+    """(seconds, GFLOP/s, peak MiB) cells."""
+    if result is None:
+        need = explicit_bytes(t, backward) / 2**30
+        return f"skipped (would need ~{need:.0f} GiB)", "", ""
+    if "error" in result:
+        return f"failed: {result['error'][:40]}", "", ""
+    seconds = result["seconds"]
+    rate = flops(t, backward, causal) / seconds / 1e9
+    return f"{seconds:.3f}", f"{rate:.0f}", f"{result['peak_bytes'] / 2**20:.0f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-t", type=int, default=65536, help="longest sequence, forward")
+    parser.add_argument(
+        "--max-t-backward", type=int, default=32768, help="longest sequence, forward + backward"
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per case, at most")
+    parser.add_argument("--quick", action="store_true", help="T <= 2,048, one timed call")
+    parser.add_argument("--case", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        backend, t, backward, causal, repeats = args.case
+        print(
+            json.dumps(
+                run_case(backend, int(t), bool(int(backward)), bool(int(causal)), int(repeats))
+            )
+        )
+        return
+    if args.quick:
+        args.max_t, args.max_t_backward, args.repeats = 2048, 2048, 1
+
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{platform.processor() or platform.machine()}"
+    )
+    print(f"fp32 GEMM (2048^3): {gemm_gflops():.0f} GFLOP/s\n")
+    header = ["T", "pass", "causal"]
+    header += [f"{name} s" for name in BACKENDS] + [f"{name} GFLOP/s" for name in BACKENDS]
+    header += [f"{name} peak MiB" for name in BACKENDS] + ["chunked/sdpa"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    t = 512
+    while t <= args.max_t:
+        for backward in (False, True):
+            if backward and t > args.max_t_backward:
+                continue
+            for causal in (False, True):
+                cells = {}
+                for backend in BACKENDS:
+                    fits = backend != "explicit" or explicit_bytes(t, backward) <= EXPLICIT_LIMIT
+                    result = measure(backend, t, backward, causal, args.repeats) if fits else None
+                    cells[backend] = (result, describe(result, t, backward, causal))
+                ratio = ""
+                chunked, sdpa = cells["chunked"][0], cells["sdpa"][0]
+                if chunked and sdpa and "seconds" in chunked and "seconds" in sdpa:
+                    ratio = f"{chunked['seconds'] / sdpa['seconds']:.2f}"
+                row = [str(t), "fwd+bwd" if backward else "fwd", "yes" if causal else "no"]
+                for column in range(3):
+                    row += [cells[name][1][column] for name in BACKENDS]
+                print("| " + " | ".join([*row, ratio]) + " |", flush=True)
+        t *= 2
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""The chunked backend against the explicit reference: outputs and gradients, every convention.
+
+Tolerances (max absolute difference): float64 1e-10, float32 1e-5; bfloat16 and float16 at most
+twice the error of torch's own fused kernel in that dtype against a float64 reference, plus
+an absolute floor of 1e-3. Small block sizes make tiles that do not divide T or S.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from selfattn.attention import attention, choose_backend, make_call
+from selfattn.kernels import chunked_attention
+
+SHAPES = [  # (T, S, D): primes, S != T both ways
+    (7, 7, 5),
+    (97, 97, 59),
+    (13, 29, 5),
+    (29, 13, 59),
+]
+BLOCKS = [(5, 6), (16, 64), (None, 1024)]  # (block_q, block_k); None = the default
+# Every shape with every block size, except T = S = 97 in 5 x 6 tiles (slow, nothing new).
+SHAPES_AND_BLOCKS = [
+    (shape, blocks)
+    for shape in SHAPES
+    for blocks in BLOCKS
+    if shape[0] * shape[1] < 5000 or blocks != (5, 6)
+]
+
+
+def _inputs(t: int, s: int, d: int, dtype: torch.dtype, lead=(2, 3), dv: int = 7, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(*lead, t, d), (*lead, s, d), (*lead, s, dv)]
+    return [torch.randn(shape, generator=generator, dtype=dtype) for shape in shapes]
+
+
+def _masks(t: int, s: int, dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
+    generator = torch.Generator().manual_seed(1)
+    return {
+        "none": None,
+        "bool": torch.rand(2, 3, t, s, generator=generator) > 0.3,
+        "bool-broadcast": torch.rand(3, 1, s, generator=generator) > 0.3,
+        "float": torch.randn(2, 3, t, s, generator=generator, dtype=dtype),
+        "float-broadcast": torch.randn(2, 1, t, 1, generator=generator, dtype=dtype),
+        "key-padding": torch.arange(s) < s - 2,  # shape (S,)
+    }
+
+
+def _chunked(query, key, value, mask=None, causal=False, scale=None, blocks=(None, 1024)):
+    """The kernel directly, with the explicit path's defaults, to choose the block sizes."""
+    is_bool = mask is not None and mask.dtype == torch.bool
+    return chunked_attention(
+        query,
+        key,
+        value,
+        allowed=mask if is_bool else None,
+        bias=None if is_bool else mask,
+        causal=causal,
+        scale=query.shape[-1] ** -0.5 if scale is None else scale,
+        block_q=blocks[0],
+        block_k=blocks[1],
+    )
+
+
+def _outputs_and_grads(run, inputs, grad_output):
+    inputs = [x.detach().requires_grad_() for x in inputs]
+    output = run(*inputs)
+    grads = torch.autograd.grad(output, inputs, grad_output)
+    return [output.detach(), *grads]
+
+
+@pytest.mark.parametrize(("shape", "blocks"), SHAPES_AND_BLOCKS, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "mask_name", ["none", "bool", "bool-broadcast", "float", "float-broadcast", "key-padding"]
+)
+def test_matches_explicit_in_float64(shape, blocks, causal, mask_name):
+    """Output and dq, dk, dv within 1e-10 of the explicit path (float64)."""
+    t, s, d = shape
+    query, key, value = _inputs(t, s, d, torch.float64)
+    mask = _masks(t, s, torch.float64)[mask_name]
+    grad_output = torch.randn(2, 3, t, 7, dtype=torch.float64)
+    expected = _outputs_and_grads(
+        lambda q, k, v: attention(q, k, v, mask=mask, causal=causal, backend="explicit"),
+        [query, key, value],
+        grad_output,
+    )
+    actual = _outputs_and_grads(
+        lambda q, k, v: _chunked(q, k, v, mask, causal, blocks=blocks),
+        [query, key, value],
+        grad_output,
+    )
+    for name, got, want in zip(["output", "dq", "dk", "dv"], actual, expected, strict=True):
+        assert not got.isnan().any(), name
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_explicit_in_float32(causal):
+    """Output and gradients within 1e-5 of the explicit path (float32), several tiles each way."""
+    query, key, value = _inputs(300, 200, 32, torch.float32, dv=32)
+    mask = torch.rand(300, 200, generator=torch.Generator().manual_seed(2)) > 0.2
+    grad_output = torch.randn(2, 3, 300, 32)
+    expected = _outputs_and_grads(
+        lambda q, k, v: attention(q, k, v, mask=mask, causal=causal, backend="explicit"),
+        [query, key, value],
+        grad_output,
+    )
+    actual = _outputs_and_grads(
+        lambda q, k, v: _chunked(q, k, v, mask, causal, blocks=(64, 48)),
+        [query, key, value],
+        grad_output,
+    )
+    for name, got, want in zip(["output", "dq", "dk", "dv"], actual, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_no_worse_than_twice_sdpa(dtype):
+    """bf16/fp16: error vs a float64 reference <= 2x torch SDPA's own error + 1e-3."""
+    query, key, value = _inputs(200, 150, 64, dtype, dv=64)
+    grad_output = torch.randn(2, 3, 200, 64, generator=torch.Generator().manual_seed(3))
+    wide = [x.double() for x in (query, key, value)]
+    reference = _outputs_and_grads(
+        lambda q, k, v: attention(q, k, v, causal=True, backend="explicit"),
+        wide,
+        grad_output.double(),
+    )
+    errors = {}
+    for backend in ("sdpa", "chunked"):
+        results = _outputs_and_grads(
+            lambda q, k, v, backend=backend: attention(q, k, v, causal=True, backend=backend),
+            [query, key, value],
+            grad_output.to(dtype),
+        )
+        assert results[0].dtype == dtype
+        errors[backend] = [
+            (got.double() - want).abs().max().item()
+            for got, want in zip(results, reference, strict=True)
+        ]
+    for name, chunked_error, sdpa_error in zip(
+        ["output", "dq", "dk", "dv"], errors["chunked"], errors["sdpa"], strict=True
+    ):
+        assert chunked_error <= 2 * sdpa_error + 1e-3, (name, chunked_error, sdpa_error)
+
+
+def test_fully_masked_rows_give_zeros_and_zero_gradients():
+    """Rows with nothing to attend (bool mask, -inf float mask, causal with T > S): exact 0."""
+    t, s = 11, 6
+    query, key, value = _inputs(t, s, 5, torch.float64)
+    allowed = torch.rand(t, s, generator=torch.Generator().manual_seed(4)) > 0.3
+    allowed[[0, 7]] = False
+    bias = torch.zeros(t, s, dtype=torch.float64)
+    bias[[2, 9]] = float("-inf")
+    empty_rows = {"bool": [0, 7], "float": [2, 9], "causal": list(range(t - s))}
+    cases = {"bool": (allowed, False), "float": (bias, False), "causal": (None, True)}
+    for name, (mask, causal) in cases.items():
+        grad_output = torch.randn(2, 3, t, 7, dtype=torch.float64)
+        output, grad_query, _, _ = _outputs_and_grads(
+            lambda q, k, v, mask=mask, causal=causal: _chunked(
+                q, k, v, mask, causal, blocks=(3, 4)
+            ),
+            [query, key, value],
+            grad_output,
+        )
+        assert not output.isnan().any() and not grad_query.isnan().any(), name
+        rows = empty_rows[name]
+        assert (output[..., rows, :] == 0).all(), name
+        assert (grad_query[..., rows, :] == 0).all(), name
+        expected = attention(query, key, value, mask=mask, causal=causal, backend="explicit")
+        torch.testing.assert_close(output, expected, atol=1e-10, rtol=0, msg=name)
+
+
+def test_all_keys_masked_gives_zero_key_and_value_gradients():
+    """Nothing may be attended anywhere: output 0 and every gradient 0, no NaN."""
+    query, key, value = _inputs(9, 8, 5, torch.float64)
+    mask = torch.zeros(9, 8, dtype=torch.bool)
+    results = _outputs_and_grads(
+        lambda q, k, v: _chunked(q, k, v, mask, blocks=(4, 3)),
+        [query, key, value],
+        torch.ones(2, 3, 9, 7, dtype=torch.float64),
+    )
+    for result in results:
+        assert (result == 0).all()
+
+
+@pytest.mark.parametrize("similarity", ["dot", "cosine"])
+@pytest.mark.parametrize("scale", [None, 1.0, 3.7])
+def test_similarity_and_scale_through_attention(similarity, scale):
+    """attention(backend='chunked') == explicit within 1e-10 for cosine and any scale."""
+    query, key, value = _inputs(33, 40, 16, torch.float64)
+    grad_output = torch.randn(2, 3, 33, 7, dtype=torch.float64)
+    results = {
+        backend: _outputs_and_grads(
+            lambda q, k, v, backend=backend: attention(
+                q, k, v, similarity=similarity, scale=scale, causal=True, backend=backend
+            ),
+            [query, key, value],
+            grad_output,
+        )
+        for backend in ("explicit", "chunked")
+    }
+    for got, want in zip(results["chunked"], results["explicit"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+
+
+def test_gradcheck_in_float64():
+    """torch.autograd.gradcheck (finite differences, default float64 tolerances), incl. the bias."""
+    query, key, value = (x.requires_grad_() for x in _inputs(6, 7, 3, torch.float64, lead=(2,)))
+    bias = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)
+    allowed = torch.rand(2, 6, 7, generator=torch.Generator().manual_seed(5)) > 0.3
+
+    def run(q, k, v, b):
+        return chunked_attention(
+            q, k, v, allowed=allowed, bias=b, causal=True, scale=0.7, block_q=4, block_k=3
+        )
+
+    assert torch.autograd.gradcheck(run, (query, key, value, bias))
+
+
+def test_dropout_is_refused():
+    query, key, value = _inputs(4, 4, 3, torch.float32)
+    with pytest.raises(ValueError, match="'chunked' has no dropout"):
+        attention(query, key, value, dropout_p=0.1, backend="chunked")
+
+
+def test_auto_picks_chunked_above_the_budget_for_masked_calls(monkeypatch):
+    """auto: explicit for a trace; chunked for masked/bottom-right calls above the budget."""
+    query, key, value = _inputs(8, 12, 4, torch.float32)
+    mask = torch.ones(8, 12, dtype=torch.bool)
+
+    def chosen(mask=None, causal=False, dropout_p=0.0, return_trace=False):
+        call = make_call(query, key, value, mask, causal, "dot", None, dropout_p)
+        return choose_backend(call, return_trace).name
+
+    assert chosen(mask) == "sdpa"
+    monkeypatch.setattr(sys.modules["selfattn.attention"], "MEMORY_BUDGET", 100)
+    assert chosen(mask) == "chunked"
+    assert chosen(causal=True) == "chunked"  # T != S: sdpa would get a (T, S) mask
+    assert chosen() == "sdpa"  # no mask: torch's kernel is O(T) memory and faster
+    assert chosen(mask, dropout_p=0.1) == "sdpa"
+    assert chosen(mask, return_trace=True) == "explicit"
+    output = attention(query, key, value, mask=mask)
+    torch.testing.assert_close(output, attention(query, key, value, backend="explicit"))
+
+
+MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import resource, torch
+    from selfattn.kernels import chunked_attention
+
+    torch.set_num_threads(1)  # memory does not depend on it; one thread is steadier on a busy CPU
+    t = 24576  # explicit weights (1, 1, T, T) float32: 2.25 GiB, its trace ~4x that
+    query, key, value = (torch.randn(1, 1, t, 16, requires_grad=True) for _ in range(3))
+    with open("/proc/self/statm") as statm:  # resident now, in pages
+        before = int(statm.read().split()[1]) * resource.getpagesize()
+    output = chunked_attention(query, key, value, causal=True, scale=0.25)
+    output.sum().backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    print(peak // 2**20)
+    """
+)
+
+
+def test_memory_stays_linear_where_the_weights_would_need_gigabytes():
+    """Forward + backward at T=24,576 (weights would be 2.25 GiB) adds under 256 MiB of RSS."""
+    result = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True, check=True
+    )
+    extra_mib = int(result.stdout.strip())
+    assert extra_mib < 256, f"chunked attention grew the process by {extra_mib} MiB"
