@@ -312,3 +312,32 @@ def test_bad_input_is_a_one_line_error(args, match):
     with pytest.raises(ValueError, match=match) as error:
         attention(q, k, v, **args)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("backend", ["explicit", "sdpa", "chunked", "auto"])
+def test_no_keys_at_all_gives_zeros(backend):
+    # S = 0: every row is fully masked, so output and gradients are exactly 0.
+    q, k, v = qkv((2,), 3, 0, 4, 5, grad=True)
+    output = attention(q, k, v, backend=backend)
+    assert output.shape == (2, 3, 5) and torch.all(output == 0)
+    output.sum().backward()
+    assert torch.all(q.grad == 0)
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3), (2, 2, 3)])
+def test_sdpa_takes_any_leading_dims_and_broadcast_masks(lead):
+    # float64, 1e-12 against the explicit path; masks as (T, S), per batch, and per head.
+    q, k, v = qkv(lead, 5, 6, 4, 3)
+    masks = [torch.rand(5, 6) > 0.3]
+    if lead:
+        masks.append(torch.rand(*lead[:1], *([1] * (len(lead) - 1)), 5, 6) > 0.3)
+        masks.append(torch.rand(*lead, 1, 6) > 0.3)
+    for mask in masks:
+        expected = attention(q, k, v, mask=mask, backend="explicit")
+        torch.testing.assert_close(
+            attention(q, k, v, mask=mask, backend="sdpa"), expected, atol=1e-12, rtol=0
+        )
+    expected = attention(q, k, v, causal=True, backend="explicit")
+    torch.testing.assert_close(
+        attention(q, k, v, causal=True, backend="sdpa"), expected, atol=1e-12, rtol=0
+    )

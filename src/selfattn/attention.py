@@ -160,6 +160,8 @@ def _explicit(call: AttentionCall) -> AttentionTrace:
 
 def safe_softmax(masked: Tensor) -> Tensor:
     """Softmax over the last axis; a row that is all -inf gives zeros instead of NaN."""
+    if masked.shape[-1] == 0:  # no keys at all: nothing to weigh
+        return masked
     row_max = masked.amax(dim=-1, keepdim=True).detach()
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     exp = torch.exp(masked - row_max)
@@ -168,20 +170,27 @@ def safe_softmax(masked: Tensor) -> Tensor:
 
 
 def _sdpa(call: AttentionCall) -> Tensor:
-    """torch's fused kernel, with our conventions (bottom-right causal, 0 for masked rows)."""
+    """torch's fused kernel, with our conventions (bottom-right causal, 0 for masked rows).
+
+    Inputs go in as 4-D views (no copies) and masks as given (broadcast, never expanded),
+    so torch can take its fused paths.
+    """
     query, key = normalize_for_similarity(call)
     value = call.value
     t, s = query.shape[-2], key.shape[-2]
     lead = query.shape[:-2]
-    query, key, value = (x.reshape(-1, *x.shape[-2:]).unsqueeze(0) for x in (query, key, value))
+    query, key, value = (_as_4d(x) for x in (query, key, value))
 
+    is_causal = call.causal and t == s and call.mask is None
+    causal_free = call.causal and t == 1  # one query after the cache: it sees every key
     bias = None
     if call.mask is not None and call.mask.dtype != torch.bool:
         bias = call.mask.to(query.dtype)
     allowed = None
-    is_causal = call.causal and t == s and call.mask is None
-    if not is_causal:
+    if call.causal and not is_causal and not causal_free:
         allowed = allowed_mask(call)
+    elif call.mask is not None and call.mask.dtype == torch.bool:
+        allowed = call.mask
 
     # Rows with nothing to attend: give them a harmless row, then zero their output.
     empty_rows = None
@@ -189,15 +198,13 @@ def _sdpa(call: AttentionCall) -> Tensor:
         empty_rows = ~allowed.any(dim=-1, keepdim=True)
         allowed = allowed | empty_rows
     if bias is not None:
-        neg_inf = torch.isneginf(bias)
-        if allowed is not None:
-            neg_inf = neg_inf | ~allowed
-        bias_empty = neg_inf.all(dim=-1, keepdim=True)
+        blocked = torch.isneginf(bias) if allowed is None else torch.isneginf(bias) | ~allowed
+        bias_empty = blocked.all(dim=-1, keepdim=True)
         bias = torch.where(bias_empty, torch.zeros_like(bias), bias)
         empty_rows = bias_empty if empty_rows is None else empty_rows | bias_empty
     attn_mask = _combine(allowed, bias)
-    if attn_mask is not None:
-        attn_mask = _flatten_mask(attn_mask, lead, t, s)
+    if attn_mask is not None and len(lead) > 2:
+        attn_mask = attn_mask.expand(*lead, t, s).reshape(-1, lead[-1], t, s)
 
     output = F.scaled_dot_product_attention(
         query,
@@ -208,23 +215,23 @@ def _sdpa(call: AttentionCall) -> Tensor:
         is_causal=is_causal,
         scale=call.scale,
     )
-    output = output.squeeze(0).reshape(*lead, t, value.shape[-1])
+    output = output.reshape(*lead, t, value.shape[-1])
     if empty_rows is not None:
         output = output.masked_fill(empty_rows, 0.0)
     return output
+
+
+def _as_4d(x: Tensor) -> Tensor:
+    """(..., N, D) as (B, H, N, D): missing axes added, extra leading axes folded into B."""
+    if x.dim() > 4:
+        return x.reshape(-1, *x.shape[-3:])
+    return x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
 
 
 def _combine(allowed: Tensor | None, bias: Tensor | None) -> Tensor | None:
     if allowed is None or bias is None:
         return allowed if bias is None else bias
     return bias.masked_fill(~allowed, float("-inf"))
-
-
-def _flatten_mask(mask: Tensor, lead: torch.Size, t: int, s: int) -> Tensor:
-    """A mask broadcastable to (*lead, T, S), reshaped like the flattened (1, N, T, S) inputs."""
-    if mask.dim() <= 2 or all(size == 1 for size in mask.shape[:-2]):
-        return mask.reshape(1, 1, *mask.shape[-2:])
-    return mask.expand(*lead, t, s).reshape(1, -1, t, s)
 
 
 def _triton(call: AttentionCall) -> Tensor:
@@ -298,8 +305,9 @@ BACKENDS: dict[str, Backend] = {
 def choose_backend(call: AttentionCall, return_trace: bool = False) -> Backend:
     """What ``backend="auto"`` runs.
 
-    Explicit when a trace is asked for; on CUDA the Triton kernels when they can compute the
-    call; otherwise torch's fused kernel, except for large masked calls, which go to chunked.
+    Explicit when a trace is asked for; on CUDA the Triton kernels for float16/bfloat16 calls
+    they can compute (float32 runs exact products there, slower than torch's); otherwise
+    torch's fused kernel, except for large masked calls, which go to chunked.
 
     Chunked is chosen when the call has no dropout, its weights would exceed ``MEMORY_BUDGET``
     and it has a mask or is causal with T != S. Measured on a 2-core CPU with torch 2.13: torch's
@@ -311,7 +319,8 @@ def choose_backend(call: AttentionCall, return_trace: bool = False) -> Backend:
     """
     if return_trace:
         return BACKENDS["explicit"]
-    if call.query.is_cuda and BACKENDS["triton"].why_not(call) is None:
+    half = call.query.dtype in REDUCED_PRECISION
+    if call.query.is_cuda and half and BACKENDS["triton"].why_not(call) is None:
         return BACKENDS["triton"]
     t, s = call.query.shape[-2], call.key.shape[-2]
     sdpa_needs_full_mask = call.mask is not None or (call.causal and t != s)

@@ -78,7 +78,7 @@ def chunked_attention(
     compute = torch.float32 if query.dtype in REDUCED_PRECISION else query.dtype
     masks = _Masks(lead, _at_least_2d(allowed), causal)
     # (N, T, D), (N, S, D), (N, S, Dv) with N = prod(lead): one batched matmul per tile.
-    flat = [x.to(compute).reshape(-1, *x.shape[-2:]) for x in (query, key, value)]
+    flat = [x.to(compute).reshape(math.prod(lead), *x.shape[-2:]) for x in (query, key, value)]
     bias = _at_least_2d(bias)
     output = _ChunkedAttention.apply(*flat, bias, masks, scale, block_q, block_k)
     return output.reshape(*lead, t, dv).to(query.dtype)
