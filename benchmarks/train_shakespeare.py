@@ -20,11 +20,25 @@ import torch
 from rich.console import Console
 
 from selfattn import record
-from selfattn.train import train_gpt
+from selfattn.train import TextData, train_gpt
 from selfattn.viz.figures import heatmap_figure, save_figure
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?"
+
+
+@torch.no_grad()
+def whole_split_loss(model: torch.nn.Module, ids: torch.Tensor, batch_size: int = 256) -> float:
+    """Mean next-character loss over the split cut into consecutive block-size windows: the
+    exact held-out loss, where the 20 random evaluation batches are an estimate."""
+    block = model.config.block_size
+    n = (len(ids) - 1) // block
+    x, y = ids[: n * block].view(n, block), ids[1 : n * block + 1].view(n, block)
+    total = sum(
+        model(x[i : i + batch_size], y[i : i + batch_size]).loss.item() * len(x[i : i + batch_size])
+        for i in range(0, n, batch_size)
+    )
+    return total / n
 
 
 def main() -> None:
@@ -37,6 +51,7 @@ def main() -> None:
     )
     parser.add_argument("--max-iters", type=int, default=2000, help="training steps")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=1337, help="seed of weights and batches")
     parser.add_argument(
         "--out", type=Path, default=None, help="checkpoint directory (default: a temporary one)"
     )
@@ -54,9 +69,10 @@ def main() -> None:
     console = Console()
     out = args.out or Path(tempfile.mkdtemp(prefix="shakespeare-char-"))
     start = time.perf_counter()
+    overrides = {"max_iters": args.max_iters, "seed": args.seed}
     run = train_gpt(
-        args.data, out, preset="shakespeare-char-cpu", overrides={"max_iters": args.max_iters},
-        device="cpu", console=console,
+        args.data, out, preset="shakespeare-char-cpu", overrides=overrides, device="cpu",
+        console=console,
     )  # fmt: skip
     wall = time.perf_counter() - start
     result = run.result
@@ -73,6 +89,10 @@ def main() -> None:
     )
 
     model, tokenizer = run.model, run.tokenizer
+    held_out = whole_split_loss(model, TextData.from_file(args.data, 64, tokenizer).val)
+    console.print(
+        f"val loss on the whole held-out split (every 64-character window): {held_out:.4f}"
+    )
     ids = torch.tensor([tokenizer.encode("\n")])
     sample = model.generate(ids, 300, temperature=0.8, top_k=200, seed=1337)
     console.print("\nsample (temperature 0.8, top-k 200, seed 1337):\n", markup=False)
@@ -85,8 +105,8 @@ def main() -> None:
     labels = [repr(char)[1:-1] if char in "\n " else char for char in text]
     labels = ["␣" if char == " " else char for char in labels]
     figure = heatmap_figure(
-        weights, labels, labels, f"trained shakespeare_char model, layer {args.layer}, "
-        f"head {args.head} (rows: queries, columns: keys)",
+        weights, labels, labels,
+        f"shakespeare_char model after {result.step} steps: layer {args.layer}, head {args.head}",
     )  # fmt: skip
     console.print(f"\nattention figure: {save_figure(figure, args.figure)}")
 

@@ -289,6 +289,8 @@ def test_bad_inputs_give_one_clear_line(corpus, trained, tmp_path):
     assert "another configuration" in line and "n_embd 32 vs 64" in line
     assert "--resume" in _error_line(["train", "--data", str(corpus), "--out", str(trained)])
     assert "nothing to resume" in _error_line([*base, "--data", str(corpus), "--resume"])
+    line = _error_line([*base, "--data", str(corpus), "--n-head", "3"])
+    assert "invalid training settings" in line and "divisible by n_head (3)" in line
     line = _error_line(["generate", "--checkpoint", str(tmp_path / "nowhere"), "hi"])
     assert "does not exist" in line
     assert "not in the model's vocabulary" in _error_line(
