@@ -12,45 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import needs_chromium
 from selfattn import attention
 from selfattn.attention import default_scale
 from selfattn.viz import html
 from selfattn.viz.html import page_payload, render_page
 
-CHROMIUM = Path("/usr/bin/chromium")
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(
-        not CHROMIUM.exists(),
-        reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)",
-    ),
-]
+pytestmark = needs_chromium
 
 XSS = "<img src=x onerror=alert(1)>"
 TOKENS = ["Ciao", "gioco", XSS, "a", "</script>", "giochi"]
 L, H, T, D = 2, 3, 6, 4
 TOL = 1e-6
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=str(CHROMIUM),
-            headless=True,
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--no-first-run",
-                "--disable-sync",
-            ],
-        )
-        yield browser
-        browser.close()
 
 
 def qkv(shape=(L, H, T, D), seed=0):

@@ -8,23 +8,16 @@ import math
 import socket
 import threading
 import time
-from pathlib import Path
 from urllib.parse import quote
 
 import httpx
 import pytest
 
+from conftest import needs_chromium
 from selfattn import server
 from selfattn.models.loading import load
 
-CHROMIUM = Path("/usr/bin/chromium")
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(
-        not CHROMIUM.exists(),
-        reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)",
-    ),
-]
+pytestmark = needs_chromium
 
 BANK = "I went to the bank to deposit money."
 RIVER = "We sat on the bank of the river and watched the water."
@@ -56,27 +49,6 @@ def base_url():
     yield f"http://127.0.0.1:{port}"
     uvicorn_server.should_exit = True
     thread.join(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=str(CHROMIUM),
-            headless=True,
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--no-first-run",
-                "--disable-sync",
-            ],
-        )
-        yield browser
-        browser.close()
 
 
 class Watched:
