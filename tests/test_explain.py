@@ -213,3 +213,39 @@ def test_notebook_view_is_the_same_page_in_a_sandboxed_iframe(model):
     assert "<b>" not in page and "&lt;script" in page  # the whole page travels escaped
     focused = run.html(word="bank", layer=0, head=4)
     assert "selfattn-payload" in focused
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> str:
+    """A tiny character-level GPT trained for a few steps (``selfattn train --preset tiny``)."""
+    folder = tmp_path_factory.mktemp("trained")
+    data = folder / "data.txt"
+    data.write_text("To be, or not to be, that is the question.\n" * 8, encoding="utf-8")
+    out = folder / "run"
+    result = invoke("train", "--data", str(data), "--out", str(out), "--preset", "tiny",
+                    "--max-iters", "10")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    return str(out)
+
+
+def test_explain_a_trained_checkpoint(trained):
+    # A decoder: bottom-right causal, so a query never weighs later characters (exactly 0).
+    data = explain_json("To be or not", "--checkpoint", trained, "--index", "5")
+    attention = torch.tensor(data["attention"])
+    assert torch.all(attention.triu(diagonal=1) == 0)
+    torch.testing.assert_close(attention.sum(-1), torch.ones(12, dtype=attention.dtype),
+                               atol=1e-6, rtol=0)  # fmt: skip
+    weights, values = torch.tensor(data["weights"]), torch.tensor(data["values"])
+    torch.testing.assert_close(torch.tensor(data["output"]), weights @ values, atol=1e-5, rtol=0)
+    shown = invoke("explain", "To be", "--checkpoint", trained, "--index", "2").output
+    assert "␣" in shown  # whitespace tokens are made visible
+
+
+def test_checkpoint_errors_are_one_line(trained, tmp_path):
+    for args, message in [
+        (["explain", "To be Z", "--checkpoint", trained], "'Z'"),
+        (["explain", "To be", "--checkpoint", str(tmp_path / "none")], "does not exist"),
+    ]:
+        result = invoke(*args)
+        lines = result.stderr.strip().splitlines()
+        assert result.exit_code != 0 and len(lines) == 1 and message in lines[0], result.stderr

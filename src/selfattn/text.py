@@ -103,7 +103,7 @@ class Tokenizer:
 
     def count(self, text: str) -> int:
         """How many tokens ``text`` becomes, special tokens included."""
-        return len(self.backend.encode(text))
+        return len(self._encode_batch([text], None)[0])
 
     def encode(self, text: str, max_length: int | None = None) -> Encoding:
         """Tokens of ``text`` (special tokens added), cut to ``max_length`` if given."""
@@ -127,13 +127,22 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=True)
 
     def _encode_batch(self, texts: list[str], max_length: int | None) -> list:
-        if max_length is None:
-            return self.backend.encode_batch(texts)
-        self.backend.enable_truncation(max_length)
+        if max_length is not None:
+            self.backend.enable_truncation(max_length)
         try:
             return self.backend.encode_batch(texts)
+        except Exception as error:  # e.g. a character-level vocabulary without [UNK]
+            unknown = sorted({ch for text in texts for ch in text} - self._known_characters())
+            detail = f"characters it does not know: {''.join(unknown)!r}" if unknown else error
+            raise SelfAttnError(
+                f"the tokenizer cannot encode the text ({detail}); use only characters the "
+                "model was trained on"
+            ) from None
         finally:
             self.backend.no_truncation()
+
+    def _known_characters(self) -> set[str]:
+        return {token for token in self.backend.get_vocab() if len(token) == 1}
 
 
 def align_words(text: str, offsets: list[Span]) -> tuple[list[Word], list[int | None]]:

@@ -32,10 +32,18 @@ def _where(e: Explanation) -> str:
     return f"layer {e.layer}, {head}"
 
 
+WHITESPACE_SIGNS = str.maketrans({" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"})
+
+
+def shown(tokens: list[str]) -> list[str]:
+    """Tokens as printed: one made only of whitespace (character-level models) made visible."""
+    return [token.translate(WHITESPACE_SIGNS) if not token.strip() else token for token in tokens]
+
+
 def _labels(e: Explanation) -> tuple[list[str], object]:
     """Labels and matrix of the heatmap: tokens, or words when merged."""
     if e.groups is None:
-        return e.tokens, e.attention
+        return shown(e.tokens), e.attention
     return [word for word, _ in e.groups], merge_words(e.attention, [m for _, m in e.groups])
 
 
@@ -46,8 +54,9 @@ def print_explanation(console: Console, e: Explanation) -> None:
         (_where(e), "bold cyan"), ("   " + e.choice, "dim"),
     )  # fmt: skip
     console.print(Panel(header, title="selfattn explain", expand=False))
+    labels = shown(e.tokens)
     tokens = Text()
-    for i, token in enumerate(e.tokens):
+    for i, token in enumerate(labels):
         style = "bold reverse" if i == e.query else ""
         tokens.append(f"{i}:{token}", style=style)
         tokens.append("  ")
@@ -57,14 +66,14 @@ def print_explanation(console: Console, e: Explanation) -> None:
         steps = e.steps
         console.print(
             Text(
-                f"\nquery {e.query} '{e.tokens[e.query]}': similarity ({steps.similarity}) with "
+                f"\nquery {e.query} '{labels[e.query]}': similarity ({steps.similarity}) with "
                 f"every key, scaled by {steps.scale:.4g}, softmax to weights",
                 style="bold",
             )
         )
-        console.print(step_table(e.tokens, steps.scores, steps.scaled, steps.weights, steps.scale))
+        console.print(step_table(labels, steps.scores, steps.scaled, steps.weights, steps.scale))
         top = ", ".join(
-            f"{token} {weight:.2f}" for token, weight in top_keys(e.tokens, steps.weights)
+            f"{token} {weight:.2f}" for token, weight in top_keys(labels, steps.weights)
         )
         console.print(f"[bold]top attended:[/] {top}")
         output = steps.output
@@ -80,7 +89,7 @@ def print_explanation(console: Console, e: Explanation) -> None:
         if e.alternative is not None:
             console.print(_alternative_table(e))
     elif e.query is not None:
-        console.print(weights_bars(e.tokens, e.weights, f"'{e.tokens[e.query]}', {_where(e)}"))
+        console.print(weights_bars(labels, e.weights, f"'{labels[e.query]}', {_where(e)}"))
         console.print("[dim]the step-by-step needs one head: pass --head N[/]")
 
     labels, matrix = _labels(e)
@@ -99,7 +108,9 @@ def _alternative_table(e: Explanation) -> Table:
     table.add_column("key", style="bold")
     table.add_column(f"model: {own.similarity}, scale {own.scale:.4g}", justify="right")
     table.add_column(f"yours: {alt.similarity}, scale {alt.scale:.4g}", justify="right")
-    for token, a, b in zip(e.tokens, own.weights.tolist(), alt.weights.tolist(), strict=True):
+    for token, a, b in zip(
+        shown(e.tokens), own.weights.tolist(), alt.weights.tolist(), strict=True
+    ):
         table.add_row(Text(token), f"{a:.3f}", f"{b:.3f}")
     verdict = "sharper" if alt.entropy < own.entropy else "flatter"
     table.add_section()
