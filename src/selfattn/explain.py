@@ -314,10 +314,6 @@ def top_keys(tokens: list[str], weights: Tensor, k: int = 5) -> list[tuple[str, 
     return [(tokens[i], v) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
 
 
-def cosine(a: Tensor, b: Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1))
-
-
 def stacked_qkv(run: RecordedRun) -> tuple[Tensor, Tensor, Tensor]:
     """Query, key and value of every layer and head of a one-text run: each (L, H, T, d)."""
     first_calls = [run.captures.layer(index)[0] for index in range(run.captures.n_layers)]
