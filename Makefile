@@ -40,8 +40,10 @@ format: install
 	$(VENV)/bin/ruff format src tests benchmarks
 	$(VENV)/bin/ruff check --fix src tests benchmarks
 
+# About 6 minutes on 2 idle cores: the attention table up to T = 2,048 and the encode table.
+# The full attention table (T to 65,536, ~10-15 minutes): $(PY) benchmarks/attention.py
 bench: install
-	$(PY) benchmarks/attention.py
+	$(PY) benchmarks/attention.py --quick
 	$(PY) benchmarks/encode.py
 
 clean:
