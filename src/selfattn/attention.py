@@ -216,7 +216,7 @@ def _sdpa(call: AttentionCall) -> Tensor:
         scale=call.scale,
     )
     output = output.reshape(*lead, t, value.shape[-1])
-    if empty_rows is not None:
+    if empty_rows is not None and bool(empty_rows.any()):  # padding masks never have them
         output = output.masked_fill(empty_rows, 0.0)
     return output
 
