@@ -80,3 +80,11 @@ def test_heatmap_of_64_tokens_fits_120_columns_with_index_labels():
     assert sum(1 for line in lines if line.lstrip().startswith(("63 ", "0 "))) >= 2
     assert "token_wit…" in text  # long tokens truncated
     assert "columns: key j is the token of row j" in text
+
+
+def test_heatmap_without_colour_draws_block_characters():
+    # A pipe or a log has no colour: the ramp turns into characters, full block = the maximum.
+    console = Console(record=True, width=120, color_system=None)
+    console.print(heatmap(["a", "b"], ["a", "b"], [[1.0, 0.0], [0.25, 0.75]], "map"))
+    text = console.export_text()
+    assert "█" in text and "░" in text and "rows: queries, columns: keys" in text

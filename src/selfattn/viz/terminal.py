@@ -146,6 +146,7 @@ class Heatmap:
 
     VERTICAL_LABELS = 40
     LABEL_CHARS = 10  # longest row label / vertical column label before truncation
+    BLOCKS = " ░▒▓█"  # the same ramp where there is no colour (a pipe, a log, NO_COLOR)
 
     def __init__(
         self,
@@ -182,16 +183,25 @@ class Heatmap:
         yield Text(self.title, style="bold", justify="center", end="\n")
         yield from self._column_header(label_width, cell)
         index_width = len(str(len(self.rows) - 1))
+        coloured = console.color_system is not None
         for i, (label, values) in enumerate(zip(self.rows, self.matrix, strict=True)):
             line = Text(f"{i:>{index_width}} {label:<{label_width - index_width - 1}} ")
             for value in values:
-                line.append(" " * cell, Style(bgcolor=self._colour(value)))
+                line.append(*self._cell(value, cell, coloured))
             yield line
-        yield from self._legend(label_width)
+        yield from self._legend(label_width, coloured)
 
-    def _colour(self, value: float) -> Color:
+    def _fraction(self, value: float) -> float:
         span = self.high - self.low
-        return shade((value - self.low) / span if span > 0 else 0.0)
+        return (value - self.low) / span if span > 0 else 0.0
+
+    def _cell(self, value: float, width: int, coloured: bool) -> tuple[str, Style | None]:
+        """A cell as a shaded background, or as a block character where colour is off."""
+        fraction = self._fraction(value)
+        if coloured:
+            return " " * width, Style(bgcolor=shade(fraction))
+        block = self.BLOCKS[round(min(max(fraction, 0.0), 1.0) * (len(self.BLOCKS) - 1))]
+        return block * width, None
 
     def _column_header(self, label_width: int, cell: int) -> Iterable[Text]:
         """Key labels written downwards (few keys) or key indices written downwards (many)."""
@@ -207,11 +217,12 @@ class Heatmap:
                 line.append(char.ljust(cell), style="bold")
             yield line
 
-    def _legend(self, label_width: int) -> Iterable[Text]:
+    def _legend(self, label_width: int, coloured: bool) -> Iterable[Text]:
         ramp = Text(" " * (label_width + 1))
         ramp.append(f"{self.low:.3g} ")
         for step in range(16):
-            ramp.append(" ", Style(bgcolor=shade(step / 15)))
+            value = self.low + (self.high - self.low) * step / 15
+            ramp.append(*self._cell(value, 1, coloured))
         ramp.append(f" {self.high:.3g}")
         yield ramp
         yield Text(CAPTION, style="italic", justify="center")
