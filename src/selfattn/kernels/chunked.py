@@ -199,10 +199,15 @@ def _forward(
     block_q: int,
     block_k: int,
 ) -> tuple[Tensor, Tensor]:
-    """Output (N, T, Dv) and log-sum-exp (N, T, 1), +inf for rows with nothing to attend."""
+    """Output (N, T, Dv) and log-sum-exp (N, T, 1), +inf for rows with nothing to attend.
+
+    The values carry an extra column of ones, so the product with the weights also sums them:
+    the running row sum is the accumulator's last column, one pass over the tile saved.
+    """
     n, t, _ = query.shape
     s, dv = key.shape[1], value.shape[-1]
     key_t = key.transpose(1, 2)  # (N, D, S), a view
+    value_and_one = torch.cat([value, value.new_ones(n, s, 1)], dim=-1)  # (N, S, Dv + 1)
     output = query.new_empty(n, t, dv)
     lse = query.new_empty(n, t, 1)
     tile_buffer = query.new_empty(n * min(block_q, t) * min(block_k, s))
@@ -210,9 +215,8 @@ def _forward(
         rows = slice(start, min(start + block_q, t))
         query_tile = query[:, rows] * scale  # (N, bq, D), scaled once instead of every tile
         bq = query_tile.shape[1]
-        acc = query.new_zeros(n, bq, dv)  # unnormalised output
+        acc = query.new_zeros(n, bq, dv + 1)  # unnormalised output, then the row sum
         row_max = query.new_full((n, bq, 1), -math.inf)
-        row_sum = query.new_zeros(n, bq, 1)
         shift = row_max
         for cols, crosses in masks.key_tiles(rows, t, s, block_k):
             scaled = _buffer_view(tile_buffer, (n, bq, cols.stop - cols.start))
@@ -222,12 +226,11 @@ def _forward(
             # A row that has seen only -inf so far subtracts 0, so that exp gives 0, not NaN.
             shift = new_max.nan_to_num(neginf=0.0)
             weights = scaled.sub_(shift).exp_()  # unnormalised, relative to the new maximum
-            correction = (row_max - shift).exp_()
-            row_sum.mul_(correction).add_(weights.sum(dim=-1, keepdim=True))
-            acc.mul_(correction).baddbmm_(weights, value[:, cols])
+            acc.mul_((row_max - shift).exp_()).baddbmm_(weights, value_and_one[:, cols])
             row_max = new_max
+        row_sum = acc[..., dv:]
         empty = row_sum == 0
-        output[:, rows] = acc.div_(row_sum.masked_fill(empty, 1.0))
+        output[:, rows] = acc[..., :dv] / row_sum.masked_fill(empty, 1.0)
         lse[:, rows] = (shift + row_sum.log()).masked_fill_(empty, math.inf)
     return output, lse
 
