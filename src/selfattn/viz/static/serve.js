@@ -13,18 +13,7 @@
   const BANK = ["I went to the bank to deposit money.", "We sat on the bank of the river and watched the water."];
   const RETRIES = 3; // on 503 "busy", after the server's Retry-After
 
-  /** createElement with attributes; string children become text nodes (never parsed). */
-  function h(tag, attrs = {}, ...children) {
-    const el = document.createElement(tag);
-    for (const [name, value] of Object.entries(attrs)) {
-      if (name === "class") el.className = value;
-      else el.setAttribute(name, value);
-    }
-    for (const child of children) el.append(child);
-    return el;
-  }
-
-  const fmt = (x, digits = 4) => (Number.isFinite(x) ? x.toFixed(digits) : String(x));
+  const { h, fmt } = window.selfattn; // from view.js: DOM building (text only) and numbers
 
   // ---------- the server ----------
 

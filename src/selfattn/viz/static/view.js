@@ -632,7 +632,8 @@
     });
   }
 
-  window.selfattn = { render };
+  // h and fmt are shared with the live explorer (serve.js), which loads after this file.
+  window.selfattn = { render, h, fmt };
   const embedded = document.getElementById("selfattn-payload");
   if (embedded && embedded.textContent.trim()) render(JSON.parse(embedded.textContent));
 })();
