@@ -191,6 +191,7 @@ def test_compare_bank_across_sentences():
         (["explain", MONEY, "--word", "bank", "--index", "2"], "either --word or --index"),
         (["explain", MONEY, "--index", "99"], "tokens 0..10"),
         (["explain", MONEY, "--similarity", "euclid"], "'dot' or 'cosine'"),
+        (["explain", MONEY, "--png", "bank.pdf"], "ending in .png"),
         (["explain", MONEY, "--model", "no-such-model"], "no-such-model"),
         (["explain", "word " * 600], "at most 512"),
         (["compare", MONEY, "--word", "bank"], "at least two sentences"),

@@ -292,6 +292,9 @@ def explain(
         raise _fail("give either --word or --index, not both", 2)
     if similarity is not None and similarity not in ("dot", "cosine"):
         raise _fail(f"--similarity must be 'dot' or 'cosine', got {similarity!r}", 2)
+    for path, suffix in ((png, ".png"), (svg, ".svg")):
+        if path is not None and path.suffix.lower() != suffix:
+            raise _fail(f"--{suffix[1:]} needs a file name ending in {suffix}, got {path}", 2)
     head_choice = _parse_head(head)
     with _user_errors():
         network = _load(model, checkpoint)
