@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from selfattn.errors import SelfAttnError
 from selfattn.kernels.chunked import chunked_attention
 
 SIMILARITIES = ("dot", "cosine")
@@ -302,6 +303,13 @@ BACKENDS: dict[str, Backend] = {
 }
 
 
+def check_backend(name: str) -> None:
+    """A one-line error (a ValueError) unless ``name`` is ``"auto"`` or a registered backend."""
+    if name != "auto" and name not in BACKENDS:
+        names = ", ".join(["auto", *BACKENDS])
+        raise SelfAttnError(f"unknown attention backend {name!r}; choose one of: {names}")
+
+
 def choose_backend(call: AttentionCall, return_trace: bool = False) -> Backend:
     """What ``backend="auto"`` runs.
 
@@ -358,11 +366,9 @@ def attention(
     call = make_call(query, key, value, mask, causal, similarity, scale, dropout_p)
     if backend == "auto":
         chosen = choose_backend(call, return_trace)
-    elif backend in BACKENDS:
-        chosen = BACKENDS[backend]
     else:
-        names = ", ".join(["auto", *BACKENDS])
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of: {names}")
+        check_backend(backend)
+        chosen = BACKENDS[backend]
     if return_trace:
         if chosen.name != "explicit":
             raise ValueError(

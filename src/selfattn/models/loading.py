@@ -372,15 +372,7 @@ def build_bert(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
 def build_gpt2(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
     """An empty :class:`GPT` for this config; decoders have no sentence embeddings."""
     config = gpt2_config(raw)
-    info = ModelConfig(
-        kind="decoder",
-        model_type="gpt2",
-        n_layers=config.n_layer,
-        n_heads=config.n_head,
-        d_model=config.n_embd,
-        max_positions=config.block_size,
-        vocab_size=config.vocab_size,
-    )
+    info = ModelConfig.for_decoder(config, "gpt2")
     return GPT(config), gpt2_rules(config.n_layer), info, None
 
 

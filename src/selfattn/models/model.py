@@ -21,11 +21,11 @@ from rich.progress import Progress
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
-from selfattn.attention import BACKENDS, AttentionTrace
+from selfattn.attention import AttentionTrace, check_backend
 from selfattn.errors import SelfAttnError
 from selfattn.layers import AttentionModule
 from selfattn.models.bert import Bert, EncoderOutput
-from selfattn.models.gpt import GPT, DecoderOutput
+from selfattn.models.gpt import GPT, DecoderOutput, GPTConfig
 from selfattn.recording import Recording, record
 from selfattn.text import Encoding, Span, Tokenizer, Word
 
@@ -44,6 +44,19 @@ class ModelConfig:
     max_positions: int
     vocab_size: int
 
+    @classmethod
+    def for_decoder(cls, config: GPTConfig, model_type: str) -> ModelConfig:
+        """The description of a :class:`GPT` (a GPT-2 checkpoint, or one trained here)."""
+        return cls(
+            kind="decoder",
+            model_type=model_type,
+            n_layers=config.n_layer,
+            n_heads=config.n_head,
+            d_model=config.n_embd,
+            max_positions=config.block_size,
+            vocab_size=config.vocab_size,
+        )
+
 
 @dataclass(frozen=True)
 class SentenceConfig:
@@ -57,10 +70,7 @@ class SentenceConfig:
 
 def set_backend(model: nn.Module, backend: str) -> None:
     """Set the attention backend of every attention module in ``model``."""
-    if backend != "auto" and backend not in BACKENDS:
-        raise SelfAttnError(
-            f"unknown attention backend {backend!r}; choose one of: auto, {', '.join(BACKENDS)}"
-        )
+    check_backend(backend)
     for module in model.modules():
         if isinstance(module, AttentionModule):
             module.backend = backend

@@ -34,6 +34,8 @@ from torch import Tensor, nn
 
 from selfattn.errors import SelfAttnError
 from selfattn.models.gpt import GPT, GPTConfig
+from selfattn.models.model import Model, ModelConfig, set_backend
+from selfattn.text import Tokenizer
 from selfattn.train.data import CharTokenizer
 from selfattn.train.loop import TrainConfig
 
@@ -146,17 +148,10 @@ def load_checkpoint(
     return model.to(device).eval(), tokenizer, config, state
 
 
-def load_model(path: Path, device: torch.device | str = "cpu", backend: str = "auto"):
+def load_model(path: Path, device: torch.device | str = "cpu", backend: str = "auto") -> Model:
     """A checkpoint as a :class:`selfattn.models.model.Model`: what explain and the viewers use."""
-    from selfattn.models.model import Model, ModelConfig, set_backend
-    from selfattn.text import Tokenizer
-
     network, tokenizer, config, _ = load_checkpoint(path, device)
-    sizes = config.model
-    info = ModelConfig(
-        "decoder", "gpt", sizes.n_layer, sizes.n_head, sizes.n_embd, sizes.block_size,
-        sizes.vocab_size,
-    )  # fmt: skip
+    info = ModelConfig.for_decoder(config.model, "gpt")
     model = Model(network, info, name=str(path), tokenizer=Tokenizer(tokenizer.to_hf()))
     set_backend(model, backend)
     return model.eval()
