@@ -38,3 +38,35 @@ def browser():
         )
         yield browser
         browser.close()
+
+
+class WatchedPage:
+    """A chromium page of the explorer with its console errors, uncaught exceptions, dialogs
+    and requests recorded, and readers for the step panel's full-precision numbers."""
+
+    def __init__(self, browser) -> None:
+        self.errors: list[str] = []
+        self.requests: list[str] = []
+        self.page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("dialog", lambda d: (self.errors.append(f"dialog: {d.message}"), d.dismiss()))
+        self.page.on("request", lambda r: self.requests.append(r.url))
+
+    def step_rows(self) -> list[dict]:
+        """Per key of the step panel: score and scaled (None for the head mean), weight."""
+        return self.page.evaluate(
+            """() => [...document.querySelectorAll('#steps tbody tr')].map((tr) => {
+                const number = (name) => {
+                    const cell = tr.querySelector(`[data-${name}]`);
+                    return cell ? +cell.dataset[name] : null;
+                };
+                return {key: +tr.dataset.key, score: number('score'),
+                        scaled: number('scaled'), weight: number('weight')};
+            })"""
+        )
+
+    def output(self) -> list[float]:
+        return self.page.evaluate(
+            "() => JSON.parse(document.getElementById('output').dataset.values)"
+        )

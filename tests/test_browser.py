@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import needs_chromium
+from conftest import WatchedPage, needs_chromium
 from selfattn import attention
 from selfattn.attention import default_scale
 from selfattn.viz import html
@@ -52,39 +52,18 @@ def write_page(tmp_path, similarity="dot", causal=False, **selection) -> tuple[P
     return path, (q, k, v)
 
 
-class Watched:
-    """A page with its console errors, uncaught exceptions, dialogs and requests recorded."""
+class Watched(WatchedPage):
+    """The offline page, opened from its file."""
 
     def __init__(self, browser, path: Path, fragment: str = ""):
+        super().__init__(browser)
         self.url = path.as_uri()
-        self.errors: list[str] = []
-        self.requests: list[str] = []
-        self.page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
-        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
-        self.page.on("dialog", lambda d: (self.errors.append(f"dialog: {d.message}"), d.dismiss()))
-        self.page.on("request", lambda r: self.requests.append(r.url))
         self.page.goto(self.url + fragment)
         self.page.wait_for_selector("#app[data-ready='true']", timeout=30_000)
 
     def check_clean(self):
         assert self.errors == []
         assert [url for url in self.requests if url != self.url] == []
-
-    def step_rows(self) -> list[dict]:
-        return self.page.evaluate(
-            """() => [...document.querySelectorAll('#steps tbody tr')].map((tr) => ({
-                key: +tr.dataset.key,
-                score: tr.querySelector('[data-score]')?.dataset.score,
-                scaled: tr.querySelector('[data-scaled]')?.dataset.scaled,
-                weight: tr.querySelector('[data-weight]').dataset.weight,
-            }))"""
-        )
-
-    def output(self) -> list[float]:
-        return self.page.evaluate(
-            "() => JSON.parse(document.getElementById('output').dataset.values)"
-        )
 
 
 def reference(q, k, v, layer, head, similarity="dot", causal=False):

@@ -13,7 +13,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from conftest import needs_chromium
+from conftest import WatchedPage, needs_chromium
 from selfattn import server
 from selfattn.models.loading import load
 
@@ -51,18 +51,12 @@ def base_url():
     thread.join(timeout=10)
 
 
-class Watched:
-    """A page of the live explorer with its console errors, dialogs and requests recorded."""
+class Watched(WatchedPage):
+    """A page of the live explorer, served by the test's uvicorn."""
 
     def __init__(self, browser, base_url: str, address: str = "/"):
+        super().__init__(browser)
         self.base = base_url
-        self.errors: list[str] = []
-        self.requests: list[str] = []
-        self.page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
-        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
-        self.page.on("dialog", lambda d: (self.errors.append(f"dialog: {d.message}"), d.dismiss()))
-        self.page.on("request", lambda r: self.requests.append(r.url))
         self.open(address)
 
     def open(self, address: str) -> None:
@@ -75,21 +69,6 @@ class Watched:
     def check_clean(self) -> None:
         assert self.errors == []
         assert self.requests and all(url.startswith(self.base + "/") for url in self.requests)
-
-    def step_rows(self) -> list[dict]:
-        return self.page.evaluate(
-            """() => [...document.querySelectorAll('#steps tbody tr')].map((tr) => ({
-                key: +tr.dataset.key,
-                score: +tr.querySelector('[data-score]').dataset.score,
-                scaled: +tr.querySelector('[data-scaled]').dataset.scaled,
-                weight: +tr.querySelector('[data-weight]').dataset.weight,
-            }))"""
-        )
-
-    def output(self) -> list[float]:
-        return self.page.evaluate(
-            "() => JSON.parse(document.getElementById('output').dataset.values)"
-        )
 
 
 def api(base_url: str, path: str, body: dict) -> dict:
