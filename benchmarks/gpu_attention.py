@@ -172,6 +172,57 @@ def check_correctness(setting: Setting) -> bool:
     return all_ok
 
 
+def check_every_forward_config(setting: Setting) -> bool:
+    """Each forward tuning choice (tiles, TMA, warp specialisation) forced in turn, checked.
+
+    The autotuner picks one configuration per shape, so the correctness check above sees only
+    the winners; this runs every configuration on a ragged causal case and on an even
+    unmasked one (the shortcut warp specialisation takes). A configuration that fails is
+    dropped from the autotuner for the rest of the run, and reported.
+    """
+    from selfattn.kernels.triton_attention import _forward_kernel, describe_config
+
+    cases = [(2, 4, 1000, 128, True), (1, 8, 1024, 128, False), (1, 8, 1024, 64, False)]
+    if setting.smoke:
+        cases = [(1, 2, 33, 16, True), (1, 2, 64, 16, False)]
+    print("## Every forward configuration (max abs error of the output against float64)\n")
+    print("| configuration | " + " | ".join(f"T={t} D={d} causal={c}" for _, _, t, d, c in cases)
+          + " | ok |")  # fmt: skip
+    print("|---|" + "---|" * (len(cases) + 1))
+    inputs = []
+    for batch, heads, t, d, causal in cases:
+        generator = torch.Generator(device="cpu").manual_seed(t + d)
+        q, k, v = (torch.randn(batch, heads, t, d, generator=generator, dtype=torch.float64)
+                   for _ in range(3))  # fmt: skip
+        want = attention(q, k, v, causal=causal, backend="explicit")
+        low = [x.to(setting.device, setting.dtype) for x in (q, k, v)]
+        base = attention(*low, causal=causal, backend="sdpa").double().cpu()
+        inputs.append((low, causal, want, (base - want).abs().max().item()))
+    all_configs, failed = list(_forward_kernel.configs), []
+    for config in all_configs:
+        _forward_kernel.configs = [config]
+        cells, ok = [], True
+        for low, causal, want, base_error in inputs:
+            try:
+                got = attention(*low, causal=causal, backend="triton").double().cpu()
+            except Exception as error:  # report, drop, go on
+                cells.append(f"failed: {(str(error).splitlines() or ['?'])[0][:60]}")
+                ok = False
+                continue
+            error = (got - want).abs().max().item()
+            ok = ok and bool(torch.isfinite(got).all()) and error <= 2 * base_error + ABS_FLOOR
+            cells.append(f"{error:.1e} / {base_error:.1e}")
+        if not ok:
+            failed.append(config)
+        print(f"| {describe_config(config)} | " + " | ".join(cells)
+              + f" | {'yes' if ok else '**NO**'} |", flush=True)  # fmt: skip
+    _forward_kernel.configs = [config for config in all_configs if config not in failed]
+    print()
+    if failed:
+        print(f"Dropped from the autotuner for this run: {len(failed)} failing configuration(s).\n")
+    return not failed
+
+
 def time_one(run: Callable, q, k, v, causal: bool, device: torch.device) -> tuple[float, float]:
     """Milliseconds for the forward pass and for the backward pass alone."""
     forward_ms = elapsed_ms(lambda: run(q, k, v, causal), device)
@@ -190,7 +241,7 @@ def tflops(flops: float, milliseconds: float) -> str:
 
 def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int]) -> None:
     """One row per (D, causal, T): TFLOP/s forward and backward for ours and SDPA's backends."""
-    from selfattn.kernels.triton_attention import tuned_configs
+    from selfattn.kernels.triton_attention import forward_timings, tuned_configs
 
     backends = {"ours": ours, **sdpa_backends()}
     names = list(backends)
@@ -217,8 +268,9 @@ def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int])
                     if run is not None:
                         try:
                             forward_ms, backward_ms = time_one(run, q, k, v, causal, setting.device)
-                        except RuntimeError as error:  # a backend that refuses this shape
-                            first_line = str(error).splitlines()[0][:100]
+                        except Exception as error:  # a backend that refuses or fails here
+                            first_line = (str(error).splitlines() or [type(error).__name__])[0]
+                            first_line = first_line[:100]
                             notes.append(f"{name}, D={head_dim}, T={length}: {first_line}")
                     forward.append("n/a" if forward_ms is None else tflops(flops, forward_ms))
                     backward.append(
@@ -227,6 +279,7 @@ def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int])
                 row = [head_dim, causal, length, batch, heads, *forward, *backward]
                 print("| " + " | ".join(str(cell) for cell in row) + " |", flush=True)
             notes.append(f"ours, D={head_dim}, causal={causal}, T={length}: {tuned_configs()}")
+            notes.extend(f"  {line}" for line in forward_timings())
     print()
     for note in notes:
         print(f"- {note}")
@@ -255,7 +308,8 @@ def main() -> int:
         lengths, head_dims = args.lengths, args.head_dims
     started = time.perf_counter()
     describe(setting)
-    correct = check_correctness(setting)
+    correct = check_every_forward_config(setting)
+    correct = check_correctness(setting) and correct
     throughput_table(setting, lengths, head_dims)
     print(f"Total time: {time.perf_counter() - started:.0f} s")
     if not correct:

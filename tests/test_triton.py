@@ -74,7 +74,7 @@ def test_head_dims_padded_to_a_power_of_two(d, dv):
     assert_matches_reference(*_inputs(33, 64, d, dv), causal=True)
 
 
-@pytest.mark.parametrize("scale", [1.0, 0.05])
+@pytest.mark.parametrize("scale", [1.0, 0.05, -0.3, 0.0])
 def test_any_scale(scale):
     assert_matches_reference(*_inputs(33, 33, 16), scale=scale)
 
@@ -153,6 +153,32 @@ def test_non_contiguous_inputs():
     grad = torch.randn(2, 3, 7, 16, generator=generator, dtype=torch.float64)
     assert not q.float().is_contiguous()
     assert_matches_reference(q, k, v, grad, causal=True)
+
+
+@pytest.mark.parametrize("warp_specialize", [False, True])
+@pytest.mark.parametrize(
+    "t, s, d, causal",
+    [(33, 33, 16, False), (7, 40, 16, True), (40, 7, 16, True), (128, 128, 16, False),
+     (128, 128, 16, True), (33, 64, 24, True)],
+)  # fmt: skip
+def test_tensor_descriptor_paths(monkeypatch, t, s, d, causal, warp_specialize):
+    """The Hopper tuning switches: TMA loads, and the single masked loop warp specialisation
+    needs (S = 128 with no causal mask takes its unmasked shortcut); zero-filled edges."""
+    from selfattn.kernels import triton_attention
+
+    forced = triton_attention._config(16, 32, 4, 1, USE_TMA=True, WARP_SPECIALIZE=warp_specialize)
+    monkeypatch.setattr(triton_attention._forward_kernel, "configs", [forced])
+    assert_matches_reference(*_inputs(t, s, d), causal=causal)
+
+
+def test_tensor_descriptors_only_for_layouts_the_copy_engine_takes():
+    from selfattn.kernels.triton_attention import _tma_ok
+
+    rows = torch.randn(3, 33, 16)
+    assert _tma_ok(rows, rows)
+    assert not _tma_ok(rows, rows.transpose(1, 2))  # last stride is not 1
+    assert not _tma_ok(torch.randn(3, 33, 5))  # 20-byte rows are not 16-byte aligned
+    assert not _tma_ok(torch.randn(3 * 33 * 16 + 1)[1:].view(3, 33, 16))  # misaligned start
 
 
 def test_float16_within_twice_sdpa_error():

@@ -51,23 +51,36 @@ MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; Hopper has 228 KiB per SM, keep room for the rest
 
 
-def _config(block_m: int, block_n: int, warps: int, stages: int) -> triton.Config:
+def _config(block_m: int, block_n: int, warps: int, stages: int, **switches: bool) -> triton.Config:
+    """A tiling; ``switches`` are the forward kernel's USE_TMA and WARP_SPECIALIZE."""
     return triton.Config(
-        {"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages
+        {"BLOCK_M": block_m, "BLOCK_N": block_n, **switches}, num_warps=warps, num_stages=stages
     )
 
 
 def _forward_configs() -> list[triton.Config]:
-    """Query blocks (BLOCK_M) of 64/128 against key tiles (BLOCK_N) of 64/128."""
+    """Query blocks (BLOCK_M) of 64/128 against key tiles (BLOCK_N) of 64/128.
+
+    Each tiling is tried with plain loads and, on Hopper-class GPUs, with tensor-descriptor
+    (TMA) loads of the key and value tiles; the pruner drops what a GPU or a layout cannot do.
+    """
     if INTERPRETING:
-        return [_config(16, 32, 4, 1)]
-    return [
-        _config(block_m, block_n, warps, stages)
+        return [_config(16, 32, 4, 1, USE_TMA=False, WARP_SPECIALIZE=False)]
+    plain = [
+        _config(block_m, block_n, warps, stages, USE_TMA=False, WARP_SPECIALIZE=False)
         for block_m, block_n, warps, stages in (
-            (128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3),
-            (128, 128, 8, 2), (128, 128, 4, 3), (64, 64, 4, 3),
+            (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
         )
     ]  # fmt: skip
+    tma = [
+        _config(block_m, block_n, warps, stages, USE_TMA=True, WARP_SPECIALIZE=False)
+        for block_m, block_n, warps, stages in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2))
+    ]  # fmt: skip
+    split = [
+        _config(block_m, block_n, warps, stages, USE_TMA=True, WARP_SPECIALIZE=True)
+        for block_m, block_n, warps, stages in ((128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2))
+    ]  # fmt: skip
+    return plain + tma + split
 
 
 def _dkdv_configs() -> list[triton.Config]:
@@ -95,11 +108,14 @@ def _dq_configs() -> list[triton.Config]:
 
 
 def _shared_memory_pruner(stationary: str, streamed: str) -> dict:
-    """Autotune pruning that drops configurations whose tiles cannot fit in shared memory.
+    """Autotune pruning: drops configurations these inputs, or this GPU, cannot run well.
 
-    Estimate: the block a program keeps (``stationary``: BLOCK_M queries or BLOCK_N keys) plus
-    ``num_stages`` copies of the tile it streams, both as wide as the query and value head
-    dims together, in the input's element size. If nothing fits, the smallest is kept.
+    Gone are TMA where the layout or GPU does not allow it, warp specialisation under a user
+    mask (Triton cannot split such a loop), 4-warp 128-row blocks for head dims of 128 and
+    more (they spill registers), and tiles that cannot fit in shared memory. The shared-memory
+    estimate: the block a program keeps (``stationary``: BLOCK_M queries or BLOCK_N keys)
+    plus ``num_stages`` copies of the tile it streams, both as wide as the query and value
+    head dims together, in the input's element size. If nothing fits, the smallest is kept.
     """
 
     def tile_bytes(config: triton.Config, itemsize: int, width: int) -> int:
@@ -109,11 +125,45 @@ def _shared_memory_pruner(stationary: str, streamed: str) -> dict:
     def prune(configs: list[triton.Config], named_args: dict, **constexprs) -> list:
         itemsize = named_args["Q"].element_size()
         width = constexprs["BLOCK_D"] + constexprs["BLOCK_DV"]
+        if not constexprs.get("TMA_OK", False):
+            configs = [config for config in configs if not config.kwargs.get("USE_TMA")]
+        if constexprs.get("MASK_KIND", 0) != 0:  # a mask's pointer loads defeat Triton's split
+            configs = [config for config in configs if not config.kwargs.get("WARP_SPECIALIZE")]
+        if constexprs["BLOCK_DV"] >= 128:  # 4 warps can't hold 128 x 128 float32 and spill
+            configs = [config for config in configs if not _spills(config)]
         size = {config: tile_bytes(config, itemsize, width) for config in configs}
         kept = [config for config in configs if size[config] <= SHARED_MEMORY_BUDGET]
         return kept or [min(configs, key=size.get)]
 
     return {"early_config_prune": prune}
+
+
+def _spills(config: triton.Config) -> bool:
+    """A 128-query block on one warpgroup of 4 warps, not warp-specialised (wide heads spill)."""
+    kwargs = config.kwargs
+    return kwargs["BLOCK_M"] >= 128 and config.num_warps == 4 and not kwargs.get("WARP_SPECIALIZE")
+
+
+def _is_hopper(tensor: Tensor) -> bool:
+    """Whether the tensor lives on a GPU with Hopper's copy engine and warp specialisation."""
+    return tensor.is_cuda and torch.cuda.get_device_capability(tensor.device)[0] >= 9
+
+
+def _tma_ok(*tensors: Tensor) -> bool:
+    """Whether per-head (S, D) tensor descriptors can address these (N, S, D) tensors.
+
+    The copy engine needs a unit last stride and 16-byte aligned rows and head starts. Under
+    the interpreter (CPU tensors) the same layout rule applies, so tests can take this path.
+    """
+    if not (INTERPRETING or _is_hopper(tensors[0])):
+        return False
+    for tensor in tensors:
+        itemsize = tensor.element_size()
+        if tensor.stride(-1) != 1 or tensor.data_ptr() % 16:
+            return False
+        if any(stride * itemsize % 16 for stride in tensor.stride()[:-1]):
+            return False
+    return True
 
 
 def _quick_bench(fn, quantiles):
@@ -214,33 +264,51 @@ def _query_range(start_n, T, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _forward_tiles(acc, row_max, row_sum, q, k_base, v_base, mask_base, rows, lo, hi,
+def _forward_tiles(acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, lo, hi,
                    stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms,
                    T, S, qk_scale,
                    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, CHECK: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """Online softmax over the key tiles starting in [lo, hi); returns the updated state."""
+                   PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                   WARP_SPECIALIZE: tl.constexpr):
+    """Online softmax over the key tiles starting in [lo, hi); returns the updated state.
+
+    ``k_src``/``v_src`` are per-head tensor descriptors with USE_TMA, else base pointers.
+    Tiles with nothing masked take the short path: the row maximum is taken on the raw
+    products and scaled once (``qk_scale`` >= 0, the wrapper sees to it), so scaling and
+    shifting fuse into one multiply-add per score.
+    """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k_t = _load(k_base + offs_d[:, None] * stride_kd + cols[None, :] * stride_ks,
-                    offs_d < HEAD_DIM, cols < S, BLOCK_D != HEAD_DIM, CHECK)  # (D, N)
-        s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale  # (M, N), base 2
-        s = _mask_scores(s, mask_base, stride_mt, stride_ms, rows[:, None], cols[None, :],
-                         T, S, CAUSAL, MASK_KIND, CHECK)
-        new_max = tl.maximum(row_max, tl.max(s, 1))
-        # A row with nothing visible yet keeps max -inf; subtract 0 instead to avoid inf - inf.
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        p = tl.math.exp2(s - safe_max[:, None])
-        correction = tl.math.exp2(row_max - safe_max)
+        if USE_TMA:
+            k_t = tl.trans(k_src.load([start_n, 0]))  # (D, N); rows past S read as 0
+        else:
+            k_t = _load(k_src + offs_d[:, None] * stride_kd + cols[None, :] * stride_ks,
+                        offs_d < HEAD_DIM, cols < S, BLOCK_D != HEAD_DIM, CHECK)  # (D, N)
+        qk = tl.dot(q, k_t, input_precision=PRECISION)  # (M, N)
+        if CHECK or MASK_KIND != 0:
+            s = _mask_scores(qk * qk_scale, mask_base, stride_mt, stride_ms, rows[:, None],
+                             cols[None, :], T, S, CAUSAL, MASK_KIND, CHECK)  # base 2
+            new_max = tl.maximum(row_max, tl.max(s, 1))
+            # A row with nothing visible yet keeps max -inf; subtract 0 to avoid inf - inf.
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            p = tl.math.exp2(s - shift[:, None])
+        else:
+            new_max = tl.maximum(row_max, tl.max(qk, 1) * qk_scale)
+            shift = new_max
+            p = tl.math.exp2(qk * qk_scale - shift[:, None])
+        correction = tl.math.exp2(row_max - shift)
         row_sum = row_sum * correction + tl.sum(p, 1)
-        v = _load(v_base + cols[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
-                  cols < S, offs_dv < VALUE_DIM, CHECK, BLOCK_DV != VALUE_DIM)  # (N, Dv)
+        if USE_TMA:
+            v = v_src.load([start_n, 0])  # (N, Dv)
+        else:
+            v = _load(v_src + cols[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+                      cols < S, offs_dv < VALUE_DIM, CHECK, BLOCK_DV != VALUE_DIM)  # (N, Dv)
         acc = tl.dot(p.to(v.dtype), v, acc * correction[:, None], input_precision=PRECISION)
         row_max = new_max
     return acc, row_max, row_sum
@@ -260,35 +328,66 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
                     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    TMA_OK: tl.constexpr, EVEN_S: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """One program: BLOCK_M queries of one head, all their keys; writes output and LSE.
 
     ``qk_scale`` is the scale times log2(e); ``t_bucket``/``s_bucket`` only key the autotuner.
+    Two tuning switches, each taken only where the wrapper allows it:
+
+    - USE_TMA (where TMA_OK: unit last stride, 16-byte aligned rows, a Hopper-class GPU) reads
+      query, key and value tiles through per-head tensor descriptors, i.e. the copy engine;
+    - WARP_SPECIALIZE (with USE_TMA, no user mask) lets Triton split loads and maths between
+      warps. Triton can do that for one loop only, so the key tiles then run in one loop that
+      masks every tile when anything needs masking (causal, or S not a multiple of 128:
+      EVEN_S); otherwise unmasked tiles run in a loop of their own, before the masked ones.
     """
+    tl.static_assert(TMA_OK or not USE_TMA)
+    tl.static_assert(USE_TMA or not WARP_SPECIALIZE)
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1).to(tl.int64)
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    q = _load(Q + head * stride_qn + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-              rows < T, offs_d < HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # (M, D)
-    k_base = K + head * stride_kn
-    v_base = V + head * stride_vn
+    if USE_TMA:  # rows past T or S, and columns past the head dims, read as 0
+        q = tl.make_tensor_descriptor(Q + head * stride_qn, shape=[T, HEAD_DIM],
+                                      strides=[stride_qt, 1],
+                                      block_shape=[BLOCK_M, BLOCK_D]).load([start_m, 0])
+        k_src = tl.make_tensor_descriptor(K + head * stride_kn, shape=[S, HEAD_DIM],
+                                          strides=[stride_ks, 1], block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(V + head * stride_vn, shape=[S, VALUE_DIM],
+                                          strides=[stride_vs, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        q = _load(Q + head * stride_qn + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                  rows < T, offs_d < HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # (M, D)
+        k_src = K + head * stride_kn
+        v_src = V + head * stride_vn
     mask_base = Mask + (head // inner) * stride_mo + (head % inner) * stride_mi
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     free, hi = _key_range(start_m, T, S, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, row_max, row_sum = _forward_tiles(
-        acc, row_max, row_sum, q, k_base, v_base, mask_base, rows, 0, free,
-        stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
-        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND, False, PRECISION)
-    acc, row_max, row_sum = _forward_tiles(
-        acc, row_max, row_sum, q, k_base, v_base, mask_base, rows, free, hi,
-        stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
-        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND, True, PRECISION)
+    if WARP_SPECIALIZE:
+        acc, row_max, row_sum = _forward_tiles(
+            acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, 0, hi,
+            stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
+            HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND,
+            CAUSAL or not EVEN_S, PRECISION, USE_TMA, True)
+    else:
+        acc, row_max, row_sum = _forward_tiles(
+            acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, 0, free,
+            stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
+            HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND, False,
+            PRECISION, USE_TMA, False)
+        acc, row_max, row_sum = _forward_tiles(
+            acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, free, hi,
+            stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
+            HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND, True,
+            PRECISION, USE_TMA, False)
 
     empty = row_sum == 0.0  # nothing visible: output 0, and +inf makes every weight exp2(-inf)
     row_sum = tl.where(empty, 1.0, row_sum)
@@ -532,6 +631,9 @@ def _forward(
     s, value_dim = key.shape[1], value.shape[2]
     out = torch.empty((n, t, value_dim), dtype=query.dtype, device=query.device)
     lse = torch.empty((n, t), dtype=torch.float32, device=query.device)
+    tma_ok = _tma_ok(query, key, value)
+    if tma_ok and not INTERPRETING:
+        _ensure_allocator()
     grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), n)  # noqa: E731
     _forward_kernel[grid](
         query,
@@ -551,9 +653,24 @@ def _forward(
         scale * LOG2E,
         _length_bucket(t),
         _length_bucket(s),
+        TMA_OK=tma_ok,
+        EVEN_S=s % 128 == 0,
         **_shape_args(query, value, causal, mask_kind),
     )
     return out, lse
+
+
+def _device_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
+    """Global memory Triton asks for at launch: here, room for in-kernel tensor descriptors."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Give Triton an allocator for in-kernel tensor descriptors, unless the user set one."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_device_scratch)
 
 
 def _backward(
@@ -730,10 +847,26 @@ def triton_attention(
     if t == 0 or s == 0 or math.prod(lead) == 0:
         # Nothing to attend to (or nobody asking): zeros, still connected to the graph.
         return (query.sum() + key.sum() + value.sum()) * 0 + query.new_zeros(*lead, t, value_dim)
+    if scale < 0:  # the kernels scale after taking row maxima, which needs scale >= 0
+        key, scale = -key, -scale
     flat = [x.reshape(-1, *x.shape[-2:]) for x in (query, key, value)]  # (N, T|S, D)
     kernel_mask, inner, mask_kind = _kernel_mask(mask, lead, t, s, query.device)
     out = _FusedAttention.apply(*flat, kernel_mask, inner, mask_kind, causal, float(scale))
     return out.reshape(*lead, t, value_dim)
+
+
+def describe_config(config: triton.Config) -> str:
+    """A tuning choice in one line, e.g. ``BLOCK_M=128 BLOCK_N=64 warps=4 stages=2 TMA split``."""
+    kwargs = config.kwargs
+    text = (
+        f"BLOCK_M={kwargs['BLOCK_M']} BLOCK_N={kwargs['BLOCK_N']} "
+        f"warps={config.num_warps} stages={config.num_stages}"
+    )
+    if kwargs.get("USE_TMA"):
+        text += " TMA"
+    if kwargs.get("WARP_SPECIALIZE"):
+        text += " warp-specialised"
+    return text
 
 
 def tuned_configs() -> dict[str, str]:
@@ -742,12 +875,17 @@ def tuned_configs() -> dict[str, str]:
     picked = {}
     for name, kernel in kernels.items():
         config = getattr(kernel, "best_config", None)
-        if config is None:
-            picked[name] = "not run"
-            continue
-        block_m, block_n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-        picked[name] = (
-            f"BLOCK_M={block_m} BLOCK_N={block_n} "
-            f"warps={config.num_warps} stages={config.num_stages}"
-        )
+        picked[name] = "not run" if config is None else describe_config(config)
     return picked
+
+
+def forward_timings() -> list[str]:
+    """Each forward configuration the autotuner timed on its latest tuning run, fastest first."""
+    timings = getattr(_forward_kernel, "configs_timings", None) or {}
+    ranked = sorted(timings.items(), key=lambda item: _first(item[1]))
+    return [f"{_first(ms):.3f} ms  {describe_config(config)}" for config, ms in ranked]
+
+
+def _first(timing: float | list[float]) -> float:
+    """do_bench answers a number, or a list when asked for quantiles."""
+    return timing[0] if isinstance(timing, list | tuple) else timing
