@@ -173,12 +173,12 @@ def check_correctness(setting: Setting) -> bool:
 
 
 def check_every_forward_config(setting: Setting) -> bool:
-    """Each forward tuning choice (tiles, TMA, warp specialisation) forced in turn, checked.
+    """Each forward tuning choice (tiles, TMA, look-ahead) forced in turn, checked.
 
-    The autotuner picks one configuration per shape, so the correctness check above sees only
-    the winners; this runs every configuration on a ragged causal case and on an even
-    unmasked one (the shortcut warp specialisation takes). A configuration that fails is
-    dropped from the autotuner for the rest of the run, and reported.
+    The autotuner picks one configuration per shape, so the correctness check below sees only
+    the winners; this runs every configuration on a ragged causal case and on even unmasked
+    ones. A configuration that fails is dropped from the autotuner for the rest of the run,
+    and reported.
     """
     from selfattn.kernels.triton_attention import _forward_kernel, describe_config
 

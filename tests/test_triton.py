@@ -155,18 +155,19 @@ def test_non_contiguous_inputs():
     assert_matches_reference(q, k, v, grad, causal=True)
 
 
-@pytest.mark.parametrize("warp_specialize", [False, True])
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize(
     "t, s, d, causal",
     [(33, 33, 16, False), (7, 40, 16, True), (40, 7, 16, True), (128, 128, 16, False),
-     (128, 128, 16, True), (33, 64, 24, True)],
+     (128, 128, 16, True), (33, 64, 24, True), (33, 16, 16, False)],
 )  # fmt: skip
-def test_tensor_descriptor_paths(monkeypatch, t, s, d, causal, warp_specialize):
-    """The Hopper tuning switches: TMA loads, and the single masked loop warp specialisation
-    needs (S = 128 with no causal mask takes its unmasked shortcut); zero-filled edges."""
+def test_tuning_switches(monkeypatch, t, s, d, causal, tma):
+    """The forward kernel's switches forced on: the look-ahead loop (one key tile or many,
+    none when causal rows see only masked tiles) with and without TMA loads (zero-filled edges).
+    """
     from selfattn.kernels import triton_attention
 
-    forced = triton_attention._config(16, 32, 4, 1, USE_TMA=True, WARP_SPECIALIZE=warp_specialize)
+    forced = triton_attention._config(16, 32, 4, 1, USE_TMA=tma, LOOK_AHEAD=True)
     monkeypatch.setattr(triton_attention._forward_kernel, "configs", [forced])
     assert_matches_reference(*_inputs(t, s, d), causal=causal)
 

@@ -52,35 +52,28 @@ SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; Hopper has 228 KiB per SM, keep room
 
 
 def _config(block_m: int, block_n: int, warps: int, stages: int, **switches: bool) -> triton.Config:
-    """A tiling; ``switches`` are the forward kernel's USE_TMA and WARP_SPECIALIZE."""
+    """A tiling; ``switches`` are the forward kernel's USE_TMA and LOOK_AHEAD."""
     return triton.Config(
         {"BLOCK_M": block_m, "BLOCK_N": block_n, **switches}, num_warps=warps, num_stages=stages
     )
 
 
 def _forward_configs() -> list[triton.Config]:
-    """Query blocks (BLOCK_M) of 64/128 against key tiles (BLOCK_N) of 64/128.
-
-    Each tiling is tried with plain loads and, on Hopper-class GPUs, with tensor-descriptor
-    (TMA) loads of the key and value tiles; the pruner drops what a GPU or a layout cannot do.
+    """Query blocks (BLOCK_M) of 64/128 against key tiles (BLOCK_N) of 64/128, with or without
+    TMA loads (Hopper-class GPUs) and the look-ahead loop; the pruner drops what a GPU or a
+    layout cannot do. Measured on an H200 (docs/benchmarks.md): 64 x 64 on 4 warps leads at
+    head dim 128, 128 x 64 on 8 warps at 64; 128-key tiles lost everywhere.
     """
     if INTERPRETING:
-        return [_config(16, 32, 4, 1, USE_TMA=False, WARP_SPECIALIZE=False)]
-    plain = [
-        _config(block_m, block_n, warps, stages, USE_TMA=False, WARP_SPECIALIZE=False)
-        for block_m, block_n, warps, stages in (
-            (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-        )
-    ]  # fmt: skip
-    tma = [
-        _config(block_m, block_n, warps, stages, USE_TMA=True, WARP_SPECIALIZE=False)
-        for block_m, block_n, warps, stages in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2))
-    ]  # fmt: skip
-    split = [
-        _config(block_m, block_n, warps, stages, USE_TMA=True, WARP_SPECIALIZE=True)
-        for block_m, block_n, warps, stages in ((128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2))
-    ]  # fmt: skip
-    return plain + tma + split
+        return [_config(16, 32, 4, 1, USE_TMA=False, LOOK_AHEAD=False)]
+    tilings = ((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2))
+    return [
+        _config(*tiling, USE_TMA=tma, LOOK_AHEAD=ahead)
+        for tiling in tilings
+        for tma in (False, True)
+        for ahead in (False, True)
+        if not (tma and tiling[3] == 2)
+    ]
 
 
 def _dkdv_configs() -> list[triton.Config]:
@@ -110,8 +103,8 @@ def _dq_configs() -> list[triton.Config]:
 def _shared_memory_pruner(stationary: str, streamed: str) -> dict:
     """Autotune pruning: drops configurations these inputs, or this GPU, cannot run well.
 
-    Gone are TMA where the layout or GPU does not allow it, warp specialisation under a user
-    mask (Triton cannot split such a loop), 4-warp 128-row blocks for head dims of 128 and
+    Gone are TMA where the layout or GPU does not allow it, 4-warp 128-row blocks for head
+    dims of 128 and
     more (they spill registers), and tiles that cannot fit in shared memory. The shared-memory
     estimate: the block a program keeps (``stationary``: BLOCK_M queries or BLOCK_N keys)
     plus ``num_stages`` copies of the tile it streams, both as wide as the query and value
@@ -127,8 +120,6 @@ def _shared_memory_pruner(stationary: str, streamed: str) -> dict:
         width = constexprs["BLOCK_D"] + constexprs["BLOCK_DV"]
         if not constexprs.get("TMA_OK", False):
             configs = [config for config in configs if not config.kwargs.get("USE_TMA")]
-        if constexprs.get("MASK_KIND", 0) != 0:  # a mask's pointer loads defeat Triton's split
-            configs = [config for config in configs if not config.kwargs.get("WARP_SPECIALIZE")]
         if constexprs["BLOCK_DV"] >= 128:  # 4 warps can't hold 128 x 128 float32 and spill
             configs = [config for config in configs if not _spills(config)]
         size = {config: tile_bytes(config, itemsize, width) for config in configs}
@@ -139,13 +130,12 @@ def _shared_memory_pruner(stationary: str, streamed: str) -> dict:
 
 
 def _spills(config: triton.Config) -> bool:
-    """A 128-query block on one warpgroup of 4 warps, not warp-specialised (wide heads spill)."""
-    kwargs = config.kwargs
-    return kwargs["BLOCK_M"] >= 128 and config.num_warps == 4 and not kwargs.get("WARP_SPECIALIZE")
+    """A 128-query block on one warpgroup of 4 warps (with wide heads, it spills registers)."""
+    return config.kwargs["BLOCK_M"] >= 128 and config.num_warps == 4
 
 
 def _is_hopper(tensor: Tensor) -> bool:
-    """Whether the tensor lives on a GPU with Hopper's copy engine and warp specialisation."""
+    """Whether the tensor lives on a GPU with Hopper's copy engine (TMA)."""
     return tensor.is_cuda and torch.cuda.get_device_capability(tensor.device)[0] >= 9
 
 
@@ -264,53 +254,114 @@ def _query_range(start_n, T, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _key_tile(k_src, start_n, stride_ks, stride_kd, S,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+              CHECK: tl.constexpr, USE_TMA: tl.constexpr):
+    """Keys [start_n, start_n + BLOCK_N) as a (D, N) tile; rows past S read as 0."""
+    if USE_TMA:
+        return tl.trans(k_src.load([start_n, 0]))
+    else:
+        cols = start_n + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        return _load(k_src + offs_d[:, None] * stride_kd + cols[None, :] * stride_ks,
+                     offs_d < HEAD_DIM, cols < S, BLOCK_D != HEAD_DIM, CHECK)
+
+
+@triton.jit
+def _value_tile(v_src, start_n, stride_vs, stride_vd, S,
+                VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                CHECK: tl.constexpr, USE_TMA: tl.constexpr):
+    """Values [start_n, start_n + BLOCK_N) as an (N, Dv) tile; rows past S read as 0."""
+    if USE_TMA:
+        return v_src.load([start_n, 0])
+    else:
+        cols = start_n + tl.arange(0, BLOCK_N)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        return _load(v_src + cols[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+                     cols < S, offs_dv < VALUE_DIM, CHECK, BLOCK_DV != VALUE_DIM)
+
+
+@triton.jit
+def _absorb(acc, row_max, row_sum, scores, v, qk_scale,
+            MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold one tile into the online softmax: new maximum, rescaled sum and output, plus P V.
+
+    ``scores`` are raw products q·k, scaled here, unless MASKED: then they are scaled, masked
+    base-2 scores that may hold -inf. Unmasked, the row maximum is taken on the raw products
+    and scaled once (``qk_scale`` >= 0, the wrapper sees to it), so scaling and shifting fuse
+    into one multiply-add per score.
+    """
+    if MASKED:
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        # A row with nothing visible yet keeps max -inf; subtract 0 to avoid inf - inf.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        p = tl.math.exp2(scores - shift[:, None])
+    else:
+        new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)
+        shift = new_max
+        p = tl.math.exp2(scores * qk_scale - shift[:, None])
+    correction = tl.math.exp2(row_max - shift)
+    row_sum = row_sum * correction + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * correction[:, None], input_precision=PRECISION)
+    return acc, new_max, row_sum
+
+
+@triton.jit
 def _forward_tiles(acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, lo, hi,
                    stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms,
                    T, S, qk_scale,
                    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, CHECK: tl.constexpr,
-                   PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                   WARP_SPECIALIZE: tl.constexpr):
+                   PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Online softmax over the key tiles starting in [lo, hi); returns the updated state.
 
     ``k_src``/``v_src`` are per-head tensor descriptors with USE_TMA, else base pointers.
-    Tiles with nothing masked take the short path: the row maximum is taken on the raw
-    products and scaled once (``qk_scale`` >= 0, the wrapper sees to it), so scaling and
-    shifting fuse into one multiply-add per score.
     """
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n
-        if USE_TMA:
-            k_t = tl.trans(k_src.load([start_n, 0]))  # (D, N); rows past S read as 0
-        else:
-            k_t = _load(k_src + offs_d[:, None] * stride_kd + cols[None, :] * stride_ks,
-                        offs_d < HEAD_DIM, cols < S, BLOCK_D != HEAD_DIM, CHECK)  # (D, N)
+        k_t = _key_tile(k_src, start_n, stride_ks, stride_kd, S,
+                        HEAD_DIM, BLOCK_D, BLOCK_N, CHECK, USE_TMA)
         qk = tl.dot(q, k_t, input_precision=PRECISION)  # (M, N)
-        if CHECK or MASK_KIND != 0:
-            s = _mask_scores(qk * qk_scale, mask_base, stride_mt, stride_ms, rows[:, None],
-                             cols[None, :], T, S, CAUSAL, MASK_KIND, CHECK)  # base 2
-            new_max = tl.maximum(row_max, tl.max(s, 1))
-            # A row with nothing visible yet keeps max -inf; subtract 0 to avoid inf - inf.
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            p = tl.math.exp2(s - shift[:, None])
-        else:
-            new_max = tl.maximum(row_max, tl.max(qk, 1) * qk_scale)
-            shift = new_max
-            p = tl.math.exp2(qk * qk_scale - shift[:, None])
-        correction = tl.math.exp2(row_max - shift)
-        row_sum = row_sum * correction + tl.sum(p, 1)
-        if USE_TMA:
-            v = v_src.load([start_n, 0])  # (N, Dv)
-        else:
-            v = _load(v_src + cols[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
-                      cols < S, offs_dv < VALUE_DIM, CHECK, BLOCK_DV != VALUE_DIM)  # (N, Dv)
-        acc = tl.dot(p.to(v.dtype), v, acc * correction[:, None], input_precision=PRECISION)
-        row_max = new_max
+        masked = CHECK or MASK_KIND != 0
+        if masked:
+            cols = start_n + tl.arange(0, BLOCK_N)
+            qk = _mask_scores(qk * qk_scale, mask_base, stride_mt, stride_ms, rows[:, None],
+                              cols[None, :], T, S, CAUSAL, MASK_KIND, CHECK)  # base 2
+        v = _value_tile(v_src, start_n, stride_vs, stride_vd, S,
+                        VALUE_DIM, BLOCK_DV, BLOCK_N, CHECK, USE_TMA)
+        acc, row_max, row_sum = _absorb(acc, row_max, row_sum, qk, v, qk_scale, masked,
+                                        PRECISION)
+    return acc, row_max, row_sum
+
+
+@triton.jit
+def _forward_tiles_ahead(acc, row_max, row_sum, q, k_src, v_src, lo, hi,
+                         stride_ks, stride_kd, stride_vs, stride_vd, S, qk_scale,
+                         HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """``_forward_tiles`` for unmasked tiles, one tile ahead: the products of the next tile
+    are issued before this tile's softmax, so the tensor cores can work while the
+    exponentials run (FlashAttention-3's overlap within a warpgroup)."""
+    if lo < hi:
+        qk = tl.dot(q, _key_tile(k_src, lo, stride_ks, stride_kd, S,
+                                 HEAD_DIM, BLOCK_D, BLOCK_N, False, USE_TMA),
+                    input_precision=PRECISION)
+        for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            qk_next = tl.dot(q, _key_tile(k_src, start_n, stride_ks, stride_kd, S,
+                                          HEAD_DIM, BLOCK_D, BLOCK_N, False, USE_TMA),
+                             input_precision=PRECISION)
+            v = _value_tile(v_src, start_n - BLOCK_N, stride_vs, stride_vd, S,
+                            VALUE_DIM, BLOCK_DV, BLOCK_N, False, USE_TMA)
+            acc, row_max, row_sum = _absorb(acc, row_max, row_sum, qk, v, qk_scale, False,
+                                            PRECISION)
+            qk = qk_next
+        v = _value_tile(v_src, hi - BLOCK_N, stride_vs, stride_vd, S,
+                        VALUE_DIM, BLOCK_DV, BLOCK_N, False, USE_TMA)
+        acc, row_max, row_sum = _absorb(acc, row_max, row_sum, qk, v, qk_scale, False,
+                                        PRECISION)
     return acc, row_max, row_sum
 
 
@@ -328,23 +379,19 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
                     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
-                    TMA_OK: tl.constexpr, EVEN_S: tl.constexpr,
+                    TMA_OK: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                    USE_TMA: tl.constexpr, LOOK_AHEAD: tl.constexpr):
     """One program: BLOCK_M queries of one head, all their keys; writes output and LSE.
 
     ``qk_scale`` is the scale times log2(e); ``t_bucket``/``s_bucket`` only key the autotuner.
-    Two tuning switches, each taken only where the wrapper allows it:
-
-    - USE_TMA (where TMA_OK: unit last stride, 16-byte aligned rows, a Hopper-class GPU) reads
-      query, key and value tiles through per-head tensor descriptors, i.e. the copy engine;
-    - WARP_SPECIALIZE (with USE_TMA, no user mask) lets Triton split loads and maths between
-      warps. Triton can do that for one loop only, so the key tiles then run in one loop that
-      masks every tile when anything needs masking (causal, or S not a multiple of 128:
-      EVEN_S); otherwise unmasked tiles run in a loop of their own, before the masked ones.
+    Key tiles that need no mask run first, in a loop of their own; the rest (the causal
+    diagonal, the ragged end, or all of them under a user mask) follow with masking. Two
+    tuning switches: USE_TMA (only where TMA_OK: unit last stride, 16-byte aligned rows, a
+    Hopper-class GPU) reads query, key and value tiles through per-head tensor descriptors,
+    i.e. the copy engine; LOOK_AHEAD runs the unmasked tiles one tile ahead.
     """
     tl.static_assert(TMA_OK or not USE_TMA)
-    tl.static_assert(USE_TMA or not WARP_SPECIALIZE)
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1).to(tl.int64)
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -371,23 +418,22 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     free, hi = _key_range(start_m, T, S, BLOCK_M, BLOCK_N, CAUSAL)
-    if WARP_SPECIALIZE:
-        acc, row_max, row_sum = _forward_tiles(
-            acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, 0, hi,
-            stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
-            HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND,
-            CAUSAL or not EVEN_S, PRECISION, USE_TMA, True)
+    if LOOK_AHEAD and MASK_KIND == 0:
+        acc, row_max, row_sum = _forward_tiles_ahead(
+            acc, row_max, row_sum, q, k_src, v_src, 0, free,
+            stride_ks, stride_kd, stride_vs, stride_vd, S, qk_scale,
+            HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, PRECISION, USE_TMA)
     else:
         acc, row_max, row_sum = _forward_tiles(
             acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, 0, free,
             stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
             HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND, False,
-            PRECISION, USE_TMA, False)
-        acc, row_max, row_sum = _forward_tiles(
-            acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, free, hi,
-            stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
-            HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND, True,
-            PRECISION, USE_TMA, False)
+            PRECISION, USE_TMA)
+    acc, row_max, row_sum = _forward_tiles(
+        acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, free, hi,
+        stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
+        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND, True,
+        PRECISION, USE_TMA)
 
     empty = row_sum == 0.0  # nothing visible: output 0, and +inf makes every weight exp2(-inf)
     row_sum = tl.where(empty, 1.0, row_sum)
@@ -654,7 +700,6 @@ def _forward(
         _length_bucket(t),
         _length_bucket(s),
         TMA_OK=tma_ok,
-        EVEN_S=s % 128 == 0,
         **_shape_args(query, value, causal, mask_kind),
     )
     return out, lse
@@ -856,7 +901,7 @@ def triton_attention(
 
 
 def describe_config(config: triton.Config) -> str:
-    """A tuning choice in one line, e.g. ``BLOCK_M=128 BLOCK_N=64 warps=4 stages=2 TMA split``."""
+    """A tuning choice in one line, e.g. ``BLOCK_M=64 BLOCK_N=64 warps=4 stages=3 TMA``."""
     kwargs = config.kwargs
     text = (
         f"BLOCK_M={kwargs['BLOCK_M']} BLOCK_N={kwargs['BLOCK_N']} "
@@ -864,8 +909,8 @@ def describe_config(config: triton.Config) -> str:
     )
     if kwargs.get("USE_TMA"):
         text += " TMA"
-    if kwargs.get("WARP_SPECIALIZE"):
-        text += " warp-specialised"
+    if kwargs.get("LOOK_AHEAD"):
+        text += " look-ahead"
     return text
 
 
