@@ -173,7 +173,7 @@ def check_correctness(setting: Setting) -> bool:
 
 
 def check_every_forward_config(setting: Setting) -> bool:
-    """Each forward tuning choice (tiles, TMA, look-ahead) forced in turn, checked.
+    """Each forward tuning choice (tiles, TMA) forced in turn, checked.
 
     The autotuner picks one configuration per shape, so the correctness check below sees only
     the winners; this runs every configuration on a ragged causal case and on even unmasked

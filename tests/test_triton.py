@@ -161,13 +161,12 @@ def test_non_contiguous_inputs():
     [(33, 33, 16, False), (7, 40, 16, True), (40, 7, 16, True), (128, 128, 16, False),
      (128, 128, 16, True), (33, 64, 24, True), (33, 16, 16, False)],
 )  # fmt: skip
-def test_tuning_switches(monkeypatch, t, s, d, causal, tma):
-    """The forward kernel's switches forced on: the look-ahead loop (one key tile or many,
-    none when causal rows see only masked tiles) with and without TMA loads (zero-filled edges).
-    """
+def test_tensor_descriptor_loads(monkeypatch, t, s, d, causal, tma):
+    """The forward kernel with TMA loads forced on (or off): zero-filled edges past T, S and
+    the head dim, one key tile or many, causal rows that see only masked tiles."""
     from selfattn.kernels import triton_attention
 
-    forced = triton_attention._config(16, 32, 4, 1, USE_TMA=tma, LOOK_AHEAD=True)
+    forced = triton_attention._config(16, 32, 4, 1, USE_TMA=tma)
     monkeypatch.setattr(triton_attention._forward_kernel, "configs", [forced])
     assert_matches_reference(*_inputs(t, s, d), causal=causal)
 

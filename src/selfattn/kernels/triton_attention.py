@@ -52,27 +52,25 @@ SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; Hopper has 228 KiB per SM, keep room
 
 
 def _config(block_m: int, block_n: int, warps: int, stages: int, **switches: bool) -> triton.Config:
-    """A tiling; ``switches`` are the forward kernel's USE_TMA and LOOK_AHEAD."""
+    """A tiling; ``switches`` is the forward kernel's USE_TMA."""
     return triton.Config(
         {"BLOCK_M": block_m, "BLOCK_N": block_n, **switches}, num_warps=warps, num_stages=stages
     )
 
 
 def _forward_configs() -> list[triton.Config]:
-    """Query blocks (BLOCK_M) of 64/128 against key tiles (BLOCK_N) of 64/128, with or without
-    TMA loads (Hopper-class GPUs) and the look-ahead loop; the pruner drops what a GPU or a
-    layout cannot do. Measured on an H200 (docs/benchmarks.md): 64 x 64 on 4 warps leads at
-    head dim 128, 128 x 64 on 8 warps at 64; 128-key tiles lost everywhere.
+    """Query blocks (BLOCK_M) of 64/128 against key tiles (BLOCK_N) of 64, with or without TMA
+    loads (Hopper-class GPUs); the pruner drops what a GPU or a layout cannot do.
+
+    What an H200 measured (docs/benchmarks.md) decided the list: 64 x 64 on 4 warps leads at
+    head dim 128, 128 x 64 with TMA at 64. Key tiles of 128, warp specialisation (wrong
+    results under Triton 3.6) and a loop that issues the next tile's products early all lost.
     """
     if INTERPRETING:
-        return [_config(16, 32, 4, 1, USE_TMA=False, LOOK_AHEAD=False)]
-    tilings = ((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2))
-    return [
-        _config(*tiling, USE_TMA=tma, LOOK_AHEAD=ahead)
-        for tiling in tilings
-        for tma in (False, True)
-        for ahead in (False, True)
-        if not (tma and tiling[3] == 2)
+        return [_config(16, 32, 4, 1, USE_TMA=False)]
+    tilings = ((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3))
+    return [_config(*tiling, USE_TMA=tma) for tiling in tilings for tma in (False, True)] + [
+        _config(64, 64, 4, 2, USE_TMA=False)
     ]
 
 
@@ -335,36 +333,6 @@ def _forward_tiles(acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, lo, 
     return acc, row_max, row_sum
 
 
-@triton.jit
-def _forward_tiles_ahead(acc, row_max, row_sum, q, k_src, v_src, lo, hi,
-                         stride_ks, stride_kd, stride_vs, stride_vd, S, qk_scale,
-                         HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-    """``_forward_tiles`` for unmasked tiles, one tile ahead: the products of the next tile
-    are issued before this tile's softmax, so the tensor cores can work while the
-    exponentials run (FlashAttention-3's overlap within a warpgroup)."""
-    if lo < hi:
-        qk = tl.dot(q, _key_tile(k_src, lo, stride_ks, stride_kd, S,
-                                 HEAD_DIM, BLOCK_D, BLOCK_N, False, USE_TMA),
-                    input_precision=PRECISION)
-        for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
-            start_n = tl.multiple_of(start_n, BLOCK_N)
-            qk_next = tl.dot(q, _key_tile(k_src, start_n, stride_ks, stride_kd, S,
-                                          HEAD_DIM, BLOCK_D, BLOCK_N, False, USE_TMA),
-                             input_precision=PRECISION)
-            v = _value_tile(v_src, start_n - BLOCK_N, stride_vs, stride_vd, S,
-                            VALUE_DIM, BLOCK_DV, BLOCK_N, False, USE_TMA)
-            acc, row_max, row_sum = _absorb(acc, row_max, row_sum, qk, v, qk_scale, False,
-                                            PRECISION)
-            qk = qk_next
-        v = _value_tile(v_src, hi - BLOCK_N, stride_vs, stride_vd, S,
-                        VALUE_DIM, BLOCK_DV, BLOCK_N, False, USE_TMA)
-        acc, row_max, row_sum = _absorb(acc, row_max, row_sum, qk, v, qk_scale, False,
-                                        PRECISION)
-    return acc, row_max, row_sum
-
-
 @triton.autotune(configs=_forward_configs(), key=TUNE_KEY,
                  prune_configs_by=_shared_memory_pruner("BLOCK_M", "BLOCK_N"),
                  do_bench=_quick_bench)
@@ -381,15 +349,15 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
                     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
                     TMA_OK: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    USE_TMA: tl.constexpr, LOOK_AHEAD: tl.constexpr):
+                    USE_TMA: tl.constexpr):
     """One program: BLOCK_M queries of one head, all their keys; writes output and LSE.
 
     ``qk_scale`` is the scale times log2(e); ``t_bucket``/``s_bucket`` only key the autotuner.
     Key tiles that need no mask run first, in a loop of their own; the rest (the causal
-    diagonal, the ragged end, or all of them under a user mask) follow with masking. Two
-    tuning switches: USE_TMA (only where TMA_OK: unit last stride, 16-byte aligned rows, a
+    diagonal, the ragged end, or all of them under a user mask) follow with masking. The
+    tuning switch USE_TMA (only where TMA_OK: unit last stride, 16-byte aligned rows, a
     Hopper-class GPU) reads query, key and value tiles through per-head tensor descriptors,
-    i.e. the copy engine; LOOK_AHEAD runs the unmasked tiles one tile ahead.
+    i.e. the copy engine.
     """
     tl.static_assert(TMA_OK or not USE_TMA)
     start_m = tl.program_id(0) * BLOCK_M
@@ -418,17 +386,11 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     free, hi = _key_range(start_m, T, S, BLOCK_M, BLOCK_N, CAUSAL)
-    if LOOK_AHEAD and MASK_KIND == 0:
-        acc, row_max, row_sum = _forward_tiles_ahead(
-            acc, row_max, row_sum, q, k_src, v_src, 0, free,
-            stride_ks, stride_kd, stride_vs, stride_vd, S, qk_scale,
-            HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, PRECISION, USE_TMA)
-    else:
-        acc, row_max, row_sum = _forward_tiles(
-            acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, 0, free,
-            stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
-            HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND, False,
-            PRECISION, USE_TMA)
+    acc, row_max, row_sum = _forward_tiles(
+        acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, 0, free,
+        stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
+        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND, False,
+        PRECISION, USE_TMA)
     acc, row_max, row_sum = _forward_tiles(
         acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, free, hi,
         stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
@@ -909,8 +871,6 @@ def describe_config(config: triton.Config) -> str:
     )
     if kwargs.get("USE_TMA"):
         text += " TMA"
-    if kwargs.get("LOOK_AHEAD"):
-        text += " look-ahead"
     return text
 
 
