@@ -7,6 +7,7 @@ an absolute floor of 1e-3. Small block sizes make tiles that do not divide T or 
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -98,6 +99,50 @@ def test_matches_explicit_in_float64(shape, blocks, causal, mask_name):
     for name, got, want in zip(["output", "dq", "dk", "dv"], actual, expected, strict=True):
         assert not got.isnan().any(), name
         torch.testing.assert_close(got, want, atol=1e-10, rtol=0, msg=name)
+
+
+def _scores_by_tile(s: int, steps: list[float], dtype=torch.float64) -> torch.Tensor:
+    """A float bias that adds ``steps[i]`` to every score in key tile i (tiles of 8 keys)."""
+    per_key = torch.tensor(steps, dtype=dtype).repeat_interleave(8)[:s]
+    return per_key.expand(7, s)
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        [0.0, 30.0, 60.0, 90.0, 200.0],  # each tile far above the last: lazy sums overflow
+        [0.0, -200.0, -300.0, 50.0, 120.0],  # far below (weights underflow), then far above
+        [-1e9, -1e9, 0.0, 100.0, 1e4],  # a huge jump, past float32's exp range
+    ],
+)
+def test_lazy_shift_survives_scores_that_jump_between_tiles(steps):
+    """Later tiles are exponentiated against the first tile's maximum; a tile whose sums
+    overflow is redone. Output and gradients within 1e-10 of the explicit path (float64)."""
+    query, key, value = _inputs(7, 40, 5, torch.float64)
+    bias = _scores_by_tile(40, steps)
+    grad_output = torch.randn(2, 3, 7, 7, dtype=torch.float64)
+    expected = _outputs_and_grads(
+        lambda q, k, v: attention(q, k, v, mask=bias, backend="explicit"),
+        [query, key, value],
+        grad_output,
+    )
+    actual = _outputs_and_grads(
+        lambda q, k, v: _chunked(q, k, v, bias, blocks=(3, 8)), [query, key, value], grad_output
+    )
+    for name, got, want in zip(["output", "dq", "dk", "dv"], actual, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0, msg=name)
+
+
+def test_rows_that_see_nothing_in_the_first_tiles_find_their_shift_later():
+    """Rows whose first key tiles are all masked, then see scores near -500 (exp underflows
+    against a shift of 0): the exact update keeps running until every row has seen a key."""
+    query, key, value = _inputs(7, 40, 5, torch.float64)
+    bias = _scores_by_tile(40, [-math.inf, -math.inf, -500.0, -480.0, -520.0])
+    bias = bias.clone()
+    bias[3:, 16:] = 0.0  # rows 3+ see ordinary scores from the third tile on
+    expected = attention(query, key, value, mask=bias, backend="explicit")
+    actual = _chunked(query, key, value, bias, blocks=(7, 8))
+    torch.testing.assert_close(actual, expected, atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize("causal", [False, True])

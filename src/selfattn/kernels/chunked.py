@@ -201,38 +201,108 @@ def _forward(
 ) -> tuple[Tensor, Tensor]:
     """Output (N, T, Dv) and log-sum-exp (N, T, 1), +inf for rows with nothing to attend.
 
-    The values carry an extra column of ones, so the product with the weights also sums them:
-    the running row sum is the accumulator's last column, one pass over the tile saved.
+    Keys carry a column of ones and the query tile a column holding ``-shift``, so the scores
+    come out of the product already shifted, one pass over each score tile saved. The shift
+    is each row's maximum from the block's first tile (``_RowState.exact_step``); later tiles
+    are exponentiated against it unchanged (``lazy_step``), their weights allowed to exceed
+    1, unless a tile's row sums pass ``LAZY_LIMIT``: that tile is redone the exact way.
     """
     n, t, _ = query.shape
     s, dv = key.shape[1], value.shape[-1]
-    key_t = key.transpose(1, 2)  # (N, D, S), a view
-    value_and_one = torch.cat([value, value.new_ones(n, s, 1)], dim=-1)  # (N, S, Dv + 1)
+    key_and_one = torch.cat([key, key.new_ones(n, s, 1)], dim=-1).transpose(1, 2)  # (N, D+1, S)
     output = query.new_empty(n, t, dv)
     lse = query.new_empty(n, t, 1)
     tile_buffer = query.new_empty(n * min(block_q, t) * min(block_k, s))
     for start in range(0, t, block_q):
         rows = slice(start, min(start + block_q, t))
-        query_tile = query[:, rows] * scale  # (N, bq, D), scaled once instead of every tile
-        bq = query_tile.shape[1]
-        acc = query.new_zeros(n, bq, dv + 1)  # unnormalised output, then the row sum
-        row_max = query.new_full((n, bq, 1), -math.inf)
-        shift = row_max
+        state = _RowState(query[:, rows] * scale, dv, fold_shift=bias is None)
         for cols, crosses in masks.key_tiles(rows, t, s, block_k):
-            scaled = _buffer_view(tile_buffer, (n, bq, cols.stop - cols.start))
-            torch.bmm(query_tile, key_t[:, :, cols], out=scaled)
-            masks.apply(scaled, bias, rows, cols, crosses, s - t)
-            new_max = torch.maximum(row_max, scaled.amax(dim=-1, keepdim=True))
-            # A row that has seen only -inf so far subtracts 0, so that exp gives 0, not NaN.
-            shift = new_max.nan_to_num(neginf=0.0)
-            weights = scaled.sub_(shift).exp_()  # unnormalised, relative to the new maximum
-            acc.mul_((row_max - shift).exp_()).baddbmm_(weights, value_and_one[:, cols])
-            row_max = new_max
-        row_sum = acc[..., dv:]
-        empty = row_sum == 0
-        output[:, rows] = acc[..., :dv] / row_sum.masked_fill(empty, 1.0)
-        lse[:, rows] = (shift + row_sum.log()).masked_fill_(empty, math.inf)
+            scaled = _buffer_view(tile_buffer, (n, state.rows, cols.stop - cols.start))
+            tile = (masks, bias, rows, cols, crosses, s - t)
+            _shifted_scores(state.query_and_shift, state.neg_shift, key_and_one, *tile, scaled)
+            if state.all_seen:
+                if state.lazy_step(scaled, value[:, cols]):
+                    continue
+                _shifted_scores(state.query_and_shift, state.neg_shift, key_and_one, *tile, scaled)
+            state.exact_step(scaled, value[:, cols])
+        output[:, rows], lse[:, rows] = state.result()
     return output, lse
+
+
+def _shifted_scores(
+    query_and_shift: Tensor,
+    neg_shift: Tensor,
+    key_and_one: Tensor,
+    masks: _Masks,
+    bias: Tensor | None,
+    rows: slice,
+    cols: slice,
+    crosses: bool,
+    offset: int,
+    out: Tensor,
+) -> Tensor:
+    """One tile of q·k·scale + bias - shift, masked, into ``out``.
+
+    ``query_and_shift`` ends in a column the keys' ones multiply: -shift, or 0 under a float
+    bias, whose shift is subtracted after it is added, rounding as the explicit path does
+    (a shift near a bias of -1e9 would otherwise cancel it inexactly in float32).
+    """
+    torch.bmm(query_and_shift, key_and_one[:, :, cols], out=out)
+    masks.apply(out, bias, rows, cols, crosses, offset)
+    if bias is not None:
+        out.add_(neg_shift)
+    return out
+
+
+LAZY_LIMIT = 2.0**64  # largest row sum of one tile's weights taken without a new shift
+
+
+class _RowState:
+    """The online softmax of one query block: its shift, unnormalised output and row sums."""
+
+    def __init__(self, query_tile: Tensor, dv: int, fold_shift: bool) -> None:
+        n, self.rows, d = query_tile.shape
+        self.query_and_shift = torch.cat([query_tile, query_tile.new_zeros(n, self.rows, 1)], -1)
+        self.neg_shift = query_tile.new_zeros(n, self.rows, 1)
+        self.shift_column = self.query_and_shift[..., d:] if fold_shift else None
+        self.acc = query_tile.new_zeros(n, self.rows, dv)  # unnormalised output
+        self.row_sum = query_tile.new_zeros(n, self.rows, 1)
+        self.seen = torch.zeros(n, self.rows, 1, dtype=torch.bool, device=query_tile.device)
+        self.all_seen = False
+
+    def exact_step(self, shifted: Tensor, value: Tensor) -> None:
+        """The textbook update: the new shift is each row's running maximum."""
+        shift = -self.neg_shift
+        tile_max = shifted.amax(dim=-1, keepdim=True) + shift
+        new_shift = torch.where(self.seen, torch.maximum(shift, tile_max), tile_max)
+        # A row that has seen only -inf so far keeps shift 0, so that exp gives 0, not NaN.
+        new_shift = new_shift.nan_to_num_(neginf=0.0)
+        weights = shifted.sub_(new_shift - shift).exp_()
+        correction = (shift - new_shift).exp_().masked_fill_(~self.seen, 0.0)
+        self.acc.mul_(correction).baddbmm_(weights, value)
+        self.row_sum.mul_(correction).add_(weights.sum(dim=-1, keepdim=True))
+        self.neg_shift.copy_(-new_shift)
+        if self.shift_column is not None:
+            self.shift_column.copy_(self.neg_shift)
+        self.seen |= tile_max > -math.inf
+        self.all_seen = bool(self.seen.all())
+
+    def lazy_step(self, shifted: Tensor, value: Tensor) -> bool:
+        """Add one tile against the current shift; False (nothing added) if its sums overflow."""
+        weights = shifted.exp_()
+        sums = weights.sum(dim=-1, keepdim=True)
+        if not sums.max() <= LAZY_LIMIT:  # inf or NaN fail too
+            return False
+        self.acc.baddbmm_(weights, value)
+        self.row_sum += sums
+        return True
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        """Normalised output (N, bq, Dv) and log-sum-exp (N, bq, 1), +inf for empty rows."""
+        empty = self.row_sum == 0
+        output = self.acc / self.row_sum.masked_fill(empty, 1.0)
+        lse = (self.row_sum.log() - self.neg_shift).masked_fill_(empty, math.inf)
+        return output, lse
 
 
 def _backward(
