@@ -11,17 +11,23 @@ far is rescaled by ``exp(old_max - new_max)``. After the last key tile the outpu
 ``exp(scaled - lse)`` and, with ``delta = rowsum(dO * O)``, gets ``dS = weights * (dO Vᵀ - delta)``,
 then ``dQ = dS K * scale``, ``dK = dSᵀ Q * scale``, ``dV = weightsᵀ dO``.
 
-Memory beyond inputs and outputs: one or two ``(N, block_q, block_k)`` score tiles, the query
-tile's accumulators and per-row statistics, i.e. O(T·D), whatever T and S are.
+The forward saves passes over each score tile: the shift comes out of the score product (keys
+carry a column of ones, the query tile one of ``-shift``), and after a query block's first tile
+the shift stays put unless a tile's sums grow too large (see ``_forward``).
+
+Memory beyond inputs and outputs: one or two ``(N, block_q, block_k)`` score tiles, a copy of
+the keys with their column of ones, the query tile's accumulators and per-row statistics,
+i.e. O(T·D), whatever T and S are.
 
 Block sizes: key tiles of ``BLOCK_K = 1024`` columns; query tiles of up to ``MAX_BLOCK_Q = 512``
 rows, fewer when there are many heads, so that the score tile of all heads at once holds at
 most ``TILE_ELEMENTS = 2**22`` (16 MiB in float32: 8 heads x 512 x 1024). Measured on the
-2-core AVX-512 CPU this was tuned on (2 MiB of L2 per core): the cost per score element of a
-tile step (two products, max, subtract, exp, sum) stays within 5% from 1 MiB tiles, which fit
-L2, to 16 MiB ones, while Python's cost per tile (about 15 tensor ops) shrinks with fewer,
-larger tiles; key tiles of 1024 keep the inner dimension of the ``weights @ value`` product
-long enough to run near the GEMM rate. Any sizes are correct; tiles need not divide T or S.
+2-core AVX-512 CPU this was tuned on (2 MiB of L2 per core), before the passes above were
+saved: the cost per score element of a tile step (two products, max, subtract, exp, sum)
+stays within 5% from 1 MiB tiles, which fit L2, to 16 MiB ones, while Python's cost per tile
+(about 15 tensor ops) shrinks with fewer, larger tiles; key tiles of 1024 keep the inner
+dimension of the ``weights @ value`` product long enough to run near the GEMM rate. Any
+sizes are correct; tiles need not divide T or S.
 
 Masks follow the explicit path: ``allowed`` is boolean (True = may attend), ``bias`` is added to
 the scaled scores, both broadcast to ``(*lead, T, S)`` and are sliced per tile, never expanded.
