@@ -1,0 +1,147 @@
+"""Compile the Triton attention kernels for Hopper (sm_90) on any machine, and report on them.
+
+No GPU is needed: Triton's wheel carries ``ptxas`` and ``cuobjdump``, so each autotuning
+configuration of the forward, dK/dV and dQ kernels is compiled ahead of time for compute
+capability 9.0, bf16, and the cubin is read back. One markdown row per configuration:
+registers per thread, stack bytes (spills), shared memory, and the counts of Hopper's
+instructions that matter here: ``HGMMA`` (wgmma, the tensor cores) and ``UTMALDG`` (TMA loads).
+A row marked "pruned" is one the autotuner's pruner would drop for that head dim.
+
+This is how a session without a GPU checks that a kernel change still compiles for the H200,
+does not spill, and still uses wgmma, before it spends device time:
+
+    python benchmarks/triton_sm90.py                     # all kernels, D 64 and 128
+    python benchmarks/triton_sm90.py --kernels forward --head-dims 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from selfattn.kernels import triton_attention as kernels
+
+HOPPER = GPUTarget("cuda", 90, 32)
+POINTERS_FP32 = {"Lse", "Delta"}
+INTS = {"inner", "T", "S", "t_bucket", "s_bucket"}
+FLOATS = {"qk_scale", "scale"}
+
+
+def compile_config(jit_fn, config: triton.Config, head_dim: int, causal: bool):
+    """Compile one kernel and configuration for sm_90: bf16, contiguous, no mask, aligned."""
+    constants = dict(
+        HEAD_DIM=head_dim,
+        VALUE_DIM=head_dim,
+        BLOCK_D=head_dim,
+        BLOCK_DV=head_dim,
+        CAUSAL=causal,
+        MASK_KIND=kernels.MASK_NONE,
+        PRECISION="tf32",
+        **config.kwargs,
+    )
+    if "TMA_OK" in jit_fn.arg_names:
+        constants["TMA_OK"] = True
+    signature, attributes = {}, {}
+    for index, name in enumerate(jit_fn.arg_names):
+        aligned = [["tt.divisibility", 16]]
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in POINTERS_FP32:
+            signature[name], attributes[(index,)] = "*fp32", aligned
+        elif name in FLOATS:
+            signature[name] = "fp32"
+        elif name in INTS or name.startswith("stride_"):
+            if name.startswith("stride_m"):  # no mask: its strides are 0
+                signature[name], constants[name] = "constexpr", 0
+            elif name.startswith("stride_") and name.endswith("d"):  # unit last stride
+                signature[name], constants[name] = "constexpr", 1
+            else:
+                signature[name], attributes[(index,)] = "i32", aligned
+        else:  # Q, K, V, Mask, Out, DOut, DQ, DK, DV
+            signature[name], attributes[(index,)] = "*bf16", aligned
+    source = ASTSource(jit_fn, signature, constants, attributes)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return triton.compile(source, target=HOPPER, options=options)
+
+
+def read_cubin(cubin: bytes) -> dict[str, int]:
+    """Registers, stack bytes and instruction counts from a cubin, via Triton's cuobjdump."""
+    tools = Path(triton.backends.nvidia.__file__).parent / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        usage = _run(tools / "cuobjdump", "--dump-resource-usage", handle.name)
+        sass = _run(tools / "cuobjdump", "--dump-sass", handle.name)
+    return {
+        "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+        "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
+        "hgmma": sass.count("HGMMA"),
+        "tma_loads": sass.count("UTMALDG"),
+    }
+
+
+def _run(*command) -> str:
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
+def pruned(config: triton.Config, head_dim: int) -> bool:
+    """Whether the autotuner's pruner drops this configuration (Hopper, aligned, bf16)."""
+    return head_dim >= 128 and kernels._spills(config)
+
+
+KERNELS = {
+    "forward": (kernels._forward_kernel, kernels._forward_configs),
+    "dkdv": (kernels._dkdv_kernel, kernels._dkdv_configs),
+    "dq": (kernels._dq_kernel, kernels._dq_configs),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("unset TRITON_INTERPRET: this compiles real kernels")
+    causal_values = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+
+    print(f"# Triton {triton.__version__} kernels compiled for sm_90 (bf16)\n")
+    header = ["kernel", "D", "causal", "configuration", "regs", "stack B", "smem KiB"]
+    header += ["HGMMA", "UTMALDG", "compile s"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for name in args.kernels:
+        autotuned, configs = KERNELS[name]
+        for head_dim in args.head_dims:
+            for causal in causal_values:
+                for config in configs():
+                    label = kernels.describe_config(config)
+                    if pruned(config, head_dim):
+                        label += " (pruned)"
+                    started = time.perf_counter()
+                    try:
+                        compiled = compile_config(autotuned.fn, config, head_dim, causal)
+                    except Exception as error:  # report the failure, go on with the rest
+                        message = (str(error).splitlines() or [type(error).__name__])[0][:80]
+                        print(f"| {name} | {head_dim} | {causal} | {label} | failed: {message} |")
+                        continue
+                    seconds = time.perf_counter() - started
+                    facts = read_cubin(compiled.asm["cubin"])
+                    row = [name, head_dim, causal, label, facts["registers"], facts["stack"]]
+                    row += [compiled.metadata.shared // 1024, facts["hgmma"], facts["tma_loads"]]
+                    row += [f"{seconds:.1f}"]
+                    print("| " + " | ".join(str(cell) for cell in row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
