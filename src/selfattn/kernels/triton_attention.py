@@ -47,6 +47,9 @@ MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# In-kernel tensor descriptors (TMA) and the allocator they need arrived in Triton 3.4.
+HAS_TENSOR_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
+
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; Hopper has 228 KiB per SM, keep room for the rest
 
@@ -148,7 +151,7 @@ def _tma_ok(*tensors: Tensor) -> bool:
     The copy engine needs a unit last stride and 16-byte aligned rows and head starts. Under
     the interpreter (CPU tensors) the same layout rule applies, so tests can take this path.
     """
-    if not (INTERPRETING or _is_hopper(tensors[0])):
+    if not HAS_TENSOR_DESCRIPTORS or not (INTERPRETING or _is_hopper(tensors[0])):
         return False
     for tensor in tensors:
         itemsize = tensor.element_size()
@@ -681,7 +684,8 @@ def _ensure_allocator() -> None:
     """Give Triton an allocator for in-kernel tensor descriptors, unless the user set one."""
     from triton.runtime import _allocation
 
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+    current = getattr(_allocation, "_allocator", None)
+    if current is None or isinstance(current.get(), _allocation.NullAllocator):
         triton.set_allocator(_device_scratch)
 
 
