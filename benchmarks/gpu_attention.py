@@ -241,7 +241,7 @@ def tflops(flops: float, milliseconds: float) -> str:
 
 def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int]) -> None:
     """One row per (D, causal, T): TFLOP/s forward and backward for ours and SDPA's backends."""
-    from selfattn.kernels.triton_attention import forward_timings, tuned_configs
+    from selfattn.kernels.triton_attention import AUTOTUNED, autotune_timings, tuned_configs
 
     backends = {"ours": ours, **sdpa_backends()}
     names = list(backends)
@@ -279,7 +279,8 @@ def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int])
                 row = [head_dim, causal, length, batch, heads, *forward, *backward]
                 print("| " + " | ".join(str(cell) for cell in row) + " |", flush=True)
             notes.append(f"ours, D={head_dim}, causal={causal}, T={length}: {tuned_configs()}")
-            notes.extend(f"  {line}" for line in forward_timings())
+            for kernel in AUTOTUNED:
+                notes.extend(f"  {kernel}: {line}" for line in autotune_timings(kernel))
     print()
     for note in notes:
         print(f"- {note}")

@@ -883,19 +883,22 @@ def describe_config(config: triton.Config) -> str:
     return text
 
 
+AUTOTUNED = {"forward": _forward_kernel, "dk/dv": _dkdv_kernel, "dq": _dq_kernel}
+
+
 def tuned_configs() -> dict[str, str]:
     """The configuration each autotuned kernel picked on its latest call (for reports)."""
-    kernels = {"forward": _forward_kernel, "dk/dv": _dkdv_kernel, "dq": _dq_kernel}
     picked = {}
-    for name, kernel in kernels.items():
+    for name, kernel in AUTOTUNED.items():
         config = getattr(kernel, "best_config", None)
         picked[name] = "not run" if config is None else describe_config(config)
     return picked
 
 
-def forward_timings() -> list[str]:
-    """Each forward configuration the autotuner timed on its latest tuning run, fastest first."""
-    timings = getattr(_forward_kernel, "configs_timings", None) or {}
+def autotune_timings(name: str) -> list[str]:
+    """Each configuration of one kernel ("forward", "dk/dv", "dq") the autotuner timed on its
+    latest tuning run, fastest first (for reports)."""
+    timings = getattr(AUTOTUNED[name], "configs_timings", None) or {}
     ranked = sorted(timings.items(), key=lambda item: _first(item[1]))
     return [f"{_first(ms):.3f} ms  {describe_config(config)}" for config, ms in ranked]
 
