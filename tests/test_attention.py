@@ -341,3 +341,18 @@ def test_sdpa_takes_any_leading_dims_and_broadcast_masks(lead):
     torch.testing.assert_close(
         attention(q, k, v, causal=True, backend="sdpa"), expected, atol=1e-12, rtol=0
     )
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "chunked"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("shape", [(6,), ()])
+def test_masks_of_one_dim_or_none_broadcast_like_the_reference(backend, kind, shape):
+    """A key-padding mask given as (S,), or a single value, as the explicit path reads it
+    (float64, 1e-12); torch's kernel needs the mask's (T, S) dims, so attention() adds them."""
+    q, k, v = qkv((2, 3), 5, 6, 4, 3)
+    mask = torch.rand(shape) > 0.3 if kind == "bool" else torch.randn(shape, dtype=q.dtype)
+    if kind == "bool" and shape == ():
+        mask = torch.tensor(True)
+    expected = attention(q, k, v, mask=mask, causal=False, backend="explicit")
+    actual = attention(q, k, v, mask=mask, backend=backend)
+    torch.testing.assert_close(actual, expected, atol=1e-12, rtol=0)

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from selfattn.errors import SelfAttnError
-from selfattn.kernels.chunked import chunked_attention
+from selfattn.kernels.chunked import at_least_2d, chunked_attention
 
 SIMILARITIES = ("dot", "cosine")
 REDUCED_PRECISION = (torch.float16, torch.bfloat16)
@@ -434,6 +434,7 @@ def make_call(
             raise ValueError(f"mask has more dims ({mask.dim()}) than the scores ({len(target)})")
         if mask.dtype != torch.bool and not mask.is_floating_point():
             raise ValueError(f"mask must be boolean (True = may attend) or float, got {mask.dtype}")
+        mask = at_least_2d(mask)  # every backend may index the mask's (T, S) dims
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if scale is None:

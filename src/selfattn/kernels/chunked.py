@@ -82,16 +82,16 @@ def chunked_attention(
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
     compute = torch.float32 if query.dtype in REDUCED_PRECISION else query.dtype
-    masks = _Masks(lead, _at_least_2d(allowed), causal)
+    masks = _Masks(lead, at_least_2d(allowed), causal)
     # (N, T, D), (N, S, D), (N, S, Dv) with N = prod(lead): one batched matmul per tile.
     flat = [x.to(compute).reshape(math.prod(lead), *x.shape[-2:]) for x in (query, key, value)]
-    bias = _at_least_2d(bias)
+    bias = at_least_2d(bias)
     output = _ChunkedAttention.apply(*flat, bias, masks, scale, block_q, block_k)
     return output.reshape(*lead, t, dv).to(query.dtype)
 
 
-def _at_least_2d(mask: Tensor | None) -> Tensor | None:
-    """A mask of shape (S,) or () as (1, S) or (1, 1), so that tiles can slice its last two dims."""
+def at_least_2d(mask: Tensor | None) -> Tensor | None:
+    """A mask of shape (S,) or () as (1, S) or (1, 1): a view whose last two dims are (T, S)."""
     if mask is None or mask.dim() >= 2:
         return mask
     return mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
