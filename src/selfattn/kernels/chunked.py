@@ -29,12 +29,12 @@ stays within 5% from 1 MiB tiles, which fit L2, to 16 MiB ones, while Python's c
 dimension of the ``weights @ value`` product long enough to run near the GEMM rate. Any
 sizes are correct; tiles need not divide T or S.
 
-Exponentials are taken in base 2 (``exp2`` of scores scaled by log2(e), the log-sum-exp kept
-in base 2 too): on the CPU, torch's ``exp`` is 8x slower on -inf (every masked score) and
-20-70x slower on arguments below -87, while ``exp2`` keeps its speed there. What remains slow
-is a tile whose weights land in float32's denormal range (scores 87-103 below the row's
-maximum, natural units): ``exp2`` and the weights-values product then take several times
-longer. Only sharply peaked rows get there.
+Calls with a mask or causal take their exponentials in base 2 (``exp2`` of scores scaled by
+log2(e), the log-sum-exp in base 2 too), the others in base e: on the CPU, torch's ``exp`` is
+25% faster than ``exp2`` on ordinary arguments but 8x slower on -inf (every masked score) and
+20-70x slower below -87. A tile whose weights land in float32's denormal range (scores 87-103
+below the row's maximum, natural units) stays slow either way: ``exp2`` and the
+weights-values product then take several times longer. Only sharply peaked rows get there.
 
 Masks follow the explicit path: ``allowed`` is boolean (True = may attend), ``bias`` is added to
 the scaled scores, both broadcast to ``(*lead, T, S)`` and are sliced per tile, never expanded.
@@ -90,7 +90,7 @@ def chunked_attention(
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
     compute = torch.float32 if query.dtype in REDUCED_PRECISION else query.dtype
-    masks = _Masks(lead, at_least_2d(allowed), causal)
+    masks = _Masks(lead, at_least_2d(allowed), causal, has_bias=bias is not None)
     # (N, T, D), (N, S, D), (N, S, Dv) with N = prod(lead): one batched matmul per tile.
     flat = [x.to(compute).reshape(math.prod(lead), *x.shape[-2:]) for x in (query, key, value)]
     bias = at_least_2d(bias)
@@ -115,12 +115,19 @@ def _tile(mask: Tensor, rows: slice, cols: slice) -> Tensor:
 
 
 class _Masks:
-    """What may not be attended, applied to one tile of base-2 scores at a time."""
+    """What may not be attended, applied to one tile of scores at a time, and the exponent
+    base that suits it: 2 for a masked or causal call (``exp2`` is fast on -inf), else e."""
 
-    def __init__(self, lead: torch.Size, allowed: Tensor | None, causal: bool) -> None:
+    def __init__(
+        self, lead: torch.Size, allowed: Tensor | None, causal: bool, has_bias: bool
+    ) -> None:
         self.lead = lead
         self.allowed = allowed
         self.causal = causal
+        base_two = allowed is not None or causal or has_bias
+        self.unit = LOG2E if base_two else 1.0  # scores are multiplied by it: log_base(e)
+        self.exp_ = Tensor.exp2_ if base_two else Tensor.exp_
+        self.log = Tensor.log2 if base_two else Tensor.log
 
     def key_tiles(self, rows: slice, t: int, s: int, block_k: int) -> list[tuple[slice, bool]]:
         """The key tiles the query rows can see, and whether each crosses the causal diagonal.
@@ -150,7 +157,7 @@ class _Masks:
         """Add the bias tile and set what may not be attended to -inf, in place."""
         view = scaled.view(*self.lead, *scaled.shape[-2:])  # (*lead, bq, bk)
         if bias is not None:
-            view.add_(_tile(bias, rows, cols), alpha=LOG2E)  # to base 2, like the scores
+            view.add_(_tile(bias, rows, cols), alpha=self.unit)  # in the scores' base
         if self.allowed is not None:
             view.masked_fill_(_tile(self.allowed, rows, cols).logical_not(), -math.inf)
         if crosses_diagonal:
@@ -213,7 +220,7 @@ def _forward(
     block_q: int,
     block_k: int,
 ) -> tuple[Tensor, Tensor]:
-    """Output (N, T, Dv) and base-2 log-sum-exp (N, T, 1), +inf for rows with nothing to see.
+    """Output (N, T, Dv) and log-sum-exp (N, T, 1) in ``masks``' base, +inf for empty rows.
 
     Keys carry a column of ones and the query tile a column holding ``-shift``, so the scores
     come out of the product already shifted, one pass over each score tile saved. The shift
@@ -229,7 +236,7 @@ def _forward(
     tile_buffer = query.new_empty(n * min(block_q, t) * min(block_k, s))
     for start in range(0, t, block_q):
         rows = slice(start, min(start + block_q, t))
-        state = _RowState(query[:, rows] * (scale * LOG2E), dv, fold_shift=bias is None)
+        state = _RowState(query[:, rows] * (scale * masks.unit), dv, masks, bias is None)
         for cols, crosses in masks.key_tiles(rows, t, s, block_k):
             scaled = _buffer_view(tile_buffer, (n, state.rows, cols.stop - cols.start))
             tile = (masks, bias, rows, cols, crosses, s - t)
@@ -255,7 +262,7 @@ def _shifted_scores(
     offset: int,
     out: Tensor,
 ) -> Tensor:
-    """One tile of (q·k·scale + bias)·log2(e) - shift, masked, into ``out``.
+    """One tile of (q·k·scale + bias)·unit - shift, masked, into ``out`` (see ``_Masks``).
 
     ``query_and_shift`` ends in a column the keys' ones multiply: -shift, or 0 under a float
     bias, whose shift is subtracted after it is added, rounding as the explicit path does
@@ -274,8 +281,9 @@ LAZY_LIMIT = 2.0**64  # largest row sum of one tile's weights taken without a ne
 class _RowState:
     """The online softmax of one query block: its shift, unnormalised output and row sums."""
 
-    def __init__(self, query_tile: Tensor, dv: int, fold_shift: bool) -> None:
+    def __init__(self, query_tile: Tensor, dv: int, masks: _Masks, fold_shift: bool) -> None:
         n, self.rows, d = query_tile.shape
+        self.exp_, self.log = masks.exp_, masks.log  # in the scores' base
         self.query_and_shift = torch.cat([query_tile, query_tile.new_zeros(n, self.rows, 1)], -1)
         self.neg_shift = query_tile.new_zeros(n, self.rows, 1)
         self.shift_column = self.query_and_shift[..., d:] if fold_shift else None
@@ -291,8 +299,8 @@ class _RowState:
         new_shift = torch.where(self.seen, torch.maximum(shift, tile_max), tile_max)
         # A row that has seen only -inf so far keeps shift 0, so that exp gives 0, not NaN.
         new_shift = new_shift.nan_to_num_(neginf=0.0)
-        weights = shifted.sub_(new_shift - shift).exp2_()
-        correction = (shift - new_shift).exp2_().masked_fill_(~self.seen, 0.0)
+        weights = self.exp_(shifted.sub_(new_shift - shift))
+        correction = self.exp_(shift - new_shift).masked_fill_(~self.seen, 0.0)
         self.acc.mul_(correction).baddbmm_(weights, value)
         self.row_sum.mul_(correction).add_(weights.sum(dim=-1, keepdim=True))
         self.neg_shift.copy_(-new_shift)
@@ -303,7 +311,7 @@ class _RowState:
 
     def lazy_step(self, shifted: Tensor, value: Tensor) -> bool:
         """Add one tile against the current shift; False (nothing added) if its sums overflow."""
-        weights = shifted.exp2_()
+        weights = self.exp_(shifted)
         sums = weights.sum(dim=-1, keepdim=True)
         if not sums.max() <= LAZY_LIMIT:  # inf or NaN fail too
             return False
@@ -312,10 +320,10 @@ class _RowState:
         return True
 
     def result(self) -> tuple[Tensor, Tensor]:
-        """Normalised output (N, bq, Dv) and base-2 log-sum-exp (N, bq, 1), +inf if empty."""
+        """Normalised output (N, bq, Dv) and log-sum-exp (N, bq, 1), +inf if empty."""
         empty = self.row_sum == 0
         output = self.acc / self.row_sum.masked_fill(empty, 1.0)
-        lse = (self.row_sum.log2() - self.neg_shift).masked_fill_(empty, math.inf)
+        lse = (self.log(self.row_sum) - self.neg_shift).masked_fill_(empty, math.inf)
         return output, lse
 
 
@@ -349,7 +357,7 @@ def _backward(
     key_tile_buffer = query.new_empty(n * min(block_k, s) * max(key.shape[-1], value.shape[-1]))
     for start in range(0, t, block_q):
         rows = slice(start, min(start + block_q, t))
-        query_tile = query[:, rows] * (scale * LOG2E)  # base-2 scores, as in the forward
+        query_tile = query[:, rows] * (scale * masks.unit)  # in the forward's base
         grad_output_tile = grad_output[:, rows]
         bq = query_tile.shape[1]
         grad_query_tile = query.new_zeros(query_tile.shape)
@@ -358,7 +366,7 @@ def _backward(
             weights = _buffer_view(weights_buffer, (n, bq, bk))
             torch.bmm(query_tile, key_t[:, :, cols], out=weights)
             masks.apply(weights, bias, rows, cols, crosses, s - t)
-            weights.sub_(lse[:, rows]).exp2_()
+            masks.exp_(weights.sub_(lse[:, rows]))
             grad_value_tile = _buffer_view(key_tile_buffer, (n, bk, value.shape[-1]))
             torch.bmm(weights.transpose(1, 2), grad_output_tile, out=grad_value_tile)
             grad_value[:, cols] += grad_value_tile
@@ -369,7 +377,7 @@ def _backward(
             grad_query_tile.baddbmm_(grad_scores, key[:, cols])
             grad_key_tile = _buffer_view(key_tile_buffer, (n, bk, key.shape[-1]))
             torch.bmm(grad_scores.transpose(1, 2), query_tile, out=grad_key_tile)
-            grad_key[:, cols].add_(grad_key_tile, alpha=1 / LOG2E)  # dSᵀ Q · scale
+            grad_key[:, cols].add_(grad_key_tile, alpha=1 / masks.unit)  # dSᵀ Q · scale
             if grad_bias is not None:
                 bias_tile = _tile(grad_bias, rows, cols)
                 per_lead = grad_scores.view(*masks.lead, bq, bk)
