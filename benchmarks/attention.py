@@ -13,6 +13,12 @@ same run.
     python benchmarks/attention.py                 # the full table (~10-15 minutes on 2 cores)
     python benchmarks/attention.py --quick         # T <= 2,048, one timed call per case
     python benchmarks/attention.py --max-t 8192    # a shorter run
+    python benchmarks/attention.py --inputs padded --max-t 8192   # other inputs, below
+
+``--inputs``: ``random`` (default: standard normal q, k, v), ``padded`` (the same with a
+key-padding mask of shape (S,) hiding the last eighth of the keys), ``peaked`` (q and k times
+4: scaled scores with a standard deviation of 16, so most weights underflow). Timings depend
+on the values only through the exponentials; peaked rows are what trained models can show.
 """
 
 from __future__ import annotations
@@ -45,17 +51,27 @@ def explicit_bytes(t: int, backward: bool) -> int:
     return weights * (8 if backward else 4)
 
 
-def run_case(backend: str, t: int, backward: bool, causal: bool, repeats: int) -> dict:
+INPUTS = ("random", "padded", "peaked")
+
+
+def run_case(
+    backend: str, t: int, backward: bool, causal: bool, repeats: int, kind: str = "random"
+) -> dict:
     """One case in this process: returns seconds (median) and peak extra bytes."""
     from selfattn.attention import attention
 
     torch.manual_seed(0)
-    inputs = [torch.randn(1, HEADS, t, HEAD_DIM, requires_grad=backward) for _ in range(3)]
+    gain = 4.0 if kind == "peaked" else 1.0
+    inputs = [
+        (torch.randn(1, HEADS, t, HEAD_DIM) * (gain if i < 2 else 1.0)).requires_grad_(backward)
+        for i in range(3)
+    ]
+    mask = torch.arange(t) < t - t // 8 if kind == "padded" else None
     grad_output = torch.randn(1, HEADS, t, HEAD_DIM)
 
     def call() -> float:
         start = time.perf_counter()
-        output = attention(*inputs, causal=causal, backend=backend)
+        output = attention(*inputs, mask=mask, causal=causal, backend=backend)
         if backward:
             output.backward(grad_output)
             for tensor in inputs:
@@ -85,10 +101,10 @@ def peak_rss() -> int:
     return int(line.split()[1]) * 1024
 
 
-def measure(backend: str, t: int, backward: bool, causal: bool, repeats: int) -> dict:
+def measure(backend: str, t: int, backward: bool, causal: bool, repeats: int, kind: str) -> dict:
     """Run one case in a fresh subprocess (its own peak memory)."""
     command = [sys.executable, __file__, "--case", backend, str(t), str(int(backward))]
-    command += [str(int(causal)), str(repeats)]
+    command += [str(int(causal)), str(repeats), kind]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         return {"error": result.stderr.strip().splitlines()[-1]}
@@ -127,22 +143,20 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per case, at most")
     parser.add_argument("--quick", action="store_true", help="T <= 2,048, one timed call")
-    parser.add_argument("--case", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--inputs", choices=INPUTS, default="random", help="see the module doc")
+    parser.add_argument("--case", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
-        backend, t, backward, causal, repeats = args.case
-        print(
-            json.dumps(
-                run_case(backend, int(t), bool(int(backward)), bool(int(causal)), int(repeats))
-            )
-        )
+        backend, t, backward, causal, repeats, *kind = args.case
+        flags = bool(int(backward)), bool(int(causal))
+        print(json.dumps(run_case(backend, int(t), *flags, int(repeats), *kind)))
         return
     if args.quick:
         args.max_t, args.max_t_backward, args.repeats = 2048, 2048, 1
 
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{platform.processor() or platform.machine()}"
+        f"{platform.processor() or platform.machine()}, inputs: {args.inputs}"
     )
     print(f"fp32 GEMM (2048^3): {gemm_gflops():.0f} GFLOP/s\n")
     header = ["T", "pass", "causal"]
@@ -159,7 +173,11 @@ def main() -> None:
                 cells = {}
                 for backend in BACKENDS:
                     fits = backend != "explicit" or explicit_bytes(t, backward) <= EXPLICIT_LIMIT
-                    result = measure(backend, t, backward, causal, args.repeats) if fits else None
+                    result = (
+                        measure(backend, t, backward, causal, args.repeats, args.inputs)
+                        if fits
+                        else None
+                    )
                     cells[backend] = (result, describe(result, t, backward, causal))
                 ratio = ""
                 chunked, sdpa = cells["chunked"][0], cells["sdpa"][0]
