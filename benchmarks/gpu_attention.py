@@ -206,7 +206,7 @@ def check_every_forward_config(setting: Setting) -> bool:
             try:
                 got = attention(*low, causal=causal, backend="triton").double().cpu()
             except Exception as error:  # report, drop, go on
-                cells.append(f"failed: {(str(error).splitlines() or ['?'])[0][:60]}")
+                cells.append(f"failed: {first_line(error, 60)}")
                 ok = False
                 continue
             error = (got - want).abs().max().item()
@@ -221,6 +221,11 @@ def check_every_forward_config(setting: Setting) -> bool:
     if failed:
         print(f"Dropped from the autotuner for this run: {len(failed)} failing configuration(s).\n")
     return not failed
+
+
+def first_line(error: Exception, width: int = 100) -> str:
+    """An error's first line, cut to ``width`` characters, for a table cell or a note."""
+    return (str(error).splitlines() or [type(error).__name__])[0][:width]
 
 
 def time_one(run: Callable, q, k, v, causal: bool, device: torch.device) -> tuple[float, float]:
@@ -269,9 +274,7 @@ def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int])
                         try:
                             forward_ms, backward_ms = time_one(run, q, k, v, causal, setting.device)
                         except Exception as error:  # a backend that refuses or fails here
-                            first_line = (str(error).splitlines() or [type(error).__name__])[0]
-                            first_line = first_line[:100]
-                            notes.append(f"{name}, D={head_dim}, T={length}: {first_line}")
+                            notes.append(f"{name}, D={head_dim}, T={length}: {first_line(error)}")
                     forward.append("n/a" if forward_ms is None else tflops(flops, forward_ms))
                     backward.append(
                         "n/a" if backward_ms is None else tflops(2.5 * flops, backward_ms)
