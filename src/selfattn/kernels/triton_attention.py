@@ -112,15 +112,15 @@ def _dq_configs() -> list[triton.Config]:
     ]  # fmt: skip
 
 
-def _shared_memory_pruner(stationary: str, streamed: str) -> dict:
+def _config_pruner(stationary: str, streamed: str) -> dict:
     """Autotune pruning: drops configurations these inputs, or this GPU, cannot run well.
 
     Gone are TMA where the layout or GPU does not allow it, 4-warp 128-row blocks for head
-    dims of 128 and
-    more (they spill registers), and tiles that cannot fit in shared memory. The shared-memory
-    estimate: the block a program keeps (``stationary``: BLOCK_M queries or BLOCK_N keys)
-    plus ``num_stages`` copies of the tile it streams, both as wide as the query and value
-    head dims together, in the input's element size. If nothing fits, the smallest is kept.
+    dims of 128 and more (they spill registers), and tiles that cannot fit in shared memory.
+    The shared-memory estimate: the block a program keeps (``stationary``: BLOCK_M queries or
+    BLOCK_N keys) plus ``num_stages`` copies of the tile it streams, both as wide as the query
+    and value head dims together, in the input's element size. If nothing fits, the smallest
+    is kept.
     """
 
     def tile_bytes(config: triton.Config, itemsize: int, width: int) -> int:
@@ -348,7 +348,7 @@ def _forward_tiles(acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, lo, 
 
 
 @triton.autotune(configs=_forward_configs(), key=TUNE_KEY,
-                 prune_configs_by=_shared_memory_pruner("BLOCK_M", "BLOCK_N"),
+                 prune_configs_by=_config_pruner("BLOCK_M", "BLOCK_N"),
                  do_bench=_quick_bench)
 @triton.jit
 def _forward_kernel(Q, K, V, Mask, Out, Lse,
@@ -478,7 +478,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, 
 
 
 @triton.autotune(configs=_dkdv_configs(), key=TUNE_KEY,
-                 prune_configs_by=_shared_memory_pruner("BLOCK_N", "BLOCK_M"),
+                 prune_configs_by=_config_pruner("BLOCK_N", "BLOCK_M"),
                  do_bench=_quick_bench)
 @triton.jit
 def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV,
@@ -563,7 +563,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, mask_base, rows, lo, hi,
 
 
 @triton.autotune(configs=_dq_configs(), key=TUNE_KEY,
-                 prune_configs_by=_shared_memory_pruner("BLOCK_M", "BLOCK_N"),
+                 prune_configs_by=_config_pruner("BLOCK_M", "BLOCK_N"),
                  do_bench=_quick_bench)
 @triton.jit
 def _dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
