@@ -236,43 +236,18 @@ def _forward(
     tile_buffer = query.new_empty(n * min(block_q, t) * min(block_k, s))
     for start in range(0, t, block_q):
         rows = slice(start, min(start + block_q, t))
-        state = _RowState(query[:, rows] * (scale * masks.unit), dv, masks, bias is None)
+        state = _RowState(query[:, rows] * (scale * masks.unit), dv, masks, bias)
         for cols, crosses in masks.key_tiles(rows, t, s, block_k):
             scaled = _buffer_view(tile_buffer, (n, state.rows, cols.stop - cols.start))
-            tile = (masks, bias, rows, cols, crosses, s - t)
-            _shifted_scores(state.query_and_shift, state.neg_shift, key_and_one, *tile, scaled)
+            tile = (key_and_one, rows, cols, crosses, s - t, scaled)
+            state.shifted_scores(*tile)
             if state.all_seen:
                 if state.lazy_step(scaled, value[:, cols]):
                     continue
-                _shifted_scores(state.query_and_shift, state.neg_shift, key_and_one, *tile, scaled)
+                state.shifted_scores(*tile)  # the lazy step spent them: again, for the exact one
             state.exact_step(scaled, value[:, cols])
         output[:, rows], lse[:, rows] = state.result()
     return output, lse
-
-
-def _shifted_scores(
-    query_and_shift: Tensor,
-    neg_shift: Tensor,
-    key_and_one: Tensor,
-    masks: _Masks,
-    bias: Tensor | None,
-    rows: slice,
-    cols: slice,
-    crosses: bool,
-    offset: int,
-    out: Tensor,
-) -> Tensor:
-    """One tile of (q·k·scale + bias)·unit - shift, masked, into ``out`` (see ``_Masks``).
-
-    ``query_and_shift`` ends in a column the keys' ones multiply: -shift, or 0 under a float
-    bias, whose shift is subtracted after it is added, rounding as the explicit path does
-    (a shift near a bias of -1e9 would otherwise cancel it inexactly in float32).
-    """
-    torch.bmm(query_and_shift, key_and_one[:, :, cols], out=out)
-    masks.apply(out, bias, rows, cols, crosses, offset)
-    if bias is not None:
-        out.add_(neg_shift)
-    return out
 
 
 LAZY_LIMIT = 2.0**64  # largest row sum of one tile's weights taken without a new shift
@@ -281,16 +256,30 @@ LAZY_LIMIT = 2.0**64  # largest row sum of one tile's weights taken without a ne
 class _RowState:
     """The online softmax of one query block: its shift, unnormalised output and row sums."""
 
-    def __init__(self, query_tile: Tensor, dv: int, masks: _Masks, fold_shift: bool) -> None:
+    def __init__(self, query_tile: Tensor, dv: int, masks: _Masks, bias: Tensor | None) -> None:
         n, self.rows, d = query_tile.shape
+        self.masks, self.bias = masks, bias
         self.exp_, self.log = masks.exp_, masks.log  # in the scores' base
         self.query_and_shift = torch.cat([query_tile, query_tile.new_zeros(n, self.rows, 1)], -1)
         self.neg_shift = query_tile.new_zeros(n, self.rows, 1)
-        self.shift_column = self.query_and_shift[..., d:] if fold_shift else None
+        # The column the keys' ones multiply holds -shift, or stays 0 under a float bias: its
+        # shift is subtracted after the bias is added, rounding as the explicit path does (a
+        # shift near a bias of -1e9 would otherwise cancel it inexactly in float32).
+        self.shift_column = self.query_and_shift[..., d:] if bias is None else None
         self.acc = query_tile.new_zeros(n, self.rows, dv)  # unnormalised output
         self.row_sum = query_tile.new_zeros(n, self.rows, 1)
         self.seen = torch.zeros(n, self.rows, 1, dtype=torch.bool, device=query_tile.device)
         self.all_seen = False
+
+    def shifted_scores(
+        self, key_and_one: Tensor, rows: slice, cols: slice, crosses: bool, offset: int, out: Tensor
+    ) -> Tensor:
+        """One tile of (q·k·scale + bias)·unit - shift, masked, into ``out`` (see ``_Masks``)."""
+        torch.bmm(self.query_and_shift, key_and_one[:, :, cols], out=out)
+        self.masks.apply(out, self.bias, rows, cols, crosses, offset)
+        if self.shift_column is None:
+            out.add_(self.neg_shift)
+        return out
 
     def exact_step(self, shifted: Tensor, value: Tensor) -> None:
         """The textbook update: the new shift is each row's running maximum."""
