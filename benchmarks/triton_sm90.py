@@ -5,13 +5,13 @@ configuration of the forward, dK/dV and dQ kernels is compiled ahead of time for
 capability 9.0, bf16, and the cubin is read back. One markdown row per configuration:
 registers per thread, stack bytes (spills), shared memory, and the counts of Hopper's
 instructions that matter here: ``HGMMA`` (wgmma, the tensor cores) and ``UTMALDG`` (TMA loads).
-A row marked "pruned" is one the autotuner's pruner would drop for that head dim.
+A row marked "pruned" is one the kernel's autotune pruner drops for that head dim.
 
 This is how a session without a GPU checks that a kernel change still compiles for the H200,
 does not spill, and still uses wgmma, before it spends device time:
 
     python benchmarks/triton_sm90.py                     # all kernels, D 64 and 128
-    python benchmarks/triton_sm90.py --kernels forward --head-dims 128
+    python benchmarks/triton_sm90.py --kernels forward dq --head-dims 128
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -93,21 +94,19 @@ def _run(*command) -> str:
     return subprocess.run(command, capture_output=True, text=True, check=True).stdout
 
 
-def pruned(config: triton.Config, head_dim: int) -> bool:
-    """Whether the autotuner's pruner drops this configuration (Hopper, aligned, bf16)."""
-    return head_dim >= 128 and kernels._spills(config)
-
-
-KERNELS = {
-    "forward": (kernels._forward_kernel, kernels._forward_configs),
-    "dkdv": (kernels._dkdv_kernel, kernels._dkdv_configs),
-    "dq": (kernels._dq_kernel, kernels._dq_configs),
-}
+def kept(autotuned, head_dim: int) -> list[triton.Config]:
+    """What the kernel's own autotune pruner keeps for bf16 inputs that suit TMA."""
+    bf16 = {"Q": torch.empty(0, dtype=torch.bfloat16)}
+    return autotuned.early_config_prune(
+        autotuned.configs, bf16, BLOCK_D=head_dim, BLOCK_DV=head_dim, TMA_OK=True
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
+    parser.add_argument(
+        "--kernels", nargs="+", choices=list(kernels.AUTOTUNED), default=list(kernels.AUTOTUNED)
+    )
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     args = parser.parse_args()
@@ -121,12 +120,13 @@ def main() -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for name in args.kernels:
-        autotuned, configs = KERNELS[name]
+        autotuned = kernels.AUTOTUNED[name]
         for head_dim in args.head_dims:
             for causal in causal_values:
-                for config in configs():
+                survivors = kept(autotuned, head_dim)
+                for config in autotuned.configs:
                     label = kernels.describe_config(config)
-                    if pruned(config, head_dim):
+                    if config not in survivors:
                         label += " (pruned)"
                     started = time.perf_counter()
                     try:
