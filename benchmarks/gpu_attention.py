@@ -123,7 +123,10 @@ def ours(q, k, v, causal: bool):
 
 
 def check_correctness(setting: Setting) -> bool:
-    """Ours within twice SDPA's error (same dtype) of the float64 explicit path, with grads."""
+    """Ours within twice SDPA's error (same dtype) of the float64 explicit path, with grads,
+    under each backward plan (split dQ kernel, or dQ added with atomics)."""
+    from selfattn.kernels import triton_attention
+
     cases = [  # (B, H, T, S, D, causal, key-padding mask)
         (2, 4, 1000, 1000, 128, False, False),
         (2, 4, 1000, 1000, 128, True, False),
@@ -132,8 +135,8 @@ def check_correctness(setting: Setting) -> bool:
     if setting.smoke:
         cases = [(1, 2, 33, 33, 16, False, False), (1, 2, 7, 40, 16, True, True)]
     print("## Correctness (max abs error against float64; ours / torch SDPA, same dtype)\n")
-    print("| B | H | T | S | D | causal | mask | output | dQ | dK | dV | ok |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| B | H | T | S | D | causal | mask | backward | output | dQ | dK | dV | ok |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     all_ok = True
     for batch, heads, t, s, d, causal, padded in cases:
         generator = torch.Generator(device="cpu").manual_seed(t * s + d)
@@ -146,30 +149,38 @@ def check_correctness(setting: Setting) -> bool:
         if padded:
             lengths = torch.tensor([s, s * 2 // 3])[:batch]
             mask = (torch.arange(s) < lengths[:, None])[:, None, None, :]
-        results = {}
-        for backend, dtype in (("explicit", torch.float64), ("triton", setting.dtype),
-                               ("sdpa", setting.dtype)):  # fmt: skip
-            leaves = [x.to(setting.device, dtype).requires_grad_() for x in (q, k, v)]
-            out = attention(
-                *leaves,
-                mask=None if mask is None else mask.to(setting.device),
-                causal=causal,
-                backend=backend,
-            )
-            grads = torch.autograd.grad(out, leaves, grad.to(setting.device, dtype))
-            results[backend] = [x.detach().double() for x in (out, *grads)]
-        cells, ok = [], True
-        for got, base, want in zip(results["triton"], results["sdpa"], results["explicit"],
-                                   strict=True):  # fmt: skip
-            error = (got - want).abs().max().item()
-            base_error = (base - want).abs().max().item()
-            ok = ok and bool(torch.isfinite(got).all()) and error <= 2 * base_error + ABS_FLOOR
-            cells.append(f"{error:.1e} / {base_error:.1e}")
-        all_ok = all_ok and ok
-        row = [batch, heads, t, s, d, causal, padded, *cells, "yes" if ok else "**NO**"]
-        print("| " + " | ".join(str(cell) for cell in row) + " |")
+        inputs = (q, k, v, grad, mask, causal, setting.device)
+        want = output_and_grads("explicit", torch.float64, *inputs)
+        base = output_and_grads("sdpa", setting.dtype, *inputs)
+        for plan in triton_attention.BACKWARD_PLANS:
+            triton_attention.backward_plan = plan
+            try:
+                got = output_and_grads("triton", setting.dtype, *inputs)
+            finally:
+                triton_attention.backward_plan = "auto"
+            cells, ok = [], True
+            for ours_x, base_x, want_x in zip(got, base, want, strict=True):
+                error = (ours_x - want_x).abs().max().item()
+                base_error = (base_x - want_x).abs().max().item()
+                ok = ok and bool(torch.isfinite(ours_x).all())
+                ok = ok and error <= 2 * base_error + ABS_FLOOR
+                cells.append(f"{error:.1e} / {base_error:.1e}")
+            all_ok = all_ok and ok
+            row = [batch, heads, t, s, d, causal, padded, plan, *cells, "yes" if ok else "**NO**"]
+            print("| " + " | ".join(str(cell) for cell in row) + " |")
     print()
     return all_ok
+
+
+def output_and_grads(
+    backend: str, dtype: torch.dtype, q, k, v, grad, mask, causal: bool, device: torch.device
+) -> list[torch.Tensor]:
+    """Output, dQ, dK, dV of one backend in one dtype, as float64."""
+    leaves = [x.to(device, dtype).requires_grad_() for x in (q, k, v)]
+    mask = None if mask is None else mask.to(device)
+    out = attention(*leaves, mask=mask, causal=causal, backend=backend)
+    grads = torch.autograd.grad(out, leaves, grad.to(device, dtype))
+    return [x.detach().double() for x in (out, *grads)]
 
 
 def check_every_forward_config(setting: Setting) -> bool:
@@ -246,7 +257,12 @@ def tflops(flops: float, milliseconds: float) -> str:
 
 def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int]) -> None:
     """One row per (D, causal, T): TFLOP/s forward and backward for ours and SDPA's backends."""
-    from selfattn.kernels.triton_attention import AUTOTUNED, autotune_timings, tuned_configs
+    from selfattn.kernels.triton_attention import (
+        AUTOTUNED,
+        autotune_timings,
+        plan_timings,
+        tuned_configs,
+    )
 
     backends = {"ours": ours, **sdpa_backends()}
     names = list(backends)
@@ -284,6 +300,10 @@ def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int])
             notes.append(f"ours, D={head_dim}, causal={causal}, T={length}: {tuned_configs()}")
             for kernel in AUTOTUNED:
                 notes.extend(f"  {kernel}: {line}" for line in autotune_timings(kernel))
+            notes.extend(f"  backward plans {key[2:4]}: " + ", ".join(
+                f"{plan} {ms:.3f} ms" for plan, ms in timings.items())
+                for key, timings in plan_timings.items())  # fmt: skip
+            plan_timings.clear()
     print()
     for note in notes:
         print(f"- {note}")

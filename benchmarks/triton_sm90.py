@@ -32,14 +32,17 @@ from triton.compiler import ASTSource
 from selfattn.kernels import triton_attention as kernels
 
 HOPPER = GPUTarget("cuda", 90, 32)
-POINTERS_FP32 = {"Lse", "Delta"}
+POINTERS_FP32 = {"Lse", "Delta", "DQAcc"}
 INTS = {"inner", "T", "S", "t_bucket", "s_bucket"}
 FLOATS = {"qk_scale", "scale"}
 
 
-def compile_config(jit_fn, config: triton.Config, head_dim: int, causal: bool):
-    """Compile one kernel and configuration for sm_90: bf16, contiguous, no mask, aligned."""
+def compile_config(jit_fn, config: triton.Config, head_dim: int, causal: bool, **variant):
+    """Compile one kernel and configuration for sm_90: bf16, contiguous, no mask, aligned.
+
+    ``variant`` holds the kernel's other compile-time switches (ATOMIC_DQ for dK/dV)."""
     constants = dict(
+        **variant,
         HEAD_DIM=head_dim,
         VALUE_DIM=head_dim,
         BLOCK_D=head_dim,
@@ -87,11 +90,19 @@ def read_cubin(cubin: bytes) -> dict[str, int]:
         "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
         "hgmma": sass.count("HGMMA"),
         "tma_loads": sass.count("UTMALDG"),
+        "atomics": len(re.findall(r"\bRED\b|\bREDG\b|\bATOMG\b", sass)),
     }
 
 
 def _run(*command) -> str:
     return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
+def variants(name: str) -> dict[str, dict]:
+    """The compile-time switches a kernel is launched with, by a label for the table."""
+    if name == "dk/dv":
+        return {"dk/dv": {"ATOMIC_DQ": False}, "dk/dv + atomic dq": {"ATOMIC_DQ": True}}
+    return {name: {}}
 
 
 def kept(autotuned, head_dim: int) -> list[triton.Config]:
@@ -116,31 +127,51 @@ def main() -> None:
 
     print(f"# Triton {triton.__version__} kernels compiled for sm_90 (bf16)\n")
     header = ["kernel", "D", "causal", "configuration", "regs", "stack B", "smem KiB"]
-    header += ["HGMMA", "UTMALDG", "compile s"]
+    header += ["HGMMA", "UTMALDG", "atomics", "compile s"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for name in args.kernels:
         autotuned = kernels.AUTOTUNED[name]
-        for head_dim in args.head_dims:
-            for causal in causal_values:
-                survivors = kept(autotuned, head_dim)
-                for config in autotuned.configs:
-                    label = kernels.describe_config(config)
-                    if config not in survivors:
-                        label += " (pruned)"
-                    started = time.perf_counter()
-                    try:
-                        compiled = compile_config(autotuned.fn, config, head_dim, causal)
-                    except Exception as error:  # report the failure, go on with the rest
-                        message = (str(error).splitlines() or [type(error).__name__])[0][:80]
-                        print(f"| {name} | {head_dim} | {causal} | {label} | failed: {message} |")
-                        continue
-                    seconds = time.perf_counter() - started
-                    facts = read_cubin(compiled.asm["cubin"])
-                    row = [name, head_dim, causal, label, facts["registers"], facts["stack"]]
-                    row += [compiled.metadata.shared // 1024, facts["hgmma"], facts["tma_loads"]]
-                    row += [f"{seconds:.1f}"]
-                    print("| " + " | ".join(str(cell) for cell in row) + " |", flush=True)
+        for variant, switches in variants(name).items():
+            for head_dim in args.head_dims:
+                for causal in causal_values:
+                    survivors = kept(autotuned, head_dim)
+                    for config in autotuned.configs:
+                        report(
+                            variant,
+                            autotuned.fn,
+                            config,
+                            config in survivors,
+                            head_dim,
+                            causal,
+                            switches,
+                        )
+
+
+def report(
+    name: str,
+    jit_fn,
+    config: triton.Config,
+    survives: bool,
+    head_dim: int,
+    causal: bool,
+    switches: dict,
+) -> None:
+    """Compile one configuration and print its row (or why it failed)."""
+    label = kernels.describe_config(config) + ("" if survives else " (pruned)")
+    started = time.perf_counter()
+    try:
+        compiled = compile_config(jit_fn, config, head_dim, causal, **switches)
+    except Exception as error:  # report the failure, go on with the rest
+        message = (str(error).splitlines() or [type(error).__name__])[0][:80]
+        print(f"| {name} | {head_dim} | {causal} | {label} | failed: {message} |")
+        return
+    seconds = time.perf_counter() - started
+    facts = read_cubin(compiled.asm["cubin"])
+    row = [name, head_dim, causal, label, facts["registers"], facts["stack"]]
+    row += [compiled.metadata.shared // 1024, facts["hgmma"], facts["tma_loads"]]
+    row += [facts["atomics"], f"{seconds:.1f}"]
+    print("| " + " | ".join(str(cell) for cell in row) + " |", flush=True)
 
 
 if __name__ == "__main__":

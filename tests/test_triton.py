@@ -245,3 +245,56 @@ def test_kernels_compile_for_hopper_with_wgmma_and_no_spills():
         assert "failed" not in row[3], row
         stack, hgmma = int(row[5]), int(row[7])
         assert stack == 0 and hgmma > 0, row
+
+
+ATOMIC_CASES = [
+    dict(t=33, s=33, d=16, causal=False),
+    dict(t=7, s=40, d=16, causal=True),
+    dict(t=40, s=7, d=16, causal=True),
+    dict(t=33, s=64, d=59, causal=True),
+    dict(t=64, s=64, d=16, causal=False, mask="padding"),
+    dict(t=33, s=64, d=16, causal=False, mask="rows"),
+]
+
+
+@pytest.mark.parametrize("case", ATOMIC_CASES, ids=lambda case: "-".join(map(str, case.values())))
+def test_atomic_backward_plan(monkeypatch, case):
+    """dQ added with atomics inside the dK/dV kernel: same tolerance as the split plan, on
+    ragged, causal, padded-head and masked cases (a fully masked row gets dQ 0)."""
+    from selfattn.kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "backward_plan", "atomic")
+    case = dict(case)
+    kind = case.pop("mask", None)
+    q, k, v, grad = _inputs(case["t"], case["s"], case["d"])
+    mask = None
+    if kind == "padding":
+        mask = (torch.arange(case["s"]) < torch.tensor([64, 40])[:, None])[:, None, None, :]
+    elif kind == "rows":
+        mask = torch.rand(case["t"], case["s"], generator=torch.Generator().manual_seed(5)) > 0.3
+        mask[4] = False
+    assert_matches_reference(q, k, v, grad, mask=mask, causal=case["causal"])
+    if kind == "rows":
+        _, dq, _, _ = _run("triton", q, k, v, grad, torch.float32, mask=mask)
+        assert (dq[..., 4, :] == 0).all()
+
+
+def test_backward_plans_agree_and_deterministic_mode_takes_split(monkeypatch):
+    from selfattn.kernels import triton_attention
+
+    inputs = _inputs(33, 40, 16)
+    grads = {}
+    for plan in triton_attention.BACKWARD_PLANS:
+        monkeypatch.setattr(triton_attention, "backward_plan", plan)
+        grads[plan] = _run("triton", *inputs, torch.float32, causal=True)
+    for split, atomic in zip(grads["split"], grads["atomic"], strict=True):
+        torch.testing.assert_close(atomic, split, rtol=1e-5, atol=1e-6)
+
+    chosen = []
+    monkeypatch.setattr(triton_attention, "backward_plan", "atomic")
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert triton_attention._backward_plan(("key",), chosen.append) == "split"
+    monkeypatch.setattr(triton_attention, "backward_plan", "fastest")
+    with pytest.raises(ValueError, match="backward_plan"):
+        triton_attention._backward_plan(("key",), chosen.append)
+    assert chosen == []  # nothing was run to decide

@@ -8,13 +8,15 @@ pass recomputes any tile of weights exactly::
 
     weights[i, j] = exp2(scaled_log2[i, j] - lse[i])
 
-The backward pass runs three kernels:
+The backward pass runs these kernels:
 
 - ``_preprocess_kernel``: delta = rowsum(dO ∘ O), the term softmax's derivative subtracts;
 - ``_dkdv_kernel``: one program per key block walks over query tiles and accumulates
   dV = Pᵀ dO and dK = scale · dSᵀ Q, where dS = P ∘ (dP - delta) and dP = dO Vᵀ;
 - ``_dq_kernel``: one program per query block walks over key tiles and accumulates
-  dQ = scale · dS K.
+  dQ = scale · dS K (the "split" plan), unless the dK/dV kernel already added each tile's
+  scale · dS K into a float32 dQ with atomics (the "atomic" plan: fewer products, but dQ's
+  rounding depends on the order of the adds). ``_backward_plan`` says which runs when.
 
 Conventions are those of ``selfattn.attention``: a boolean mask's True means "may attend", a
 float mask is added to the scaled scores, ``causal`` aligns bottom-right (query i sees keys
@@ -439,16 +441,19 @@ def _preprocess_kernel(Out, DOut, Delta,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, cols, lo, hi,
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base,
+                cols, lo, hi,
                 stride_qt, stride_qd, stride_dt, stride_dd, stride_mt, stride_ms,
-                T, S, qk_scale,
+                T, S, qk_scale, scale,
                 HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                 CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, CHECK: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Accumulate dK, dV of one key block over the query tiles starting in [lo, hi).
 
     Scores are laid out (keys, queries), so the recomputed weights Pᵀ feed dV = Pᵀ dO directly.
+    With ATOMIC_DQ, each tile's share of dQ, scale · dS K, is also added into the float32
+    (T, BLOCK_D) rows at ``dq_base``, which other key blocks add to at the same time.
     """
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -472,16 +477,23 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, 
                    rows < T, offs_dv < VALUE_DIM, CHECK, BLOCK_DV != VALUE_DIM)  # (M, Dv)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (N, M)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q_t.dtype)
+        dk = tl.dot(ds_t, tl.trans(q_t), dk, input_precision=PRECISION)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=PRECISION) * scale  # (M, D)
+            dq_ptrs = dq_base + rows[:, None] * BLOCK_D + offs_d[None, :]
+            if CHECK:
+                tl.atomic_add(dq_ptrs, dq, mask=(rows < T)[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
-@triton.autotune(configs=_dkdv_configs(), key=TUNE_KEY,
+@triton.autotune(configs=_dkdv_configs(), key=[*TUNE_KEY, "ATOMIC_DQ"],
                  prune_configs_by=_config_pruner("BLOCK_N", "BLOCK_M"),
-                 do_bench=_quick_bench)
+                 reset_to_zero=["DQAcc"], do_bench=_quick_bench)
 @triton.jit
-def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV,
+def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV, DQAcc,
                  stride_qn, stride_qt, stride_qd,
                  stride_kn, stride_ks, stride_kd,
                  stride_vn, stride_vs, stride_vd,
@@ -491,8 +503,13 @@ def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV,
                  HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
+                 ATOMIC_DQ: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: BLOCK_N keys of one head, all the queries that see them; writes dK, dV."""
+    """One program: BLOCK_N keys of one head, all the queries that see them; writes dK, dV.
+
+    With ATOMIC_DQ it also adds its share of dQ into DQAcc, float32 (N, T, BLOCK_D), zeroed
+    by the caller; without, DQAcc is unused and the dQ kernel computes dQ on its own.
+    """
     start_n = tl.program_id(0) * BLOCK_N
     head = tl.program_id(1).to(tl.int64)
     cols = start_n + tl.arange(0, BLOCK_N)
@@ -508,22 +525,26 @@ def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV,
     mask_base = Mask + (head // inner) * stride_mo + (head % inner) * stride_mi
     lse_base = Lse + head * T
     delta_base = Delta + head * T
+    dq_base = DQAcc + head * T * BLOCK_D
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     lo, mid, full, tail = _query_range(start_n, T, S, BLOCK_M, BLOCK_N, CAUSAL)
     dk, dv = _dkdv_tiles(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, cols, lo, mid,
-        stride_qt, stride_qd, stride_dt, stride_dd, stride_mt, stride_ms, T, S, qk_scale,
-        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL, MASK_KIND, True, PRECISION)
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, cols, lo, mid,
+        stride_qt, stride_qd, stride_dt, stride_dd, stride_mt, stride_ms, T, S, qk_scale, scale,
+        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL, MASK_KIND, True, PRECISION,
+        ATOMIC_DQ)
     dk, dv = _dkdv_tiles(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, cols, mid, full,
-        stride_qt, stride_qd, stride_dt, stride_dd, stride_mt, stride_ms, T, S, qk_scale,
-        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL, MASK_KIND, False, PRECISION)
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, cols, mid, full,
+        stride_qt, stride_qd, stride_dt, stride_dd, stride_mt, stride_ms, T, S, qk_scale, scale,
+        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL, MASK_KIND, False, PRECISION,
+        ATOMIC_DQ)
     dk, dv = _dkdv_tiles(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, cols, tail, T,
-        stride_qt, stride_qd, stride_dt, stride_dd, stride_mt, stride_ms, T, S, qk_scale,
-        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL, MASK_KIND, True, PRECISION)
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, cols, tail, T,
+        stride_qt, stride_qd, stride_dt, stride_dd, stride_mt, stride_ms, T, S, qk_scale, scale,
+        HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL, MASK_KIND, True, PRECISION,
+        ATOMIC_DQ)
 
     # dK and dV are written contiguous, (N, S, D) and (N, S, Dv).
     key_ok = (cols < S)[:, None]
@@ -708,7 +729,7 @@ def _backward(
     causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Launch the three backward kernels; returns dQ, dK, dV shaped like the inputs."""
+    """Launch the backward kernels of the chosen plan; returns dQ, dK, dV shaped like the inputs."""
     n, t, _ = query.shape
     s, value_dim = key.shape[1], value.shape[2]
     shape_args = _shape_args(query, value, causal, mask_kind)
@@ -728,9 +749,6 @@ def _backward(
         BLOCK_M=block_rows,
     )
 
-    grad_query = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    grad_key = torch.empty(key.shape, dtype=key.dtype, device=key.device)
-    grad_value = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     common = (
         *query.stride(),
         *key.stride(),
@@ -745,32 +763,63 @@ def _backward(
         _length_bucket(t),
         _length_bucket(s),
     )
-    _dkdv_kernel[lambda meta: (triton.cdiv(s, meta["BLOCK_N"]), n)](
-        query,
-        key,
-        value,
-        mask_arg,
-        grad_out,
-        lse,
-        delta,
-        grad_key,
-        grad_value,
-        *common,
-        **shape_args,
-    )
-    _dq_kernel[lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), n)](
-        query,
-        key,
-        value,
-        mask_arg,
-        grad_out,
-        lse,
-        delta,
-        grad_query,
-        *common,
-        **shape_args,
-    )
-    return grad_query, grad_key, grad_value
+    tensors = (query, key, value, mask_arg, grad_out, lse, delta)
+
+    def run(plan: str) -> tuple[Tensor, Tensor, Tensor]:
+        grad_key = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+        grad_value = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+        atomic = plan == "atomic"
+        if atomic:
+            width = shape_args["BLOCK_D"]
+            dq_acc = torch.zeros((n, t, width), dtype=torch.float32, device=query.device)
+        else:
+            dq_acc = torch.empty(0, dtype=torch.float32, device=query.device)
+        _dkdv_kernel[lambda meta: (triton.cdiv(s, meta["BLOCK_N"]), n)](
+            *tensors, grad_key, grad_value, dq_acc, *common, ATOMIC_DQ=atomic, **shape_args
+        )
+        if atomic:
+            grad_query = dq_acc[..., : query.shape[-1]].to(query.dtype)
+        else:
+            grad_query = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+            _dq_kernel[lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), n)](
+                *tensors, grad_query, *common, **shape_args
+            )
+        return grad_query, grad_key, grad_value
+
+    tune_key = (query.device, query.dtype, *common[-2:], *shape_args.values())
+    return run(_backward_plan(tune_key, run))
+
+
+BACKWARD_PLANS = ("split", "atomic")
+backward_plan = "auto"  # or one of BACKWARD_PLANS, to force it (benchmarks, tests)
+_chosen_plans: dict[tuple, str] = {}
+plan_timings: dict[tuple, dict[str, float]] = {}
+
+
+def _backward_plan(tune_key: tuple, run) -> str:
+    """Which backward plan to run: "split" (a dK/dV kernel, then a dQ kernel) or "atomic".
+
+    "split" recomputes the weights and dP in both kernels: 7 matrix products per pair of
+    tiles. "atomic" computes dQ in the dK/dV kernel and adds it into a float32 buffer with
+    atomics: 5 products, but the order of the adds varies, so dQ's last bits vary from run to
+    run. ``torch.use_deterministic_algorithms(True)`` therefore always gets "split". Otherwise
+    ``backward_plan`` decides; "auto" times both on the first backward of each shape bucket
+    (on a GPU; the interpreter takes "split") and keeps the faster.
+    """
+    if backward_plan not in ("auto", *BACKWARD_PLANS):
+        choices = ", ".join(("auto", *BACKWARD_PLANS))
+        raise ValueError(f"backward_plan is one of {choices}, not {backward_plan!r}")
+    if torch.are_deterministic_algorithms_enabled():
+        return "split"
+    if backward_plan != "auto":
+        return backward_plan
+    if INTERPRETING:
+        return "split"
+    if tune_key not in _chosen_plans:
+        timings = {plan: _quick_bench(lambda plan=plan: run(plan), None) for plan in BACKWARD_PLANS}
+        plan_timings[tune_key] = timings
+        _chosen_plans[tune_key] = min(timings, key=timings.get)
+    return _chosen_plans[tune_key]
 
 
 class _FusedAttention(torch.autograd.Function):
