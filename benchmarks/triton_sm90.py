@@ -4,7 +4,8 @@ No GPU is needed: Triton's wheel carries ``ptxas`` and ``cuobjdump``, so each au
 configuration of the forward, dK/dV and dQ kernels is compiled ahead of time for compute
 capability 9.0, bf16, and the cubin is read back. One markdown row per configuration:
 registers per thread, stack bytes (spills), shared memory, and the counts of Hopper's
-instructions that matter here: ``HGMMA`` (wgmma, the tensor cores) and ``UTMALDG`` (TMA loads).
+instructions that matter here: ``HGMMA`` (wgmma, the tensor cores), ``UTMALDG`` (TMA loads)
+and ``REDG`` (atomic adds to global memory: the atomic backward plan's dQ).
 A row marked "pruned" is one the kernel's autotune pruner drops for that head dim.
 
 This is how a session without a GPU checks that a kernel change still compiles for the H200,
@@ -90,7 +91,7 @@ def read_cubin(cubin: bytes) -> dict[str, int]:
         "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
         "hgmma": sass.count("HGMMA"),
         "tma_loads": sass.count("UTMALDG"),
-        "atomics": len(re.findall(r"\bRED\b|\bREDG\b|\bATOMG\b", sass)),
+        "reductions": len(re.findall(r"\bREDG?\.", sass)),
     }
 
 
@@ -127,7 +128,7 @@ def main() -> None:
 
     print(f"# Triton {triton.__version__} kernels compiled for sm_90 (bf16)\n")
     header = ["kernel", "D", "causal", "configuration", "regs", "stack B", "smem KiB"]
-    header += ["HGMMA", "UTMALDG", "atomics", "compile s"]
+    header += ["HGMMA", "UTMALDG", "REDG", "compile s"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for name in args.kernels:
@@ -170,7 +171,7 @@ def report(
     facts = read_cubin(compiled.asm["cubin"])
     row = [name, head_dim, causal, label, facts["registers"], facts["stack"]]
     row += [compiled.metadata.shared // 1024, facts["hgmma"], facts["tma_loads"]]
-    row += [facts["atomics"], f"{seconds:.1f}"]
+    row += [facts["reductions"], f"{seconds:.1f}"]
     print("| " + " | ".join(str(cell) for cell in row) + " |", flush=True)
 
 

@@ -167,9 +167,26 @@ def test_tensor_descriptor_loads(monkeypatch, t, s, d, causal, tma):
     the head dim, one key tile or many, causal rows that see only masked tiles."""
     from selfattn.kernels import triton_attention
 
-    forced = triton_attention._config(16, 32, 4, 1, USE_TMA=tma)
+    forced = triton_attention._config(16, 32, 4, 1, USE_TMA=tma, LAZY=True)
     monkeypatch.setattr(triton_attention._forward_kernel, "configs", [forced])
     assert_matches_reference(*_inputs(t, s, d), causal=causal)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("growth", [0.0, 0.05, 1.0, 20.0])
+def test_lazy_rescaling_when_row_maxima_grow(monkeypatch, lazy, growth):
+    """Unmasked tiles with a stale shift (LAZY) or the exact one, on keys whose scores grow
+    along the sequence: not at all, by less than the 2⁸ limit over a tile, or far past it
+    (the shift must move on later tiles), against the explicit path."""
+    from selfattn.kernels import triton_attention
+
+    forced = triton_attention._config(16, 32, 4, 1, USE_TMA=False, LAZY=lazy)
+    monkeypatch.setattr(triton_attention._forward_kernel, "configs", [forced])
+    q, k, v, grad = _inputs(16, 128, 16)
+    k = k * (1 + growth * torch.arange(128, dtype=torch.float64))[:, None]
+    q = q.abs()  # every row's scores grow with the key index
+    k = k.abs()
+    assert_matches_reference(q, k, v, grad)
 
 
 def test_tensor_descriptors_only_for_layouts_the_copy_engine_takes():

@@ -63,7 +63,7 @@ SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; Hopper has 228 KiB per SM, keep room
 
 
 def _config(block_m: int, block_n: int, warps: int, stages: int, **switches: bool) -> triton.Config:
-    """A tiling; ``switches`` is the forward kernel's USE_TMA."""
+    """A tiling; ``switches`` are the forward kernel's USE_TMA and LAZY."""
     return triton.Config(
         {"BLOCK_M": block_m, "BLOCK_N": block_n, **switches}, num_warps=warps, num_stages=stages
     )
@@ -78,10 +78,12 @@ def _forward_configs() -> list[triton.Config]:
     results under Triton 3.6) and a loop that issues the next tile's products early all lost.
     """
     if INTERPRETING:
-        return [_config(16, 32, 4, 1, USE_TMA=False)]
+        return [_config(16, 32, 4, 1, USE_TMA=False, LAZY=True)]
     tilings = ((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3))
-    return [_config(*tiling, USE_TMA=tma) for tiling in tilings for tma in (False, True)] + [
-        _config(64, 64, 4, 2, USE_TMA=False)
+    tiled = [(*tiling, tma) for tiling in tilings for tma in (False, True)]
+    tiled.append((64, 64, 4, 2, False))
+    return [
+        _config(*tiling, USE_TMA=tma, LAZY=lazy) for *tiling, tma in tiled for lazy in (False, True)
     ]
 
 
@@ -296,27 +298,47 @@ def _value_tile(v_src, start_n, stride_vs, stride_vd, S,
 
 
 @triton.jit
+def _rescale(acc, row_sum, old_shift, shift):
+    """Output accumulator and row sums, kept relative to ``old_shift``, moved to ``shift``."""
+    correction = tl.math.exp2(old_shift - shift)
+    return acc * correction[:, None], row_sum * correction
+
+
+@triton.jit
 def _absorb(acc, row_max, row_sum, scores, v, qk_scale,
-            MASKED: tl.constexpr, PRECISION: tl.constexpr):
-    """Fold one tile into the online softmax: new maximum, rescaled sum and output, plus P V.
+            MASKED: tl.constexpr, LAZY: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold one tile into the online softmax: new shift, rescaled sum and output, plus P V.
 
     ``scores`` are raw products q·k, scaled here, unless MASKED: then they are scaled, masked
     base-2 scores that may hold -inf. Unmasked, the row maximum is taken on the raw products
     and scaled once (``qk_scale`` >= 0, the wrapper sees to it), so scaling and shifting fuse
     into one multiply-add per score.
+
+    ``row_max`` is the shift the weights are taken against: the row maximum so far, or with
+    LAZY (unmasked tiles only) a stale one. The shift then moves only when some row of the
+    block has outgrown it by more than 8 (weights up to 2⁸, harmless in float32 and in the
+    half-precision P); otherwise the tile skips rescaling the output accumulator, a multiply
+    per output element and most of the softmax's work besides exp2 (FlashAttention-4's trick).
     """
     if MASKED:
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         # A row with nothing visible yet keeps max -inf; subtract 0 to avoid inf - inf.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        acc, row_sum = _rescale(acc, row_sum, row_max, shift)
         p = tl.math.exp2(scores - shift[:, None])
     else:
-        new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)
-        shift = new_max
-        p = tl.math.exp2(scores * qk_scale - shift[:, None])
-    correction = tl.math.exp2(row_max - shift)
-    row_sum = row_sum * correction + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * correction[:, None], input_precision=PRECISION)
+        tile_max = tl.max(scores, 1) * qk_scale
+        new_max = tl.maximum(row_max, tile_max)
+        if LAZY:
+            if tl.max(tile_max - row_max, 0) > 8.0:
+                acc, row_sum = _rescale(acc, row_sum, row_max, new_max)
+            else:
+                new_max = row_max
+        else:
+            acc, row_sum = _rescale(acc, row_sum, row_max, new_max)
+        p = tl.math.exp2(scores * qk_scale - new_max[:, None])
+    row_sum += tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
     return acc, new_max, row_sum
 
 
@@ -327,7 +349,7 @@ def _forward_tiles(acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, lo, 
                    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, CHECK: tl.constexpr,
-                   PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                   PRECISION: tl.constexpr, USE_TMA: tl.constexpr, LAZY: tl.constexpr):
     """Online softmax over the key tiles starting in [lo, hi); returns the updated state.
 
     ``k_src``/``v_src`` are per-head tensor descriptors with USE_TMA, else base pointers.
@@ -344,7 +366,7 @@ def _forward_tiles(acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, lo, 
                               cols[None, :], T, S, CAUSAL, MASK_KIND, CHECK)  # base 2
         v = _value_tile(v_src, start_n, stride_vs, stride_vd, S,
                         VALUE_DIM, BLOCK_DV, BLOCK_N, CHECK, USE_TMA)
-        acc, row_max, row_sum = _absorb(acc, row_max, row_sum, qk, v, qk_scale, masked,
+        acc, row_max, row_sum = _absorb(acc, row_max, row_sum, qk, v, qk_scale, masked, LAZY,
                                         PRECISION)
     return acc, row_max, row_sum
 
@@ -365,7 +387,7 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
                     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
                     TMA_OK: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    USE_TMA: tl.constexpr):
+                    USE_TMA: tl.constexpr, LAZY: tl.constexpr):
     """One program: BLOCK_M queries of one head, all their keys; writes output and LSE.
 
     ``qk_scale`` is the scale times log2(e); ``t_bucket``/``s_bucket`` only key the autotuner.
@@ -373,7 +395,8 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
     diagonal, the ragged end, or all of them under a user mask) follow with masking. The
     tuning switch USE_TMA (only where TMA_OK: unit last stride, 16-byte aligned rows, a
     Hopper-class GPU) reads query, key and value tiles through per-head tensor descriptors,
-    i.e. the copy engine.
+    i.e. the copy engine. The tuning switch LAZY lets unmasked tiles keep a stale shift
+    (see ``_absorb``).
     """
     tl.static_assert(TMA_OK or not USE_TMA)
     start_m = tl.program_id(0) * BLOCK_M
@@ -406,12 +429,12 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
         acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, 0, free,
         stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
         HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND, False,
-        PRECISION, USE_TMA)
+        PRECISION, USE_TMA, LAZY)
     acc, row_max, row_sum = _forward_tiles(
         acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, free, hi,
         stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
         HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND, True,
-        PRECISION, USE_TMA)
+        PRECISION, USE_TMA, LAZY)
 
     empty = row_sum == 0.0  # nothing visible: output 0, and +inf makes every weight exp2(-inf)
     row_sum = tl.where(empty, 1.0, row_sum)
@@ -935,6 +958,8 @@ def describe_config(config: triton.Config) -> str:
     )
     if kwargs.get("USE_TMA"):
         text += " TMA"
+    if kwargs.get("LAZY"):
+        text += " lazy"
     return text
 
 
