@@ -3,7 +3,8 @@
 No GPU is needed: Triton's wheel carries ``ptxas`` and ``cuobjdump``, so each autotuning
 configuration of the forward, dK/dV and dQ kernels is compiled ahead of time for compute
 capability 9.0, bf16, and the cubin is read back. One markdown row per configuration:
-registers per thread, stack bytes (spills), shared memory, and the counts of Hopper's
+instructions per iteration of the first loop (``total/common`` where a branch in it can skip
+a block), registers per thread, stack bytes (spills), shared memory, and the counts of Hopper's
 instructions that matter here: ``HGMMA`` (wgmma, the tensor cores), ``UTMALDG`` (TMA loads)
 and ``REDG`` (atomic adds to global memory: the atomic backward plan's dQ).
 A row marked "pruned" is one the kernel's autotune pruner drops for that head dim.
@@ -87,12 +88,50 @@ def read_cubin(cubin: bytes) -> dict[str, int]:
         usage = _run(tools / "cuobjdump", "--dump-resource-usage", handle.name)
         sass = _run(tools / "cuobjdump", "--dump-sass", handle.name)
     return {
+        "loop": first_loop_size(sass),
         "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
         "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
         "hgmma": sass.count("HGMMA"),
         "tma_loads": sass.count("UTMALDG"),
         "reductions": len(re.findall(r"\bREDG?\.", sass)),
     }
+
+
+def first_loop_size(sass: str) -> str:
+    """Instructions per iteration of the kernel's first innermost loop that runs wgmma (for
+    the forward, the unmasked key tiles), as "total" or "total/common" when a conditional
+    branch inside it can skip a block (the common path being the one that skips it)."""
+    code = [
+        (int(address, 16), text.strip())
+        for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]+);", sass)
+    ]
+    jumps = [
+        (address, int(target, 16), text.startswith("@"))
+        for address, text in code
+        for target in re.findall(r"BRA\s+0x([0-9a-f]+)", text)
+    ]
+
+    def runs_wgmma(start: int, end: int) -> bool:
+        return any(start <= address <= end and "HGMMA" in text for address, text in code)
+
+    loops = [(target, address) for address, target, _ in jumps if target < address]
+    loops = [loop for loop in loops if runs_wgmma(*loop)]
+    innermost = [
+        (start, end)
+        for start, end in loops
+        if not any(start <= inner[0] and inner[1] <= end and inner != (start, end)
+                   for inner in loops)
+    ]  # fmt: skip
+    if not innermost:
+        return "-"
+    start, end = min(innermost)
+    total = sum(1 for address, _ in code if start <= address <= end)
+    skipped = sum(
+        sum(1 for address, _ in code if source < address < target)
+        for source, target, conditional in jumps
+        if conditional and start < source < target <= end
+    )
+    return f"{total}/{total - skipped}" if skipped else str(total)
 
 
 def _run(*command) -> str:
@@ -127,7 +166,8 @@ def main() -> None:
     causal_values = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
 
     print(f"# Triton {triton.__version__} kernels compiled for sm_90 (bf16)\n")
-    header = ["kernel", "D", "causal", "configuration", "regs", "stack B", "smem KiB"]
+    header = ["kernel", "D", "causal", "configuration", "loop instr", "regs", "stack B"]
+    header += ["smem KiB"]
     header += ["HGMMA", "UTMALDG", "REDG", "compile s"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -169,7 +209,7 @@ def report(
         return
     seconds = time.perf_counter() - started
     facts = read_cubin(compiled.asm["cubin"])
-    row = [name, head_dim, causal, label, facts["registers"], facts["stack"]]
+    row = [name, head_dim, causal, label, facts["loop"], facts["registers"], facts["stack"]]
     row += [compiled.metadata.shared // 1024, facts["hgmma"], facts["tma_loads"]]
     row += [facts["reductions"], f"{seconds:.1f}"]
     print("| " + " | ".join(str(cell) for cell in row) + " |", flush=True)

@@ -260,7 +260,7 @@ def test_kernels_compile_for_hopper_with_wgmma_and_no_spills():
     assert rows, report.stdout
     for row in rows:
         assert "failed" not in row[3], row
-        stack, hgmma = int(row[5]), int(row[7])
+        stack, hgmma = int(row[6]), int(row[8])
         assert stack == 0 and hgmma > 0, row
 
 
