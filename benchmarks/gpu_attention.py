@@ -158,13 +158,9 @@ def check_correctness(setting: Setting) -> bool:
                 got = output_and_grads("triton", setting.dtype, *inputs)
             finally:
                 triton_attention.backward_plan = "auto"
-            cells, ok = [], True
-            for ours_x, base_x, want_x in zip(got, base, want, strict=True):
-                error = (ours_x - want_x).abs().max().item()
-                base_error = (base_x - want_x).abs().max().item()
-                ok = ok and bool(torch.isfinite(ours_x).all())
-                ok = ok and error <= 2 * base_error + ABS_FLOOR
-                cells.append(f"{error:.1e} / {base_error:.1e}")
+            measured = errors(got, base, want)
+            cells = [f"{error:.1e} / {base_error:.1e}" for error, base_error, _ in measured]
+            ok = all(within for _, _, within in measured)
             all_ok = all_ok and ok
             row = [batch, heads, t, s, d, causal, padded, plan, *cells, "yes" if ok else "**NO**"]
             print("| " + " | ".join(str(cell) for cell in row) + " |")
@@ -183,55 +179,87 @@ def output_and_grads(
     return [x.detach().double() for x in (out, *grads)]
 
 
-def check_every_forward_config(setting: Setting) -> bool:
-    """Each forward tuning choice (tiles, TMA) forced in turn, checked.
+def check_every_config(setting: Setting, kernel: str) -> bool:
+    """Each tuning choice of one autotuned kernel ("forward", "dk/dv", "dq") forced in turn,
+    checked: the output for the forward, the gradients (under each backward plan that runs
+    the kernel) for the others.
 
     The autotuner picks one configuration per shape, so the correctness check below sees only
     the winners; this runs every configuration on a ragged causal case and on even unmasked
     ones. A configuration that fails is dropped from the autotuner for the rest of the run,
     and reported.
     """
-    from selfattn.kernels.triton_attention import _forward_kernel, describe_config
+    from selfattn.kernels import triton_attention
 
+    autotuned = triton_attention.AUTOTUNED[kernel]
+    plans = {"forward": ["-"], "dk/dv": list(triton_attention.BACKWARD_PLANS)}
+    plans = plans.get(kernel, ["split"])
+    checked = slice(0, 1) if kernel == "forward" else slice(1, 4)  # output, or dQ dK dV
     cases = [(2, 4, 1000, 128, True), (1, 8, 1024, 128, False), (1, 8, 1024, 64, False)]
     if setting.smoke:
         cases = [(1, 2, 33, 16, True), (1, 2, 64, 16, False)]
-    print("## Every forward configuration (max abs error of the output against float64)\n")
-    print("| configuration | " + " | ".join(f"T={t} D={d} causal={c}" for _, _, t, d, c in cases)
-          + " | ok |")  # fmt: skip
-    print("|---|" + "---|" * (len(cases) + 1))
+    what = "the output" if kernel == "forward" else "the worst of dQ, dK, dV"
+    print(f"## Every {kernel} configuration (max abs error of {what} against float64; ours / "
+          "torch SDPA)\n")  # fmt: skip
+    print(
+        "| configuration | backward | "
+        + " | ".join(f"T={t} D={d} causal={c}" for _, _, t, d, c in cases)
+        + " | ok |"
+    )
+    print("|---|---|" + "---|" * (len(cases) + 1))  # fmt: skip
     inputs = []
     for batch, heads, t, d, causal in cases:
         generator = torch.Generator(device="cpu").manual_seed(t + d)
-        q, k, v = (torch.randn(batch, heads, t, d, generator=generator, dtype=torch.float64)
-                   for _ in range(3))  # fmt: skip
-        want = attention(q, k, v, causal=causal, backend="explicit")
-        low = [x.to(setting.device, setting.dtype) for x in (q, k, v)]
-        base = attention(*low, causal=causal, backend="sdpa").double().cpu()
-        inputs.append((low, causal, want, (base - want).abs().max().item()))
-    all_configs, failed = list(_forward_kernel.configs), []
+        q, k, v, grad = (torch.randn(batch, heads, t, d, generator=generator,
+                                     dtype=torch.float64) for _ in range(4))  # fmt: skip
+        case = (q, k, v, grad, None, causal, setting.device)
+        want = output_and_grads("explicit", torch.float64, *case)[checked]
+        base = output_and_grads("sdpa", setting.dtype, *case)[checked]
+        inputs.append((case, want, base))
+    all_configs, failed = list(autotuned.configs), []
     for config in all_configs:
-        _forward_kernel.configs = [config]
-        cells, ok = [], True
-        for low, causal, want, base_error in inputs:
-            try:
-                got = attention(*low, causal=causal, backend="triton").double().cpu()
-            except Exception as error:  # report, drop, go on
-                cells.append(f"failed: {first_line(error, 60)}")
-                ok = False
-                continue
-            error = (got - want).abs().max().item()
-            ok = ok and bool(torch.isfinite(got).all()) and error <= 2 * base_error + ABS_FLOOR
-            cells.append(f"{error:.1e} / {base_error:.1e}")
-        if not ok:
-            failed.append(config)
-        print(f"| {describe_config(config)} | " + " | ".join(cells)
-              + f" | {'yes' if ok else '**NO**'} |", flush=True)  # fmt: skip
-    _forward_kernel.configs = [config for config in all_configs if config not in failed]
+        autotuned.configs = [config]
+        for plan in plans:
+            triton_attention.backward_plan = "auto" if plan == "-" else plan
+            cells, ok = [], True
+            for case, want, base in inputs:
+                try:
+                    got = output_and_grads("triton", setting.dtype, *case)[checked]
+                except Exception as error:  # report, drop, go on
+                    cells.append(f"failed: {first_line(error, 60)}")
+                    ok = False
+                    continue
+                measured = errors(got, base, want)
+                error, base_error, _ = max(measured, key=lambda row: row[0] / bound(row[1]))
+                cells.append(f"{error:.1e} / {base_error:.1e}")
+                ok = ok and all(within for _, _, within in measured)
+            triton_attention.backward_plan = "auto"
+            if not ok and config not in failed:
+                failed.append(config)
+            print(f"| {triton_attention.describe_config(config)} | {plan} | " + " | ".join(cells)
+                  + f" | {'yes' if ok else '**NO**'} |", flush=True)  # fmt: skip
+    autotuned.configs = [config for config in all_configs if config not in failed]
     print()
     if failed:
         print(f"Dropped from the autotuner for this run: {len(failed)} failing configuration(s).\n")
     return not failed
+
+
+def bound(base_error: float) -> float:
+    """The most error ours may have: twice SDPA's, plus the bf16 floor."""
+    return 2 * base_error + ABS_FLOOR
+
+
+def errors(got, base, want) -> list[tuple[float, float, bool]]:
+    """Per tensor: our max abs error, SDPA's, and whether ours is finite and within bound."""
+    rows = []
+    for ours_x, base_x, want_x in zip(got, base, want, strict=True):
+        error = (ours_x - want_x).abs().max().item()
+        base_error = (base_x - want_x).abs().max().item()
+        rows.append(
+            (error, base_error, bool(torch.isfinite(ours_x).all()) and error <= bound(base_error))
+        )
+    return rows
 
 
 def first_line(error: Exception, width: int = 100) -> str:
@@ -332,7 +360,7 @@ def main() -> int:
         lengths, head_dims = args.lengths, args.head_dims
     started = time.perf_counter()
     describe(setting)
-    correct = check_every_forward_config(setting)
+    correct = all([check_every_config(setting, kernel) for kernel in ("forward", "dk/dv", "dq")])
     correct = check_correctness(setting) and correct
     throughput_table(setting, lengths, head_dims)
     print(f"Total time: {time.perf_counter() - started:.0f} s")

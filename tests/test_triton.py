@@ -315,3 +315,24 @@ def test_backward_plans_agree_and_deterministic_mode_takes_split(monkeypatch):
     with pytest.raises(ValueError, match="backward_plan"):
         triton_attention._backward_plan(("key",), chosen.append)
     assert chosen == []  # nothing was run to decide
+
+
+def test_gpu_benchmark_script_dry_run():
+    """benchmarks/gpu_attention.py --interpret-smoke: the device script's own logic (every
+    configuration checked under both backward plans, then the table) runs clean on the CPU,
+    so a GPU session does not spend its time on a broken script."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_attention.py"
+    report = subprocess.run([sys.executable, str(script), "--interpret-smoke"],
+                            capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert report.returncode == 0, report.stdout[-2000:] + report.stderr[-2000:]
+    for table in ("forward", "dk/dv", "dq"):
+        assert f"## Every {table} configuration" in report.stdout
+    checks = [
+        line for line in report.stdout.splitlines() if line.endswith(("| yes |", "| **NO** |"))
+    ]
+    assert any("| atomic |" in line for line in checks) and any(
+        "| split |" in line for line in checks
+    )
+    assert checks and all(line.endswith("| yes |") for line in checks), report.stdout
+    assert "## Throughput" in report.stdout
