@@ -167,7 +167,7 @@ def test_tensor_descriptor_loads(monkeypatch, t, s, d, causal, tma):
     the head dim, one key tile or many, causal rows that see only masked tiles."""
     from selfattn.kernels import triton_attention
 
-    forced = triton_attention._config(16, 32, 4, 1, USE_TMA=tma, LAZY=True)
+    forced = triton_attention._config(16, 32, 4, 1, USE_TMA=tma, LAZY=True, Q_IN_REGISTERS=tma)
     monkeypatch.setattr(triton_attention._forward_kernel, "configs", [forced])
     assert_matches_reference(*_inputs(t, s, d), causal=causal)
 
@@ -180,7 +180,7 @@ def test_lazy_rescaling_when_row_maxima_grow(monkeypatch, lazy, growth):
     (the shift must move on later tiles), against the explicit path."""
     from selfattn.kernels import triton_attention
 
-    forced = triton_attention._config(16, 32, 4, 1, USE_TMA=False, LAZY=lazy)
+    forced = triton_attention._config(16, 32, 4, 1, USE_TMA=False, LAZY=lazy, Q_IN_REGISTERS=lazy)
     monkeypatch.setattr(triton_attention._forward_kernel, "configs", [forced])
     q, k, v, grad = _inputs(16, 128, 16)
     k = k * (1 + growth * torch.arange(128, dtype=torch.float64))[:, None]

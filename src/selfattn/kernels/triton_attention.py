@@ -63,7 +63,7 @@ SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; Hopper has 228 KiB per SM, keep room
 
 
 def _config(block_m: int, block_n: int, warps: int, stages: int, **switches: bool) -> triton.Config:
-    """A tiling; ``switches`` are the forward kernel's USE_TMA and LAZY."""
+    """A tiling; ``switches`` are the forward kernel's USE_TMA, LAZY and Q_IN_REGISTERS."""
     return triton.Config(
         {"BLOCK_M": block_m, "BLOCK_N": block_n, **switches}, num_warps=warps, num_stages=stages
     )
@@ -73,17 +73,24 @@ def _forward_configs() -> list[triton.Config]:
     """Query blocks (BLOCK_M) of 64/128 against key tiles (BLOCK_N) of 64, with or without TMA
     loads (Hopper-class GPUs); the pruner drops what a GPU or a layout cannot do.
 
-    What an H200 measured (docs/benchmarks.md) decided the list: 64 x 64 on 4 warps leads at
-    head dim 128, 128 x 64 with TMA at 64. Key tiles of 128, warp specialisation (wrong
+    What an H200 measured (docs/benchmarks.md) decided the tilings: 64 x 64 on 4 warps leads
+    at head dim 128, 128 x 64 with TMA at 64. Key tiles of 128, warp specialisation (wrong
     results under Triton 3.6) and a loop that issues the next tile's products early all lost.
+    Each tiling also comes with LAZY rescaling, and the TMA ones with both new switches
+    (LAZY, Q_IN_REGISTERS), which are yet to be timed on a GPU.
     """
     if INTERPRETING:
-        return [_config(16, 32, 4, 1, USE_TMA=False, LAZY=True)]
+        return [_config(16, 32, 4, 1, USE_TMA=False, LAZY=True, Q_IN_REGISTERS=True)]
     tilings = ((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3))
     tiled = [(*tiling, tma) for tiling in tilings for tma in (False, True)]
     tiled.append((64, 64, 4, 2, False))
-    return [
-        _config(*tiling, USE_TMA=tma, LAZY=lazy) for *tiling, tma in tiled for lazy in (False, True)
+    measured = [
+        _config(*tiling, USE_TMA=tma, LAZY=lazy, Q_IN_REGISTERS=False)
+        for *tiling, tma in tiled
+        for lazy in (False, True)
+    ]
+    return measured + [
+        _config(*tiling, USE_TMA=True, LAZY=True, Q_IN_REGISTERS=True) for tiling in tilings
     ]
 
 
@@ -387,7 +394,7 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
                     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
                     TMA_OK: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    USE_TMA: tl.constexpr, LAZY: tl.constexpr):
+                    USE_TMA: tl.constexpr, LAZY: tl.constexpr, Q_IN_REGISTERS: tl.constexpr):
     """One program: BLOCK_M queries of one head, all their keys; writes output and LSE.
 
     ``qk_scale`` is the scale times log2(e); ``t_bucket``/``s_bucket`` only key the autotuner.
@@ -396,7 +403,10 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
     tuning switch USE_TMA (only where TMA_OK: unit last stride, 16-byte aligned rows, a
     Hopper-class GPU) reads query, key and value tiles through per-head tensor descriptors,
     i.e. the copy engine. The tuning switch LAZY lets unmasked tiles keep a stale shift
-    (see ``_absorb``).
+    (see ``_absorb``). Q_IN_REGISTERS keeps the query block in registers as the A operand of
+    every QKᵀ wgmma, so each reads only the key tile from shared memory (half the bytes of a
+    64 x 64 x 16 step, which otherwise runs at shared memory's bandwidth limit); it costs 32
+    registers a thread at head dim 128.
     """
     tl.static_assert(TMA_OK or not USE_TMA)
     start_m = tl.program_id(0) * BLOCK_M
@@ -420,6 +430,8 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
         k_src = K + head * stride_kn
         v_src = V + head * stride_vn
     mask_base = Mask + (head // inner) * stride_mo + (head % inner) * stride_mi
+    if Q_IN_REGISTERS:
+        q = q + 0.0  # exact (bar the sign of a zero); an operand computed in registers stays there
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -960,6 +972,8 @@ def describe_config(config: triton.Config) -> str:
         text += " TMA"
     if kwargs.get("LAZY"):
         text += " lazy"
+    if kwargs.get("Q_IN_REGISTERS"):
+        text += " Q-in-registers"
     return text
 
 
