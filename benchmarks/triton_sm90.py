@@ -3,8 +3,8 @@
 No GPU is needed: Triton's wheel carries ``ptxas`` and ``cuobjdump``, so each autotuning
 configuration of the forward, dK/dV and dQ kernels is compiled ahead of time for compute
 capability 9.0, bf16, and the cubin is read back. One markdown row per configuration:
-instructions per iteration of the first loop (``total/common`` where a branch in it can skip
-a block), registers per thread, stack bytes (spills), shared memory, and the counts of Hopper's
+instructions per iteration of each wgmma loop (``total/common`` where a branch in it can
+skip a block), registers per thread, stack bytes (spills), shared memory, and the counts of Hopper's
 instructions that matter here: ``HGMMA`` (wgmma, the tensor cores), ``UTMALDG`` (TMA loads)
 and ``REDG`` (atomic adds to global memory: the atomic backward plan's dQ).
 A row marked "pruned" is one the kernel's autotune pruner drops for that head dim.
@@ -88,7 +88,7 @@ def read_cubin(cubin: bytes) -> dict[str, int]:
         usage = _run(tools / "cuobjdump", "--dump-resource-usage", handle.name)
         sass = _run(tools / "cuobjdump", "--dump-sass", handle.name)
     return {
-        "loop": first_loop_size(sass),
+        "loop": loop_sizes(sass),
         "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
         "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
         "hgmma": sass.count("HGMMA"),
@@ -97,10 +97,10 @@ def read_cubin(cubin: bytes) -> dict[str, int]:
     }
 
 
-def first_loop_size(sass: str) -> str:
-    """Instructions per iteration of the kernel's first innermost loop that runs wgmma (for
-    the forward, the unmasked key tiles), as "total" or "total/common" when a conditional
-    branch inside it can skip a block (the common path being the one that skips it)."""
+def loop_sizes(sass: str) -> str:
+    """Instructions per iteration of each innermost loop that runs wgmma, in code order (the
+    forward: unmasked key tiles, then masked ones), each as "total" or "total/common" when a
+    conditional branch inside it can skip a block (the common path being the one that does)."""
     code = [
         (int(address, 16), text.strip())
         for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]+);", sass)
@@ -122,16 +122,16 @@ def first_loop_size(sass: str) -> str:
         if not any(start <= inner[0] and inner[1] <= end and inner != (start, end)
                    for inner in loops)
     ]  # fmt: skip
-    if not innermost:
-        return "-"
-    start, end = min(innermost)
-    total = sum(1 for address, _ in code if start <= address <= end)
-    skipped = sum(
-        sum(1 for address, _ in code if source < address < target)
-        for source, target, conditional in jumps
-        if conditional and start < source < target <= end
-    )
-    return f"{total}/{total - skipped}" if skipped else str(total)
+    sizes = []
+    for start, end in sorted(innermost):
+        total = sum(1 for address, _ in code if start <= address <= end)
+        skipped = sum(
+            sum(1 for address, _ in code if source < address < target)
+            for source, target, conditional in jumps
+            if conditional and start < source < target <= end
+        )
+        sizes.append(f"{total}/{total - skipped}" if skipped else str(total))
+    return ", ".join(sizes) or "-"
 
 
 def _run(*command) -> str:
