@@ -187,7 +187,8 @@ def check_every_config(setting: Setting, kernel: str) -> bool:
     The autotuner picks one configuration per shape, so the correctness check below sees only
     the winners; this runs every configuration on a ragged causal case and on even unmasked
     ones. A configuration that fails is dropped from the autotuner for the rest of the run,
-    and reported.
+    and reported. The ragged length, 1,008, is a multiple of 16 (not of any tile), so Triton
+    compiles the same specialisation the timed lengths use: no compile is spent on the check.
     """
     from selfattn.kernels import triton_attention
 
@@ -195,7 +196,7 @@ def check_every_config(setting: Setting, kernel: str) -> bool:
     plans = {"forward": ["-"], "dk/dv": list(triton_attention.BACKWARD_PLANS)}
     plans = plans.get(kernel, ["split"])
     checked = slice(0, 1) if kernel == "forward" else slice(1, 4)  # output, or dQ dK dV
-    cases = [(2, 4, 1000, 128, True), (1, 8, 1024, 128, False), (1, 8, 1024, 64, False)]
+    cases = [(2, 4, 1008, 128, True), (1, 8, 1024, 128, False), (1, 8, 1024, 64, False)]
     if setting.smoke:
         cases = [(1, 2, 33, 16, True), (1, 2, 64, 16, False)]
     what = "the output" if kernel == "forward" else "the worst of dQ, dK, dV"

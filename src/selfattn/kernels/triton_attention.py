@@ -185,6 +185,9 @@ def _quick_bench(fn, quantiles):
 
 
 TUNE_KEY = ["t_bucket", "s_bucket", "HEAD_DIM", "VALUE_DIM", "CAUSAL", "MASK_KIND"]
+# Integers Triton need not specialise on (by divisibility by 16): autotuning keys, and the head
+# count that only indexes the mask. Otherwise 8 heads and 16 compile twice.
+KEY_ONLY_INTS = ["inner", "t_bucket", "s_bucket"]
 
 
 def _length_bucket(length: int) -> int:
@@ -381,7 +384,7 @@ def _forward_tiles(acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, lo, 
 @triton.autotune(configs=_forward_configs(), key=TUNE_KEY,
                  prune_configs_by=_config_pruner("BLOCK_M", "BLOCK_N"),
                  do_bench=_quick_bench)
-@triton.jit
+@triton.jit(do_not_specialize=KEY_ONLY_INTS)
 def _forward_kernel(Q, K, V, Mask, Out, Lse,
                     stride_qn, stride_qt, stride_qd,
                     stride_kn, stride_ks, stride_kd,
@@ -527,7 +530,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, 
 @triton.autotune(configs=_dkdv_configs(), key=[*TUNE_KEY, "ATOMIC_DQ"],
                  prune_configs_by=_config_pruner("BLOCK_N", "BLOCK_M"),
                  reset_to_zero=["DQAcc"], do_bench=_quick_bench)
-@triton.jit
+@triton.jit(do_not_specialize=KEY_ONLY_INTS)
 def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV, DQAcc,
                  stride_qn, stride_qt, stride_qd,
                  stride_kn, stride_ks, stride_kd,
@@ -621,7 +624,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, mask_base, rows, lo, hi,
 @triton.autotune(configs=_dq_configs(), key=TUNE_KEY,
                  prune_configs_by=_config_pruner("BLOCK_M", "BLOCK_N"),
                  do_bench=_quick_bench)
-@triton.jit
+@triton.jit(do_not_specialize=KEY_ONLY_INTS)
 def _dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
                stride_qn, stride_qt, stride_qd,
                stride_kn, stride_ks, stride_kd,
