@@ -191,11 +191,13 @@ KEY_ONLY_INTS = ["inner", "t_bucket", "s_bucket"]
 
 
 def _length_bucket(length: int) -> int:
-    """Lengths that share one autotuning result: powers of two from 128 to 16,384.
+    """Lengths that share one autotuning result: up to 1,024, up to 4,096, and longer.
 
-    Keying on exact lengths would re-tune at every step of a decode loop (S grows by one).
+    Keying on exact lengths would re-tune at every step of a decode loop (S grows by one),
+    and each bucket costs a few dozen timed launches; the buckets part short sequences, where
+    the grid is small, from long ones, where the loop over tiles dominates.
     """
-    return min(max(triton.next_power_of_2(length), 128), 16384)
+    return 1024 if length <= 1024 else 4096 if length <= 4096 else 16384
 
 
 # The kernels below keep their arguments grouped by tensor (pointer, then its strides) on shared
