@@ -167,7 +167,7 @@ def test_tensor_descriptor_loads(monkeypatch, t, s, d, causal, tma):
     the head dim, one key tile or many, causal rows that see only masked tiles."""
     from selfattn.kernels import triton_attention
 
-    forced = triton_attention._config(16, 32, 4, 1, USE_TMA=tma, LAZY=True, Q_IN_REGISTERS=tma)
+    forced = triton_attention._config(16, 32, 4, 1, USE_TMA=tma, LAZY=True, A_FROM_REGISTERS=tma)
     monkeypatch.setattr(triton_attention._forward_kernel, "configs", [forced])
     assert_matches_reference(*_inputs(t, s, d), causal=causal)
 
@@ -180,7 +180,7 @@ def test_lazy_rescaling_when_row_maxima_grow(monkeypatch, lazy, growth):
     (the shift must move on later tiles), against the explicit path."""
     from selfattn.kernels import triton_attention
 
-    forced = triton_attention._config(16, 32, 4, 1, USE_TMA=False, LAZY=lazy, Q_IN_REGISTERS=lazy)
+    forced = triton_attention._config(16, 32, 4, 1, USE_TMA=False, LAZY=lazy, A_FROM_REGISTERS=lazy)
     monkeypatch.setattr(triton_attention._forward_kernel, "configs", [forced])
     q, k, v, grad = _inputs(16, 128, 16)
     k = k * (1 + growth * torch.arange(128, dtype=torch.float64))[:, None]
@@ -294,6 +294,19 @@ def test_atomic_backward_plan(monkeypatch, case):
     if kind == "rows":
         _, dq, _, _ = _run("triton", q, k, v, grad, torch.float32, mask=mask)
         assert (dq[..., 4, :] == 0).all()
+
+
+@pytest.mark.parametrize("plan", ["split", "atomic"])
+@pytest.mark.parametrize("from_registers", [False, True])
+def test_backward_kernels_with_either_operand_placement(monkeypatch, plan, from_registers):
+    """The dK/dV and dQ kernels with their A_FROM_REGISTERS switch forced each way."""
+    from selfattn.kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "backward_plan", plan)
+    for kernel in (triton_attention._dkdv_kernel, triton_attention._dq_kernel):
+        forced = triton_attention._config(16, 32, 4, 1, A_FROM_REGISTERS=from_registers)
+        monkeypatch.setattr(kernel, "configs", [forced])
+    assert_matches_reference(*_inputs(33, 40, 24), causal=True)
 
 
 def test_backward_plans_agree_and_deterministic_mode_takes_split(monkeypatch):

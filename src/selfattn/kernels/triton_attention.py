@@ -63,7 +63,8 @@ SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; Hopper has 228 KiB per SM, keep room
 
 
 def _config(block_m: int, block_n: int, warps: int, stages: int, **switches: bool) -> triton.Config:
-    """A tiling; ``switches`` are the forward kernel's USE_TMA, LAZY and Q_IN_REGISTERS."""
+    """A tiling; ``switches`` are compile-time choices: A_FROM_REGISTERS (every kernel), and
+    the forward kernel's USE_TMA and LAZY."""
     return triton.Config(
         {"BLOCK_M": block_m, "BLOCK_N": block_n, **switches}, num_warps=warps, num_stages=stages
     )
@@ -77,50 +78,49 @@ def _forward_configs() -> list[triton.Config]:
     at head dim 128, 128 x 64 with TMA at 64. Key tiles of 128, warp specialisation (wrong
     results under Triton 3.6) and a loop that issues the next tile's products early all lost.
     Each tiling also comes with LAZY rescaling, and the TMA ones with both new switches
-    (LAZY, Q_IN_REGISTERS), which are yet to be timed on a GPU.
+    (LAZY, A_FROM_REGISTERS), which are yet to be timed on a GPU.
     """
     if INTERPRETING:
-        return [_config(16, 32, 4, 1, USE_TMA=False, LAZY=True, Q_IN_REGISTERS=True)]
+        return [_config(16, 32, 4, 1, USE_TMA=False, LAZY=True, A_FROM_REGISTERS=True)]
     tilings = ((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3))
     tiled = [(*tiling, tma) for tiling in tilings for tma in (False, True)]
     tiled.append((64, 64, 4, 2, False))
     measured = [
-        _config(*tiling, USE_TMA=tma, LAZY=lazy, Q_IN_REGISTERS=False)
+        _config(*tiling, USE_TMA=tma, LAZY=lazy, A_FROM_REGISTERS=False)
         for *tiling, tma in tiled
         for lazy in (False, True)
     ]
     return measured + [
-        _config(*tiling, USE_TMA=True, LAZY=True, Q_IN_REGISTERS=True) for tiling in tilings
+        _config(*tiling, USE_TMA=True, LAZY=True, A_FROM_REGISTERS=True) for tiling in tilings
     ]
 
 
 def _dkdv_configs() -> list[triton.Config]:
     """Key blocks (BLOCK_N) of 64/128 against narrower query tiles (BLOCK_M) of 32/64.
 
-    64 x 128 on 8 warps won on an H200 at both head dims, but at 128 it spills registers
-    (72 bytes, by benchmarks/triton_sm90.py), as every configuration then tried did; the last
-    three do not spill there and are yet to be timed on a GPU.
+    64 x 128 on 8 warps won on an H200 at both head dims, but at 128 causal it spills
+    registers (benchmarks/triton_sm90.py); the next three do not, and they and the last three
+    (keys and values as wgmma A operands from registers) are yet to be timed on a GPU. With
+    its operands in registers, 64 x 128 spills hundreds of bytes, so it is not offered so.
     """
     if INTERPRETING:
-        return [_config(16, 32, 4, 1)]
-    return [
-        _config(block_m, block_n, warps, stages)
-        for block_m, block_n, warps, stages in (
-            (64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 8, 3), (64, 64, 8, 3), (32, 64, 4, 3),
-        )
-    ]  # fmt: skip
+        return [_config(16, 32, 4, 1, A_FROM_REGISTERS=True)]
+    tilings = ((64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 8, 3), (64, 64, 8, 3), (32, 64, 4, 3))
+    return [_config(*tiling, A_FROM_REGISTERS=False) for tiling in tilings] + [
+        _config(*tiling, A_FROM_REGISTERS=True)
+        for tiling in ((32, 128, 8, 3), (64, 64, 8, 3), (32, 64, 4, 3))
+    ]
 
 
 def _dq_configs() -> list[triton.Config]:
-    """Query blocks (BLOCK_M) of 64/128 against narrower key tiles (BLOCK_N) of 32/64."""
+    """Query blocks (BLOCK_M) of 64/128 against narrower key tiles (BLOCK_N) of 32/64; the
+    last two with queries and output gradients as wgmma A operands from registers (untimed)."""
     if INTERPRETING:
-        return [_config(16, 32, 4, 1)]
-    return [
-        _config(block_m, block_n, warps, stages)
-        for block_m, block_n, warps, stages in (
-            (128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3),
-        )
-    ]  # fmt: skip
+        return [_config(16, 32, 4, 1, A_FROM_REGISTERS=True)]
+    tilings = ((128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3))
+    return [_config(*tiling, A_FROM_REGISTERS=False) for tiling in tilings] + [
+        _config(*tiling, A_FROM_REGISTERS=True) for tiling in ((128, 64, 8, 3), (64, 64, 4, 3))
+    ]
 
 
 def _config_pruner(stationary: str, streamed: str) -> dict:
@@ -203,6 +203,18 @@ def _length_bucket(length: int) -> int:
 # The kernels below keep their arguments grouped by tensor (pointer, then its strides) on shared
 # lines, as Triton code usually is; one argument per line would triple their length.
 # fmt: off
+
+
+@triton.jit
+def _computed(tile):
+    """The tile, exactly (bar a zero's sign), but as a computed value.
+
+    Triton stages a tile loaded straight from memory in shared memory and feeds it to wgmma
+    from there; a computed one it keeps in registers as wgmma's A operand. A block a program
+    loads once and multiplies with every tile it streams then costs registers instead of
+    shared-memory bandwidth on every product (the A_FROM_REGISTERS switch).
+    """
+    return tile + 0.0
 
 
 @triton.jit
@@ -399,7 +411,7 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
                     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
                     TMA_OK: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    USE_TMA: tl.constexpr, LAZY: tl.constexpr, Q_IN_REGISTERS: tl.constexpr):
+                    USE_TMA: tl.constexpr, LAZY: tl.constexpr, A_FROM_REGISTERS: tl.constexpr):
     """One program: BLOCK_M queries of one head, all their keys; writes output and LSE.
 
     ``qk_scale`` is the scale times log2(e); ``t_bucket``/``s_bucket`` only key the autotuner.
@@ -408,9 +420,9 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
     tuning switch USE_TMA (only where TMA_OK: unit last stride, 16-byte aligned rows, a
     Hopper-class GPU) reads query, key and value tiles through per-head tensor descriptors,
     i.e. the copy engine. The tuning switch LAZY lets unmasked tiles keep a stale shift
-    (see ``_absorb``). Q_IN_REGISTERS keeps the query block in registers as the A operand of
-    every QKᵀ wgmma, so each reads only the key tile from shared memory (half the bytes of a
-    64 x 64 x 16 step, which otherwise runs at shared memory's bandwidth limit); it costs 32
+    (see ``_absorb``). A_FROM_REGISTERS keeps the query block in registers as the A operand
+    of every QKᵀ wgmma, so each reads only the key tile from shared memory (half the bytes of
+    a 64 x 64 x 16 step, which otherwise runs at shared memory's bandwidth limit); it costs 32
     registers a thread at head dim 128.
     """
     tl.static_assert(TMA_OK or not USE_TMA)
@@ -435,8 +447,8 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
         k_src = K + head * stride_kn
         v_src = V + head * stride_vn
     mask_base = Mask + (head // inner) * stride_mo + (head % inner) * stride_mi
-    if Q_IN_REGISTERS:
-        q = q + 0.0  # exact (bar the sign of a zero); an operand computed in registers stays there
+    if A_FROM_REGISTERS:
+        q = _computed(q)
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -544,11 +556,13 @@ def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV, DQAcc,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
                  ATOMIC_DQ: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, A_FROM_REGISTERS: tl.constexpr):
     """One program: BLOCK_N keys of one head, all the queries that see them; writes dK, dV.
 
     With ATOMIC_DQ it also adds its share of dQ into DQAcc, float32 (N, T, BLOCK_D), zeroed
     by the caller; without, DQAcc is unused and the dQ kernel computes dQ on its own.
+    A_FROM_REGISTERS: the key and value blocks, the A operands of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ,
+    stay in registers.
     """
     start_n = tl.program_id(0) * BLOCK_N
     head = tl.program_id(1).to(tl.int64)
@@ -560,6 +574,9 @@ def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV, DQAcc,
               cols < S, offs_d < HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # (N, D)
     v = _load(V + head * stride_vn + cols[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
               cols < S, offs_dv < VALUE_DIM, True, BLOCK_DV != VALUE_DIM)  # (N, Dv)
+    if A_FROM_REGISTERS:
+        k = _computed(k)
+        v = _computed(v)
     q_base = Q + head * stride_qn
     do_base = DOut + head * stride_dn
     mask_base = Mask + (head // inner) * stride_mo + (head % inner) * stride_mi
@@ -637,8 +654,12 @@ def _dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
                HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: BLOCK_M queries of one head, all the keys they see; writes dQ."""
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, A_FROM_REGISTERS: tl.constexpr):
+    """One program: BLOCK_M queries of one head, all the keys they see; writes dQ.
+
+    A_FROM_REGISTERS: the query and output-gradient blocks, the A operands of S = Q Kᵀ and
+    dP = dO Vᵀ, stay in registers.
+    """
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1).to(tl.int64)
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -650,6 +671,9 @@ def _dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
     do = _load(DOut + head * stride_dn + rows[:, None] * stride_dt
                + offs_dv[None, :] * stride_dd,
                rows < T, offs_dv < VALUE_DIM, True, BLOCK_DV != VALUE_DIM)  # (M, Dv)
+    if A_FROM_REGISTERS:
+        q = _computed(q)
+        do = _computed(do)
     lse = tl.load(Lse + head * T + rows, mask=rows < T, other=float("inf"))
     delta = tl.load(Delta + head * T + rows, mask=rows < T, other=0.0)
     k_base = K + head * stride_kn
@@ -977,8 +1001,8 @@ def describe_config(config: triton.Config) -> str:
         text += " TMA"
     if kwargs.get("LAZY"):
         text += " lazy"
-    if kwargs.get("Q_IN_REGISTERS"):
-        text += " Q-in-registers"
+    if kwargs.get("A_FROM_REGISTERS"):
+        text += " A-from-registers"
     return text
 
 
