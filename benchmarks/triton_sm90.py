@@ -76,6 +76,8 @@ def compile_config(jit_fn, config: triton.Config, head_dim: int, causal: bool, *
             signature[name], attributes[(index,)] = "*bf16", aligned
     source = ASTSource(jit_fn, signature, constants, attributes)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if config.maxnreg:
+        options["maxnreg"] = config.maxnreg
     return triton.compile(source, target=HOPPER, options=options)
 
 
@@ -114,8 +116,11 @@ def loop_sizes(sass: str) -> str:
     def runs_wgmma(start: int, end: int) -> bool:
         return any(start <= address <= end and "HGMMA" in text for address, text in code)
 
+    def exits(start: int, end: int) -> bool:  # a wait's retry branch jumps back from past EXIT
+        return any(start <= address <= end and text.startswith("EXIT") for address, text in code)
+
     loops = [(target, address) for address, target, _ in jumps if target < address]
-    loops = [loop for loop in loops if runs_wgmma(*loop)]
+    loops = [loop for loop in loops if runs_wgmma(*loop) and not exits(*loop)]
     innermost = [
         (start, end)
         for start, end in loops
