@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -263,6 +264,83 @@ def errors(got, base, want) -> list[tuple[float, float, bool]]:
     return rows
 
 
+def precompile(setting: Setting, head_dims: list[int]) -> bool:
+    """Compile every kernel configuration the run will need, on all CPU cores, up front.
+
+    The autotuner compiles its configurations one at a time as each shape first comes up;
+    with about 150 of them that took minutes of device time. Triton's AsyncCompileMode
+    compiles launches made with ``warmup=True`` on a thread pool (its compiler releases the
+    GIL: two threads compile twice as fast on 2 cores) and files them in the cache the real
+    launches read. A failure costs only the time this would have saved: the run then compiles
+    as it goes. Returns whether it ran to the end.
+    """
+    import triton
+
+    from selfattn.kernels import triton_attention as kernels
+
+    started = time.perf_counter()
+    threads = os.cpu_count() or 1
+    count = 0
+    try:
+        launches = record_launches(setting, head_dims)
+        # ignore_errors: a configuration that fails to compile fails again, reported, when
+        # the autotuner gets to it; and the async mode always ends, even after an error here.
+        with ThreadPoolExecutor(threads) as pool, triton.AsyncCompileMode(pool, ignore_errors=True):
+            for name, args, kwargs in launches:
+                autotuned = kernels.AUTOTUNED[name]
+                named = dict(zip(autotuned.arg_names, args, strict=False))
+                for config in autotuned.early_config_prune(autotuned.configs, named, **kwargs):
+                    autotuned.fn.run(*args, **{**kwargs, "warmup": True}, **config.all_kwargs())
+                    count += 1
+    except Exception as error:  # the run still works, compiling as it goes
+        print(f"Precompiling stopped ({first_line(error)}); the autotuner compiles the rest.\n")
+        return False
+    seconds = time.perf_counter() - started
+    print(f"Precompiled {count} kernel launches on {threads} threads in {seconds:.0f} s.\n")
+    return True
+
+
+def record_launches(setting: Setting, head_dims: list[int]) -> list[tuple[str, tuple, dict]]:
+    """The autotuned kernels' launches (name, args, kwargs) for every head dim and causal
+    setting the run uses, under each backward plan: recorded, not made.
+
+    Lengths are multiples of 16 throughout the run, so one length stands for all of them:
+    Triton compiles one specialisation per head dim, causality and configuration.
+    """
+    from selfattn.kernels import triton_attention as kernels
+
+    launches = []
+
+    def recorder(name: str) -> Callable:
+        return lambda *args, **kwargs: launches.append((name, args, kwargs))
+
+    if setting.smoke:
+        cases, length = {(16, False), (16, True)}, 32
+    else:  # the throughput table's, and the configuration checks' (D 128 both ways, 64 not)
+        cases = {(128, True), (128, False), (64, False)}
+        cases |= {(head_dim, causal) for head_dim in head_dims for causal in (False, True)}
+        length = 1024
+    for name, autotuned in kernels.AUTOTUNED.items():
+        autotuned.run = recorder(name)
+    try:
+        for head_dim, causal in sorted(cases):
+            heads = max(1, setting.width // head_dim)
+            q, k, v = (
+                torch.randn(1, heads, length, head_dim, device=setting.device,
+                            dtype=setting.dtype, requires_grad=True)
+                for _ in range(3)
+            )  # fmt: skip
+            for plan in kernels.BACKWARD_PLANS:
+                kernels.backward_plan = plan
+                out = attention(q, k, v, causal=causal, backend="triton")
+                torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    finally:
+        kernels.backward_plan = "auto"
+        for autotuned in kernels.AUTOTUNED.values():
+            del autotuned.run  # the autotuner's own method again
+    return launches
+
+
 def first_line(error: Exception, width: int = 100) -> str:
     """An error's first line, cut to ``width`` characters, for a table cell or a note."""
     return (str(error).splitlines() or [type(error).__name__])[0][:width]
@@ -361,6 +439,7 @@ def main() -> int:
         lengths, head_dims = args.lengths, args.head_dims
     started = time.perf_counter()
     describe(setting)
+    precompile(setting, head_dims)
     correct = all([check_every_config(setting, kernel) for kernel in ("forward", "dk/dv", "dq")])
     correct = check_correctness(setting) and correct
     throughput_table(setting, lengths, head_dims)

@@ -331,14 +331,15 @@ def test_backward_plans_agree_and_deterministic_mode_takes_split(monkeypatch):
 
 
 def test_gpu_benchmark_script_dry_run():
-    """benchmarks/gpu_attention.py --interpret-smoke: the device script's own logic (every
-    configuration checked under both backward plans, then the table) runs clean on the CPU,
-    so a GPU session does not spend its time on a broken script."""
+    """benchmarks/gpu_attention.py --interpret-smoke: the device script's own logic (launches
+    recorded for precompiling, every configuration checked under both backward plans, then the
+    table) runs clean on the CPU, so a GPU session does not spend its time on a broken script."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_attention.py"
     report = subprocess.run([sys.executable, str(script), "--interpret-smoke"],
                             capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     assert report.returncode == 0, report.stdout[-2000:] + report.stderr[-2000:]
+    assert "Precompiled 10 kernel launches" in report.stdout  # 2 cases: 2+2 fwd, 2+2 dk/dv, 2 dq
     for table in ("forward", "dk/dv", "dq"):
         assert f"## Every {table} configuration" in report.stdout
     checks = [
