@@ -188,8 +188,7 @@ def check_every_config(setting: Setting, kernel: str) -> bool:
     The autotuner picks one configuration per shape, so the correctness check below sees only
     the winners; this runs every configuration on a ragged causal case and on even unmasked
     ones. A configuration that fails is dropped from the autotuner for the rest of the run,
-    and reported. The ragged length, 1,008, is a multiple of 16 (not of any tile), so Triton
-    compiles the same specialisation the timed lengths use: no compile is spent on the check.
+    and reported.
     """
     from selfattn.kernels import triton_attention
 
@@ -197,9 +196,7 @@ def check_every_config(setting: Setting, kernel: str) -> bool:
     plans = {"forward": ["-"], "dk/dv": list(triton_attention.BACKWARD_PLANS)}
     plans = plans.get(kernel, ["split"])
     checked = slice(0, 1) if kernel == "forward" else slice(1, 4)  # output, or dQ dK dV
-    cases = [(2, 4, 1008, 128, True), (1, 8, 1024, 128, False), (1, 8, 1024, 64, False)]
-    if setting.smoke:
-        cases = [(1, 2, 33, 16, True), (1, 2, 64, 16, False)]
+    cases = config_check_cases(setting)
     what = "the output" if kernel == "forward" else "the worst of dQ, dK, dV"
     print(f"## Every {kernel} configuration (max abs error of {what} against float64; ours / "
           "torch SDPA)\n")  # fmt: skip
@@ -247,6 +244,15 @@ def check_every_config(setting: Setting, kernel: str) -> bool:
     return not failed
 
 
+def config_check_cases(setting: Setting) -> list[tuple[int, int, int, int, bool]]:
+    """(B, H, T, D, causal) for the per-configuration checks: a ragged causal case and even
+    unmasked ones. The ragged length, 1,008, is a multiple of 16 (not of any tile), so Triton
+    compiles the specialisation the timed lengths use: the check compiles nothing more."""
+    if setting.smoke:
+        return [(1, 2, 33, 16, True), (1, 2, 64, 16, False)]
+    return [(2, 4, 1008, 128, True), (1, 8, 1024, 128, False), (1, 8, 1024, 64, False)]
+
+
 def bound(base_error: float) -> float:
     """The most error ours may have: twice SDPA's, plus the bf16 floor."""
     return 2 * base_error + ABS_FLOOR
@@ -264,7 +270,7 @@ def errors(got, base, want) -> list[tuple[float, float, bool]]:
     return rows
 
 
-def precompile(setting: Setting, head_dims: list[int]) -> bool:
+def precompile(setting: Setting, head_dims: list[int]) -> None:
     """Compile every kernel configuration the run will need, on all CPU cores, up front.
 
     The autotuner compiles its configurations one at a time as each shape first comes up;
@@ -272,7 +278,7 @@ def precompile(setting: Setting, head_dims: list[int]) -> bool:
     compiles launches made with ``warmup=True`` on a thread pool (its compiler releases the
     GIL: two threads compile twice as fast on 2 cores) and files them in the cache the real
     launches read. A failure costs only the time this would have saved: the run then compiles
-    as it goes. Returns whether it ran to the end.
+    as it goes.
     """
     import triton
 
@@ -294,18 +300,18 @@ def precompile(setting: Setting, head_dims: list[int]) -> bool:
                     count += 1
     except Exception as error:  # the run still works, compiling as it goes
         print(f"Precompiling stopped ({first_line(error)}); the autotuner compiles the rest.\n")
-        return False
+        return
     seconds = time.perf_counter() - started
     print(f"Precompiled {count} kernel launches on {threads} threads in {seconds:.0f} s.\n")
-    return True
 
 
 def record_launches(setting: Setting, head_dims: list[int]) -> list[tuple[str, tuple, dict]]:
     """The autotuned kernels' launches (name, args, kwargs) for every head dim and causal
     setting the run uses, under each backward plan: recorded, not made.
 
-    Lengths are multiples of 16 throughout the run, so one length stands for all of them:
-    Triton compiles one specialisation per head dim, causality and configuration.
+    The timed lengths and the configuration checks' are multiples of 16, so one length stands
+    for all of them: Triton compiles one specialisation per head dim, causality and
+    configuration.
     """
     from selfattn.kernels import triton_attention as kernels
 
@@ -314,12 +320,9 @@ def record_launches(setting: Setting, head_dims: list[int]) -> list[tuple[str, t
     def recorder(name: str) -> Callable:
         return lambda *args, **kwargs: launches.append((name, args, kwargs))
 
-    if setting.smoke:
-        cases, length = {(16, False), (16, True)}, 32
-    else:  # the throughput table's, and the configuration checks' (D 128 both ways, 64 not)
-        cases = {(128, True), (128, False), (64, False)}
-        cases |= {(head_dim, causal) for head_dim in head_dims for causal in (False, True)}
-        length = 1024
+    cases = {(head_dim, causal) for *_, head_dim, causal in config_check_cases(setting)}
+    cases |= {(head_dim, causal) for head_dim in head_dims for causal in (False, True)}
+    length = 32 if setting.smoke else 1024
     for name, autotuned in kernels.AUTOTUNED.items():
         autotuned.run = recorder(name)
     try:
@@ -407,7 +410,7 @@ def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int])
             notes.append(f"ours, D={head_dim}, causal={causal}, T={length}: {tuned_configs()}")
             for kernel in AUTOTUNED:
                 notes.extend(f"  {kernel}: {line}" for line in autotune_timings(kernel))
-            notes.extend(f"  backward plans {key[2:4]}: " + ", ".join(
+            notes.extend(f"  backward plans, T and S buckets {key[2:4]}: " + ", ".join(
                 f"{plan} {ms:.3f} ms" for plan, ms in timings.items())
                 for key, timings in plan_timings.items())  # fmt: skip
             plan_timings.clear()

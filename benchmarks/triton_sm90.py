@@ -172,8 +172,7 @@ def main() -> None:
 
     print(f"# Triton {triton.__version__} kernels compiled for sm_90 (bf16)\n")
     header = ["kernel", "D", "causal", "configuration", "loop instr", "regs", "stack B"]
-    header += ["smem KiB"]
-    header += ["HGMMA", "UTMALDG", "REDG", "compile s"]
+    header += ["smem KiB", "HGMMA", "UTMALDG", "REDG", "compile s"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for name in args.kernels:
