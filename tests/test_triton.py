@@ -201,7 +201,11 @@ def test_tensor_descriptors_only_for_layouts_the_copy_engine_takes():
     assert not _tma_ok(torch.randn(3 * 33 * 16 + 1)[1:].view(3, 33, 16))  # misaligned start
 
 
-def test_float16_within_twice_sdpa_error():
+@pytest.mark.parametrize("plan", ["split", "atomic"])
+def test_float16_within_twice_sdpa_error(monkeypatch, plan):
+    from selfattn.kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "backward_plan", plan)
     assert_matches_reference(*_inputs(33, 64, 16), dtype=torch.float16, causal=True)
 
 
