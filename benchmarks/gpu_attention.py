@@ -340,7 +340,7 @@ def record_launches(setting: Setting, head_dims: list[int]) -> list[tuple[str, t
     finally:
         kernels.backward_plan = "auto"
         for autotuned in kernels.AUTOTUNED.values():
-            del autotuned.run  # the autotuner's own method again
+            vars(autotuned).pop("run", None)  # the autotuner's own method again
     return launches
 
 
@@ -381,7 +381,7 @@ def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int])
     header += [f"{name} fwd" for name in names] + [f"{name} bwd" for name in names]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    notes = []
+    notes, noted = [], set()  # noted: plan timings already in the notes
     for head_dim in head_dims:
         heads = max(1, setting.width // head_dim)
         for causal in (False, True):
@@ -412,8 +412,8 @@ def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int])
                 notes.extend(f"  {kernel}: {line}" for line in autotune_timings(kernel))
             notes.extend(f"  backward plans, T and S buckets {key[2:4]}: " + ", ".join(
                 f"{plan} {ms:.3f} ms" for plan, ms in timings.items())
-                for key, timings in plan_timings.items())  # fmt: skip
-            plan_timings.clear()
+                for key, timings in plan_timings.items() if key not in noted)  # fmt: skip
+            noted.update(plan_timings)
     print()
     for note in notes:
         print(f"- {note}")

@@ -315,6 +315,23 @@ def test_backward_kernels_with_either_operand_placement(monkeypatch, plan, from_
     assert_matches_reference(*_inputs(33, 40, 24), causal=True)
 
 
+def test_auto_plan_times_both_once_and_keeps_the_faster(monkeypatch):
+    """On a GPU, "auto" times each plan on the first backward of a shape bucket (here a fake
+    timer: atomic 1 ms, split 2 ms) and reuses that choice for the bucket."""
+    from selfattn.kernels import triton_attention
+
+    timed = []
+    fake_ms = {"split": 2.0, "atomic": 1.0}
+    monkeypatch.setattr(triton_attention, "INTERPRETING", False)
+    monkeypatch.setattr(triton_attention, "plan_timings", {})
+    monkeypatch.setattr(triton_attention, "_quick_bench", lambda fn, quantiles: fn())
+    run = lambda plan: timed.append(plan) or fake_ms[plan]  # noqa: E731
+    assert triton_attention._backward_plan(("bucket",), run) == "atomic"
+    assert triton_attention._backward_plan(("bucket",), run) == "atomic"
+    assert sorted(timed) == ["atomic", "split"]  # timed once each, then remembered
+    assert triton_attention.plan_timings == {("bucket",): fake_ms}
+
+
 def test_backward_plans_agree_and_deterministic_mode_takes_split(monkeypatch):
     from selfattn.kernels import triton_attention
 

@@ -95,18 +95,15 @@ def _forward_configs() -> list[triton.Config]:
     if INTERPRETING:
         return [_config(16, 32, 4, 1, USE_TMA=False, LAZY=True, A_FROM_REGISTERS=True)]
     tilings = ((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3))
-    tiled = [(*tiling, tma) for tiling in tilings for tma in (False, True)]
-    tiled.append((64, 64, 4, 2, False))
-    measured = [
+    loads = [(*tiling, tma) for tiling in tilings for tma in (False, True)]
+    loads.append((64, 64, 4, 2, False))
+    capped = [(*tiling, None) for tiling in tilings]
+    capped.append((64, 64, 4, 2, 168))  # 64 KiB, 168 registers: 3 programs per SM, not 2
+    return [
         _config(*tiling, USE_TMA=tma, LAZY=lazy, A_FROM_REGISTERS=False)
-        for *tiling, tma in tiled
+        for *tiling, tma in loads
         for lazy in (False, True)
-    ]
-    newer = [(*tiling, None) for tiling in tilings]
-    newer.append((64, 64, 4, 2, 168))  # 64 KiB, 168 registers: 3 programs per SM, not 2
-    return measured + [
-        _config(*tiling, USE_TMA=True, LAZY=True, A_FROM_REGISTERS=True) for tiling in newer
-    ]
+    ] + [_config(*tiling, USE_TMA=True, LAZY=True, A_FROM_REGISTERS=True) for tiling in capped]
 
 
 def _dkdv_configs() -> list[triton.Config]:
@@ -811,6 +808,7 @@ def _backward(
     n, t, _ = query.shape
     s, value_dim = key.shape[1], value.shape[2]
     shape_args = _shape_args(query, value, causal, mask_kind)
+    buckets = (_length_bucket(t), _length_bucket(s))
     mask_arg = query if mask is None else mask
 
     delta = torch.empty((n, t), dtype=torch.float32, device=query.device)
@@ -838,8 +836,7 @@ def _backward(
         s,
         scale * LOG2E,
         scale,
-        _length_bucket(t),
-        _length_bucket(s),
+        *buckets,
     )
     tensors = (query, key, value, mask_arg, grad_out, lse, delta)
 
@@ -864,13 +861,13 @@ def _backward(
             )
         return grad_query, grad_key, grad_value
 
-    tune_key = (query.device, query.dtype, *common[-2:], *shape_args.values())
+    tune_key = (query.device, query.dtype, *buckets, *shape_args.values())
     return run(_backward_plan(tune_key, run))
 
 
 BACKWARD_PLANS = ("split", "atomic")
 backward_plan = "auto"  # or one of BACKWARD_PLANS, to force it (benchmarks, tests)
-_chosen_plans: dict[tuple, str] = {}
+# "auto"'s measurements, ms per plan, by (device, dtype, T bucket, S bucket, *shape args).
 plan_timings: dict[tuple, dict[str, float]] = {}
 
 
@@ -893,11 +890,11 @@ def _backward_plan(tune_key: tuple, run) -> str:
         return backward_plan
     if INTERPRETING:
         return "split"
-    if tune_key not in _chosen_plans:
+    if tune_key not in plan_timings:
         timings = {plan: _quick_bench(lambda plan=plan: run(plan), None) for plan in BACKWARD_PLANS}
         plan_timings[tune_key] = timings
-        _chosen_plans[tune_key] = min(timings, key=timings.get)
-    return _chosen_plans[tune_key]
+    timings = plan_timings[tune_key]
+    return min(timings, key=timings.get)
 
 
 class _FusedAttention(torch.autograd.Function):
