@@ -1,13 +1,16 @@
 """Compile the Triton attention kernels for Hopper (sm_90) on any machine, and report on them.
 
 No GPU is needed: Triton's wheel carries ``ptxas`` and ``cuobjdump``, so each autotuning
-configuration of the forward, dK/dV and dQ kernels is compiled ahead of time for compute
-capability 9.0, bf16, and the cubin is read back. One markdown row per configuration:
+configuration of the forward, dK/dV and dQ kernels, and each tiling of the Gluon forward
+(``hopper_forward``), is compiled ahead of time for compute capability 9.0, bf16, and the
+cubin is read back. One markdown row per configuration:
 instructions per iteration of each wgmma loop (``total/common`` where a branch in it can
 skip a block), registers per thread, stack bytes (spills), shared memory, and the counts of Hopper's
 instructions that matter here: ``HGMMA`` (wgmma, the tensor cores), ``UTMALDG`` (TMA loads)
-and ``REDG`` (atomic adds to global memory: the atomic backward plan's dQ).
-A row marked "pruned" is one the kernel's autotune pruner drops for that head dim.
+and ``REDG`` (atomic adds to global memory: the atomic backward plan's dQ); and how many
+exp2 issue while a wgmma still runs (the softmax overlapping the tensor cores, which the Gluon
+forward is written for). A row marked "pruned" is one the kernel's autotune pruner drops for
+that head dim.
 
 This is how a session without a GPU checks that a kernel change still compiles for the H200,
 does not spill, and still uses wgmma, before it spends device time:
@@ -24,6 +27,8 @@ import re
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,9 +36,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from selfattn.kernels import hopper_forward
 from selfattn.kernels import triton_attention as kernels
 
 HOPPER = GPUTarget("cuda", 90, 32)
+GLUON = "gluon forward"
 POINTERS_FP32 = {"Lse", "Delta", "DQAcc"}
 INTS = {"inner", "T", "S", "t_bucket", "s_bucket"}
 FLOATS = {"qk_scale", "scale"}
@@ -81,6 +88,35 @@ def compile_config(jit_fn, config: triton.Config, head_dim: int, causal: bool, *
     return triton.compile(source, target=HOPPER, options=options)
 
 
+def compile_gluon(config: hopper_forward.Config, head_dim: int):
+    """Compile one tiling of the Gluon forward (``hopper_forward``) for sm_90, bf16."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def descriptor(rows: int) -> str:  # the type Triton gives a host-side TensorDescriptor
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
+
+    jit_fn = hopper_forward._forward_kernel
+    rows = {"q_desc": config.block_m, "k_desc": config.block_n, "v_desc": config.block_n,
+            "o_desc": config.block_m}  # fmt: skip
+    constants = {"NUM_STAGES": config.stages, "Q_IN_REGISTERS": config.q_in_registers,
+                 "num_warps": config.num_warps}  # fmt: skip
+    types = {"Lse": "*fp32", "T": "i32", "S": "i32", "qk_scale": "fp32"}
+    signature, attributes = {}, {}
+    for index, name in enumerate(jit_fn.arg_names):
+        if name in rows:
+            signature[name] = descriptor(rows[name])
+        elif name in constants:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = types[name]
+            if name != "qk_scale":
+                attributes[(index,)] = [["tt.divisibility", 16]]
+    source = GluonASTSource(jit_fn, signature, constants, attributes)
+    return triton.compile(source, target=HOPPER, options={"num_warps": config.num_warps})
+
+
 def read_cubin(cubin: bytes) -> dict[str, int]:
     """Registers, stack bytes and instruction counts from a cubin, via Triton's cuobjdump."""
     tools = Path(triton.backends.nvidia.__file__).parent / "bin"
@@ -96,7 +132,25 @@ def read_cubin(cubin: bytes) -> dict[str, int]:
         "hgmma": sass.count("HGMMA"),
         "tma_loads": sass.count("UTMALDG"),
         "reductions": len(re.findall(r"\bREDG?\.", sass)),
+        "exp2": exp2_under_wgmma(sass),
     }
+
+
+def exp2_under_wgmma(sass: str) -> str:
+    """How many of the kernel's exp2 (``MUFU.EX2``) issue while a wgmma is still running: after
+    a wgmma group's last ``HGMMA`` and before the wait that drains it to zero. This is the
+    softmax overlapping the tensor cores within a warpgroup, as "under/all"."""
+    under = total = 0
+    running = False
+    for line in sass.splitlines():
+        if "HGMMA" in line and "gsb0" in line:
+            running = True
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            running = False
+        elif "MUFU.EX2" in line:
+            total += 1
+            under += running
+    return f"{under}/{total}"
 
 
 def loop_sizes(sass: str) -> str:
@@ -160,9 +214,8 @@ def kept(autotuned, head_dim: int) -> list[triton.Config]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--kernels", nargs="+", choices=list(kernels.AUTOTUNED), default=list(kernels.AUTOTUNED)
-    )
+    names = [*kernels.AUTOTUNED, GLUON]
+    parser.add_argument("--kernels", nargs="+", choices=names, default=names)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     args = parser.parse_args()
@@ -172,41 +225,35 @@ def main() -> None:
 
     print(f"# Triton {triton.__version__} kernels compiled for sm_90 (bf16)\n")
     header = ["kernel", "D", "causal", "configuration", "loop instr", "regs", "stack B"]
-    header += ["smem KiB", "HGMMA", "UTMALDG", "REDG", "compile s"]
+    header += ["smem KiB", "HGMMA", "UTMALDG", "REDG", "exp2 under wgmma", "compile s"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for name in args.kernels:
+        if name == GLUON:  # no causal variant, no pruner
+            for head_dim in args.head_dims:
+                for config in hopper_forward.CONFIGS:
+                    compile_one = partial(compile_gluon, config, head_dim)
+                    report(name, compile_one, config.describe(), head_dim, False)
+            continue
         autotuned = kernels.AUTOTUNED[name]
         for variant, switches in variants(name).items():
             for head_dim in args.head_dims:
                 for causal in causal_values:
                     survivors = kept(autotuned, head_dim)
                     for config in autotuned.configs:
-                        report(
-                            variant,
-                            autotuned.fn,
-                            config,
-                            config in survivors,
-                            head_dim,
-                            causal,
-                            switches,
+                        label = kernels.describe_config(config)
+                        label += "" if config in survivors else " (pruned)"
+                        compile_one = partial(
+                            compile_config, autotuned.fn, config, head_dim, causal, **switches
                         )
+                        report(variant, compile_one, label, head_dim, causal)
 
 
-def report(
-    name: str,
-    jit_fn,
-    config: triton.Config,
-    survives: bool,
-    head_dim: int,
-    causal: bool,
-    switches: dict,
-) -> None:
+def report(name: str, compile_one: Callable, label: str, head_dim: int, causal: bool) -> None:
     """Compile one configuration and print its row (or why it failed)."""
-    label = kernels.describe_config(config) + ("" if survives else " (pruned)")
     started = time.perf_counter()
     try:
-        compiled = compile_config(jit_fn, config, head_dim, causal, **switches)
+        compiled = compile_one()
     except Exception as error:  # report the failure, go on with the rest
         message = (str(error).splitlines() or [type(error).__name__])[0][:80]
         print(f"| {name} | {head_dim} | {causal} | {label} | failed: {message} |")
@@ -215,7 +262,7 @@ def report(
     facts = read_cubin(compiled.asm["cubin"])
     row = [name, head_dim, causal, label, facts["loop"], facts["registers"], facts["stack"]]
     row += [compiled.metadata.shared // 1024, facts["hgmma"], facts["tma_loads"]]
-    row += [facts["reductions"], f"{seconds:.1f}"]
+    row += [facts["reductions"], facts["exp2"], f"{seconds:.1f}"]
     print("| " + " | ".join(str(cell) for cell in row) + " |", flush=True)
 
 

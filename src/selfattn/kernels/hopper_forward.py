@@ -1,0 +1,275 @@
+"""Attention forward for Hopper (sm_90) in Gluon, overlapping the softmax with the tensor cores.
+
+The Triton forward (``triton_attention``) waits for each tile's QKᵀ before its softmax and for
+the softmax before its PV, so within one warpgroup the exponentials (special-function units)
+and the matrix products (tensor cores) take turns. Gluon, Triton's lower-level dialect, issues
+wgmma asynchronously and says how many may stay in flight, which allows FlashAttention-3's
+order within a warpgroup. Iteration j of the loop over key tiles::
+
+    issue  S(j) = Q K(j)ᵀ                         tensor cores
+    O *= exp2(m(j-2) - m(j-1))                      while S(j) runs
+    issue  O += P(j-1) V(j-1)                       tensor cores, queued behind S(j)
+    wait until S(j) is done                         PV(j-1) still runs
+    m(j), P(j), row sums from S(j)                  special-function units, beside PV(j-1)
+    wait until PV(j-1) is done
+
+P(j-1) goes from float32 to the 16-bit A operand just before its PV is issued. Converting it
+at the end of the iteration instead (FlashAttention-3's place) lets ``ptxas`` move the last
+wait up above the exponentials, which then no longer overlap anything; with the conversion
+where it is, all 32 exp2 per thread and tile sit between PV's issue and its wait in the SASS
+(``benchmarks/triton_sm90.py`` reports this as "exp2 under PV").
+
+Key and value tiles arrive by TMA into two rings of NUM_STAGES buffers, each with an
+mbarrier; a key slot is refilled once its S is done, a value slot once its PV is done. The
+output and the base-2 log-sum-exp per query are those of the Triton forward, so the Triton
+backward kernels take them as they are.
+
+Scope: the common case only, where it pays and needs no masking: CUDA Hopper, float16 or
+bfloat16, equal query and value head dims of 64 or 128, contiguous (N, T, D) inputs, T and S
+multiples of 128, no mask, not causal. ``applies`` says whether a call is in it;
+everything else runs the Triton forward. Gluon has no CPU interpreter, so this kernel is
+checked on a GPU only (``benchmarks/gpu_attention.py``) and compiled for sm_90 on any machine
+(``benchmarks/triton_sm90.py``); ``triton_attention.forward_kernel`` keeps it off until
+then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# Gluon renamed these after Triton 3.6; the GPU machine has 3.6, CI a newer release.
+_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+_tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+
+TILE_MULTIPLE = 128  # T and S must be multiples of this (every configuration's tiles divide it)
+HEAD_DIMS = (64, 128)
+DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One tiling: query rows per program, keys per tile, TMA ring depth, warps (4 per 64 rows),
+    and whether the query block is kept in registers as wgmma's A operand."""
+
+    block_m: int
+    block_n: int
+    stages: int
+    q_in_registers: bool
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_m // 16
+
+    def describe(self) -> str:
+        text = f"gluon BLOCK_M={self.block_m} BLOCK_N={self.block_n} stages={self.stages}"
+        return text + (" Q-in-registers" if self.q_in_registers else "")
+
+
+# 64 rows on one warpgroup: two programs share an SM and interleave their phases. 128 rows on
+# two warpgroups: one program per SM, FlashAttention-3's consumers without its producer warp.
+CONFIGS = (
+    Config(64, 64, 2, True),
+    Config(64, 64, 3, True),
+    Config(128, 128, 2, False),
+    Config(128, 64, 3, True),
+)
+
+
+def applies(query: Tensor, key: Tensor, value: Tensor, masked: bool, causal: bool) -> bool:
+    """Whether this kernel can run the forward of these (N, T|S, D) tensors (see the module)."""
+    if masked or causal or not query.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(query.device) != (9, 0):  # wgmma is sm_90a only
+        return False
+    if query.dtype not in DTYPES or not (query.dtype == key.dtype == value.dtype):
+        return False
+    head_dim, t, s = query.shape[-1], query.shape[-2], key.shape[-2]
+    if head_dim not in HEAD_DIMS or value.shape[-1] != head_dim:
+        return False
+    if t % TILE_MULTIPLE or s % TILE_MULTIPLE:
+        return False
+    return all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (query, key, value))
+
+
+def _descriptor(tensor: Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor over the (N·T, D) rows of a contiguous (N, T, D) tensor."""
+    flat = tensor.view(-1, tensor.shape[-1])
+    block = [rows, tensor.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, DTYPES[tensor.dtype])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
+
+
+def hopper_forward(
+    query: Tensor, key: Tensor, value: Tensor, qk_scale: float, config: Config
+) -> tuple[Tensor, Tensor]:
+    """Output (N, T, D) and base-2 log-sum-exp (N, T) of softmax(QKᵀ·scale)V, where
+    ``qk_scale`` is scale·log2(e) >= 0; the caller has checked ``applies``."""
+    n, t, _ = query.shape
+    s = key.shape[1]
+    out = torch.empty_like(query)
+    lse = torch.empty((n, t), dtype=torch.float32, device=query.device)
+    _forward_kernel[(t // config.block_m, n)](
+        _descriptor(query, config.block_m),
+        _descriptor(key, config.block_n),
+        _descriptor(value, config.block_n),
+        _descriptor(out, config.block_m),
+        lse,
+        t,
+        s,
+        qk_scale,
+        NUM_STAGES=config.stages,
+        Q_IN_REGISTERS=config.q_in_registers,
+        num_warps=config.num_warps,
+    )
+    return out, lse
+
+
+@gluon.jit
+def _fetch(desc, row, bar, dest, pred):
+    """Start the TMA copy of one tile into ``dest``; ``bar`` completes when its bytes land."""
+    mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+    _tma_load(desc, [row, 0], bar, dest, pred=pred)
+
+
+@gluon.jit
+def _refill(
+    desc, base_row, bars, ring, used, n_tiles, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr
+):
+    """Tile ``used`` is consumed: once every warp is past it, load tile ``used + NUM_STAGES``,
+    if there is one, into its slot."""
+    _barrier()
+    tile = used + NUM_STAGES
+    slot = used % NUM_STAGES
+    _fetch(desc, base_row + tile * BLOCK_N, bars.index(slot), ring.index(slot), tile < n_tiles)
+
+
+@gluon.jit
+def _forward_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    o_desc,
+    Lse,
+    T,
+    S,
+    qk_scale,
+    NUM_STAGES: gl.constexpr,
+    Q_IN_REGISTERS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """One program: BLOCK_M queries of one head against all S keys (see the module)."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+
+    # Scores (M, N) and output (M, D) live in wgmma accumulator layouts, one warp per 16 rows;
+    # the weights become PV's A operand, and the query optionally QKᵀ's, in registers.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q_row = gl.program_id(1) * T + gl.program_id(0) * BLOCK_M
+    kv_row = gl.program_id(1) * S
+    n_tiles = S // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+    fence_async_shared()  # the barriers' initialisation, seen by the copy engine
+
+    _fetch(q_desc, q_row, q_bar, q_smem, True)
+    for i in gl.static_range(NUM_STAGES):
+        ahead = i < n_tiles
+        _fetch(k_desc, kv_row + i * BLOCK_N, k_bars.index(i), k_smem.index(i), ahead)
+        _fetch(v_desc, kv_row + i * BLOCK_N, v_bars.index(i), v_smem.index(i), ahead)
+
+    mbarrier.wait(q_bar, 0)
+    q = q_smem.load(q_layout) if Q_IN_REGISTERS else q_smem
+    no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+
+    # Tile 0: scores, row maxima, weights. Its PV is issued in the loop's first iteration.
+    mbarrier.wait(k_bars.index(0), 0)
+    scores = warpgroup_mma(
+        q, k_smem.index(0).permute((1, 0)), no_scores, use_acc=False, is_async=True
+    )
+    scores = warpgroup_mma_wait(0, deps=(scores,))
+    row_max = gl.max(scores, axis=1) * qk_scale
+    weights = gl.exp2(scores * qk_scale - row_max[:, None])
+    row_sum = gl.sum(weights, axis=1)
+    alpha = gl.full([BLOCK_M], 1.0, gl.float32, o_rows)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    _refill(k_desc, kv_row, k_bars, k_smem, 0, n_tiles, NUM_STAGES, BLOCK_N)
+
+    for j in range(1, n_tiles):
+        slot = j % NUM_STAGES
+        prev = (j - 1) % NUM_STAGES
+        mbarrier.wait(k_bars.index(slot), (j // NUM_STAGES) & 1)
+        tile_scores = warpgroup_mma(
+            q, k_smem.index(slot).permute((1, 0)), no_scores, use_acc=False, is_async=True
+        )
+        acc = acc * alpha[:, None]  # to tile j-1's shift, while S(j) runs
+        mbarrier.wait(v_bars.index(prev), ((j - 1) // NUM_STAGES) & 1)
+        p = gl.convert_layout(weights.to(dtype), p_layout)
+        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+        tile_scores = warpgroup_mma_wait(1, deps=(tile_scores,))  # S(j) done; PV(j-1) runs on
+        _refill(k_desc, kv_row, k_bars, k_smem, j, n_tiles, NUM_STAGES, BLOCK_N)
+
+        new_max = gl.maximum(row_max, gl.max(tile_scores, axis=1) * qk_scale)
+        tile_alpha = gl.exp2(row_max - new_max)
+        weights = gl.exp2(tile_scores * qk_scale - new_max[:, None])
+        row_sum = row_sum * tile_alpha + gl.sum(weights, axis=1)
+        row_max = new_max
+        alpha = gl.convert_layout(tile_alpha, o_rows)
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+        _refill(v_desc, kv_row, v_bars, v_smem, j - 1, n_tiles, NUM_STAGES, BLOCK_N)
+
+    acc = acc * alpha[:, None]
+    last = (n_tiles - 1) % NUM_STAGES
+    mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
+    p = gl.convert_layout(weights.to(dtype), p_layout)
+    acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+    acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+
+    row_sum = gl.convert_layout(row_sum, o_rows)
+    lse = gl.convert_layout(row_max, o_rows) + gl.log2(row_sum)
+    gl.store(Lse + q_row + gl.arange(0, BLOCK_M, layout=o_rows), lse)
+    q_smem.store((acc / row_sum[:, None]).to(dtype))  # the query tile's buffer, now free
+    fence_async_shared()
+    _tma_store(o_desc, [q_row, 0], q_smem)
+    tma.store_wait(0)
+
+
+__all__ = ["CONFIGS", "Config", "applies", "hopper_forward"]
