@@ -18,7 +18,9 @@ with tiny shapes and a wall-clock timer: it checks the script, not the speed.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -49,6 +51,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--head-dims", type=int, nargs="+", default=HEAD_DIMS, help="head dims D to time"
+    )
+    parser.add_argument(
+        "--check-hopper-forward",
+        action="store_true",
+        help="only check the Gluon forward's tilings (the full run does this in a child process)",
     )
     return parser.parse_args()
 
@@ -244,6 +251,95 @@ def check_every_config(setting: Setting, kernel: str) -> bool:
     return not failed
 
 
+HOPPER_CHECK_SECONDS = 240  # a Gluon kernel that waits on the wrong barrier phase hangs
+PASSED = "Gluon tilings that passed:"
+
+
+def check_hopper_forward(setting: Setting) -> None:
+    """Check the Gluon forward for Hopper in a child process; time it only if it passes.
+
+    Gluon has no CPU interpreter, so this is the kernel's first run anywhere: the child runs
+    ``--check-hopper-forward`` and is killed if it outlives HOPPER_CHECK_SECONDS. The tilings
+    that pass join the timed run, where ``forward_kernel = "auto"`` times them against the
+    Triton forward on each shape's first call and keeps the fastest.
+    """
+    from selfattn.kernels import triton_attention
+
+    if setting.smoke or torch.cuda.get_device_capability() != (9, 0):
+        print("## Gluon forward (Hopper): skipped, it runs on an sm_90 GPU only.\n")
+        return
+    command = [sys.executable, __file__, "--check-hopper-forward"]
+    try:
+        child = subprocess.run(command, capture_output=True, text=True,
+                               timeout=HOPPER_CHECK_SECONDS)  # fmt: skip
+        report = child.stdout + child.stderr[-2000:]
+    except subprocess.TimeoutExpired as timeout:  # its output comes back as bytes
+        partial_output = (timeout.stdout or b"").decode(errors="replace")
+        report = f"{partial_output}\nKilled after {HOPPER_CHECK_SECONDS} s (a hang).\n"
+    print(report)
+    from selfattn.kernels import hopper_forward
+
+    passed = [line.removeprefix(PASSED).strip() for line in report.splitlines()
+              if line.startswith(PASSED)]  # fmt: skip
+    names = set(passed[0].split(", ")) if passed else set()
+    hopper_forward.CONFIGS = tuple(c for c in hopper_forward.CONFIGS if c.describe() in names)
+    if hopper_forward.CONFIGS:
+        triton_attention.forward_kernel = "auto"
+    print(f"Gluon tilings in the timed run: {len(hopper_forward.CONFIGS)}.\n")
+
+
+def hopper_forward_check_main() -> int:
+    """The child of ``check_hopper_forward``: every Gluon tiling against float64, as the rest
+    of this script checks ours: the output within twice SDPA's error (bf16), the base-2
+    log-sum-exp within 1e-3, and the gradients (the Triton backward, from this LSE)."""
+    from selfattn.kernels import hopper_forward, triton_attention
+
+    setting = Setting(torch.device("cuda"), torch.bfloat16, TOKENS, WIDTH)
+    cases = [(1, 4, 1024, 1024, 128), (2, 3, 256, 640, 64), (1, 2, 128, 128, 128)]
+    print("## Gluon forward for Hopper, each tiling (max abs error against float64; "
+          "ours / torch SDPA; LSE: ours)\n")  # fmt: skip
+    print("| tiling | B, H, T, S, D | output | LSE | dQ | dK | dV | ok |")
+    print("|---|---|---|---|---|---|---|---|")
+    every = hopper_forward.CONFIGS
+    passed = []
+    triton_attention.forward_kernel = "gluon"
+    for config in every:
+        hopper_forward.CONFIGS = (config,)
+        config_ok = True
+        for batch, heads, t, s, d in cases:
+            generator = torch.Generator(device="cpu").manual_seed(t + s + d)
+            q, k, v = (torch.randn(batch, heads, n, d, generator=generator,
+                                   dtype=torch.float64) for n in (t, s, s))  # fmt: skip
+            grad = torch.randn(batch, heads, t, d, generator=generator, dtype=torch.float64)
+            case = (q, k, v, grad, None, False, setting.device)
+            try:
+                flat = [x.to(setting.device, setting.dtype).reshape(-1, x.shape[2], d)
+                        for x in (q, k, v)]  # fmt: skip
+                scale = d**-0.5
+                _, lse = hopper_forward.hopper_forward(*flat, scale * triton_attention.LOG2E,
+                                                       config)  # fmt: skip
+                rounded = [x.double() for x in flat]
+                scores = rounded[0] @ rounded[1].transpose(-1, -2) * scale
+                want_lse = torch.logsumexp(scores, dim=-1) / math.log(2)
+                lse_error = (lse.double() - want_lse).abs().max().item()
+                measured = errors(output_and_grads("triton", setting.dtype, *case),
+                                  output_and_grads("sdpa", setting.dtype, *case),
+                                  output_and_grads("explicit", torch.float64, *case))  # fmt: skip
+                cells = [f"{error:.1e} / {base:.1e}" for error, base, _ in measured]
+                ok = lse_error <= 1e-3 and all(within for *_, within in measured)
+                cells.insert(1, f"{lse_error:.1e}")
+            except Exception as error:  # report it and go on with the next tiling
+                cells, ok = [f"failed: {first_line(error, 80)}", "", "", "", ""], False
+            config_ok = config_ok and ok
+            row = [config.describe(), f"{batch}, {heads}, {t}, {s}, {d}", *cells,
+                   "yes" if ok else "**NO**"]  # fmt: skip
+            print("| " + " | ".join(row) + " |", flush=True)
+        if config_ok:
+            passed.append(config.describe())
+    print(f"\n{PASSED} {', '.join(passed)}")
+    return 0 if len(passed) == len(every) else 1
+
+
 def config_check_cases(setting: Setting) -> list[tuple[int, int, int, int, bool]]:
     """(B, H, T, D, causal) for the per-configuration checks: a ragged causal case and even
     unmasked ones. The ragged length, 1,008, is a multiple of 16 (not of any tile), so Triton
@@ -410,7 +506,7 @@ def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int])
             notes.append(f"ours, D={head_dim}, causal={causal}, T={length}: {tuned_configs()}")
             for kernel in AUTOTUNED:
                 notes.extend(f"  {kernel}: {line}" for line in autotune_timings(kernel))
-            notes.extend(f"  backward plans, T and S buckets {key[2:4]}: " + ", ".join(
+            notes.extend(f"  {key[0]} choices, T and S buckets {key[3:5]}: " + ", ".join(
                 f"{plan} {ms:.3f} ms" for plan, ms in timings.items())
                 for key, timings in plan_timings.items() if key not in noted)  # fmt: skip
             noted.update(plan_timings)
@@ -430,6 +526,8 @@ def describe(setting: Setting) -> None:
 
 def main() -> int:
     args = parse_args()
+    if args.check_hopper_forward:
+        return hopper_forward_check_main()
     if args.interpret_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
         setting = Setting(torch.device("cpu"), torch.float32, tokens=64, width=32, smoke=True)
@@ -445,6 +543,7 @@ def main() -> int:
     precompile(setting, head_dims)
     correct = all([check_every_config(setting, kernel) for kernel in ("forward", "dk/dv", "dq")])
     correct = check_correctness(setting) and correct
+    check_hopper_forward(setting)
     throughput_table(setting, lengths, head_dims)
     print(f"Total time: {time.perf_counter() - started:.0f} s")
     if not correct:

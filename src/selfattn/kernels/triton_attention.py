@@ -31,6 +31,8 @@ exact (IEEE) float32 products, so they match the reference to rounding.
 
 Each kernel is autotuned over tile shapes, warps and pipeline stages; the forward also over
 plain loads or TMA (Hopper's copy engine, through in-kernel tensor descriptors, Triton 3.4+).
+On Hopper the forward can instead run ``hopper_forward``, a Gluon kernel that overlaps the
+softmax with the tensor cores, where it applies; ``forward_kernel`` says whether.
 Measured on an H200 (docs/benchmarks.md): 479 TFLOP/s forward and 378 backward at head dim
 128, T = 16,384. ``benchmarks/triton_sm90.py`` compiles every configuration for Hopper on any
 machine and reports registers, spills and wgmma use.
@@ -44,6 +46,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import triton
@@ -744,7 +748,28 @@ def _forward(
     causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
-    """Launch the forward kernel on (N, T, D) inputs; returns output (N, T, Dv) and LSE (N, T)."""
+    """Run the chosen forward kernel on (N, T, D) inputs; returns output (N, T, Dv) and LSE
+    (N, T)."""
+    kernels = {"triton": partial(_triton_forward, query, key, value, mask, inner, mask_kind,
+                                 causal, scale)}  # fmt: skip
+    if forward_kernel != "triton":
+        kernels.update(_gluon_forwards(query, key, value, mask, causal, scale))
+    buckets = (_length_bucket(query.shape[1]), _length_bucket(key.shape[1]))
+    tune_key = ("forward", query.device, query.dtype, *buckets, query.shape[-1])
+    return kernels[_forward_choice(tune_key, kernels)]()
+
+
+def _triton_forward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    inner: int,
+    mask_kind: int,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """The Triton forward kernel (autotuned); see ``_forward``."""
     n, t, _ = query.shape
     s, value_dim = key.shape[1], value.shape[2]
     out = torch.empty((n, t, value_dim), dtype=query.dtype, device=query.device)
@@ -775,6 +800,26 @@ def _forward(
         **_shape_args(query, value, causal, mask_kind),
     )
     return out, lse
+
+
+def _gluon_forwards(
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool, scale: float
+) -> dict[str, Callable[[], tuple[Tensor, Tensor]]]:
+    """Hopper's Gluon forward (``hopper_forward``), one entry per tiling, where it applies."""
+    if INTERPRETING or not query.is_cuda:
+        return {}
+    try:
+        from selfattn.kernels import hopper_forward
+    except ImportError:  # a Triton without Gluon's Hopper support
+        return {}
+    if not hopper_forward.applies(query, key, value, mask is not None, causal):
+        return {}
+    return {
+        config.describe(): partial(
+            hopper_forward.hopper_forward, query, key, value, scale * LOG2E, config
+        )
+        for config in hopper_forward.CONFIGS
+    }
 
 
 def _device_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
@@ -861,14 +906,47 @@ def _backward(
             )
         return grad_query, grad_key, grad_value
 
-    tune_key = (query.device, query.dtype, *buckets, *shape_args.values())
+    tune_key = ("backward", query.device, query.dtype, *buckets, *shape_args.values())
     return run(_backward_plan(tune_key, run))
 
 
+FORWARD_KERNELS = ("triton", "gluon", "auto")
+forward_kernel = "triton"  # see _forward_choice
 BACKWARD_PLANS = ("split", "atomic")
 backward_plan = "auto"  # or one of BACKWARD_PLANS, to force it (benchmarks, tests)
-# "auto"'s measurements, ms per plan, by (device, dtype, T bucket, S bucket, *shape args).
+# The timed choices' measurements, ms per candidate, by ("forward" or "backward", device,
+# dtype, T bucket, S bucket, *shape args).
 plan_timings: dict[tuple, dict[str, float]] = {}
+
+
+def _fastest(tune_key: tuple, runs: dict[str, Callable[[], object]]) -> str:
+    """The name of the fastest of ``runs``: each is timed on the first call for ``tune_key``
+    (a shape bucket), and the timings are kept in ``plan_timings`` for the next calls."""
+    if tune_key not in plan_timings:
+        plan_timings[tune_key] = {name: _quick_bench(run, None) for name, run in runs.items()}
+    timings = plan_timings[tune_key]
+    return min(timings, key=timings.get)
+
+
+def _forward_choice(tune_key: tuple, kernels: dict[str, Callable[[], object]]) -> str:
+    """Which forward kernel runs: "triton", or a tiling of the Gluon kernel for Hopper.
+
+    ``forward_kernel`` decides: "triton" (the default) always runs the Triton kernel; "gluon"
+    runs the Gluon kernel's first tiling wherever it applies (``hopper_forward.applies``);
+    "auto" times the Triton kernel and every Gluon tiling on the first call of each shape
+    bucket and keeps the fastest. The Gluon kernel has no CPU interpreter, so it stays off by
+    default until it has been checked on a GPU (``benchmarks/gpu_attention.py`` does that,
+    then times it under "auto").
+    """
+    if forward_kernel not in FORWARD_KERNELS:
+        choices = ", ".join(FORWARD_KERNELS)
+        raise ValueError(f"forward_kernel is one of {choices}, not {forward_kernel!r}")
+    gluon = [name for name in kernels if name != "triton"]
+    if forward_kernel == "triton" or not gluon:
+        return "triton"
+    if forward_kernel == "gluon":
+        return gluon[0]
+    return _fastest(tune_key, kernels)
 
 
 def _backward_plan(tune_key: tuple, run) -> str:
@@ -890,11 +968,7 @@ def _backward_plan(tune_key: tuple, run) -> str:
         return backward_plan
     if INTERPRETING:
         return "split"
-    if tune_key not in plan_timings:
-        timings = {plan: _quick_bench(lambda plan=plan: run(plan), None) for plan in BACKWARD_PLANS}
-        plan_timings[tune_key] = timings
-    timings = plan_timings[tune_key]
-    return min(timings, key=timings.get)
+    return _fastest(tune_key, {plan: partial(run, plan) for plan in BACKWARD_PLANS})
 
 
 class _FusedAttention(torch.autograd.Function):
