@@ -4,7 +4,9 @@ First checks correctness on a few shapes (bf16, against the explicit path in flo
 twice SDPA's own error plus a small floor), then prints a markdown table of TFLOP/s, forward
 and backward, for head dims 64 and 128, T from 512 to 16,384 with B·T = 16,384 tokens and a
 model width of 2,048 (H = 2048 / D), causal and not. All timings come from CUDA events in
-the same run.
+the same run. On an sm_90 GPU it also checks the Gluon forward (``hopper_forward``) in a
+child process first; the tilings that pass are timed against the Triton forward
+(``forward_kernel = "auto"``) and "ours" is whichever wins.
 
 FLOPs counted: forward 4·B·H·T²·D (two matmuls), backward 2.5× that; both halved when causal.
 
