@@ -295,11 +295,16 @@ def hopper_forward_check_main() -> int:
     log-sum-exp within 1e-3, and the gradients (the Triton backward, from this LSE)."""
     from selfattn.kernels import hopper_forward, triton_attention
 
-    setting = Setting(torch.device("cuda"), torch.bfloat16, TOKENS, WIDTH)
-    cases = [(1, 4, 1024, 1024, 128), (2, 3, 256, 640, 64), (1, 2, 128, 128, 128)]
+    device = torch.device("cuda")
+    cases = [  # (B, H, T, S, D, dtype)
+        (1, 4, 1024, 1024, 128, torch.bfloat16),
+        (2, 3, 256, 640, 64, torch.bfloat16),
+        (1, 2, 128, 128, 128, torch.bfloat16),
+        (1, 2, 384, 256, 64, torch.float16),
+    ]
     print("## Gluon forward for Hopper, each tiling (max abs error against float64; "
           "ours / torch SDPA; LSE: ours)\n")  # fmt: skip
-    print("| tiling | B, H, T, S, D | output | LSE | dQ | dK | dV | ok |")
+    print("| tiling | B, H, T, S, D, dtype | output | LSE | dQ | dK | dV | ok |")
     print("|---|---|---|---|---|---|---|---|")
     every = hopper_forward.CONFIGS
     passed = []
@@ -307,14 +312,14 @@ def hopper_forward_check_main() -> int:
     for config in every:
         hopper_forward.CONFIGS = (config,)
         config_ok = True
-        for batch, heads, t, s, d in cases:
+        for batch, heads, t, s, d, dtype in cases:
             generator = torch.Generator(device="cpu").manual_seed(t + s + d)
             q, k, v = (torch.randn(batch, heads, n, d, generator=generator,
                                    dtype=torch.float64) for n in (t, s, s))  # fmt: skip
             grad = torch.randn(batch, heads, t, d, generator=generator, dtype=torch.float64)
-            case = (q, k, v, grad, None, False, setting.device)
+            case = (q, k, v, grad, None, False, device)
             try:
-                flat = [x.to(setting.device, setting.dtype).reshape(-1, x.shape[2], d)
+                flat = [x.to(device, dtype).reshape(-1, x.shape[2], d)
                         for x in (q, k, v)]  # fmt: skip
                 scale = d**-0.5
                 _, lse = hopper_forward.hopper_forward(*flat, scale * triton_attention.LOG2E,
@@ -323,8 +328,8 @@ def hopper_forward_check_main() -> int:
                 scores = rounded[0] @ rounded[1].transpose(-1, -2) * scale
                 want_lse = torch.logsumexp(scores, dim=-1) / math.log(2)
                 lse_error = (lse.double() - want_lse).abs().max().item()
-                measured = errors(output_and_grads("triton", setting.dtype, *case),
-                                  output_and_grads("sdpa", setting.dtype, *case),
+                measured = errors(output_and_grads("triton", dtype, *case),
+                                  output_and_grads("sdpa", dtype, *case),
                                   output_and_grads("explicit", torch.float64, *case))  # fmt: skip
                 cells = [f"{error:.1e} / {base:.1e}" for error, base, _ in measured]
                 ok = lse_error <= 1e-3 and all(within for *_, within in measured)
@@ -332,8 +337,8 @@ def hopper_forward_check_main() -> int:
             except Exception as error:  # report it and go on with the next tiling
                 cells, ok = [f"failed: {first_line(error, 80)}", "", "", "", ""], False
             config_ok = config_ok and ok
-            row = [config.describe(), f"{batch}, {heads}, {t}, {s}, {d}", *cells,
-                   "yes" if ok else "**NO**"]  # fmt: skip
+            shape = f"{batch}, {heads}, {t}, {s}, {d}, {str(dtype).removeprefix('torch.')}"
+            row = [config.describe(), shape, *cells, "yes" if ok else "**NO**"]
             print("| " + " | ".join(row) + " |", flush=True)
         if config_ok:  # said at once: a later tiling that hangs must not cost this one
             passed.append(config.describe())

@@ -240,6 +240,8 @@ def _forward_kernel(
         p = gl.convert_layout(weights.to(dtype), p_layout)
         acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
         tile_scores = warpgroup_mma_wait(1, deps=(tile_scores,))  # S(j) done; PV(j-1) runs on
+        # This TMA issue, here, is what keeps ptxas from moving PV's wait above the exp2 below
+        # (with nothing or a plain mbarrier arrive here, it does: docs/benchmarks.md).
         _refill(k_desc, kv_row, k_bars, k_smem, j, n_tiles, NUM_STAGES, BLOCK_N)
 
         new_max = gl.maximum(row_max, gl.max(tile_scores, axis=1) * qk_scale)
