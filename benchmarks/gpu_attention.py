@@ -296,15 +296,17 @@ def hopper_forward_check_main() -> int:
     from selfattn.kernels import hopper_forward, triton_attention
 
     device = torch.device("cuda")
-    cases = [  # (B, H, T, S, D, dtype)
-        (1, 4, 1024, 1024, 128, torch.bfloat16),
-        (2, 3, 256, 640, 64, torch.bfloat16),
-        (1, 2, 128, 128, 128, torch.bfloat16),
-        (1, 2, 384, 256, 64, torch.float16),
+    cases = [  # (B, H, T, S, D, causal, dtype)
+        (1, 4, 1024, 1024, 128, False, torch.bfloat16),
+        (2, 3, 256, 640, 64, False, torch.bfloat16),
+        (1, 2, 128, 128, 128, False, torch.bfloat16),
+        (1, 2, 384, 256, 64, False, torch.float16),
+        (1, 4, 1024, 1024, 128, True, torch.bfloat16),
+        (2, 3, 256, 640, 64, True, torch.bfloat16),
     ]
     print("## Gluon forward for Hopper, each tiling (max abs error against float64; "
           "ours / torch SDPA; LSE: ours)\n")  # fmt: skip
-    print("| tiling | B, H, T, S, D, dtype | output | LSE | dQ | dK | dV | ok |")
+    print("| tiling | B, H, T, S, D, causal, dtype | output | LSE | dQ | dK | dV | ok |")
     print("|---|---|---|---|---|---|---|---|")
     every = hopper_forward.CONFIGS
     passed = []
@@ -312,20 +314,24 @@ def hopper_forward_check_main() -> int:
     for config in every:
         hopper_forward.CONFIGS = (config,)
         config_ok = True
-        for batch, heads, t, s, d, dtype in cases:
+        for batch, heads, t, s, d, causal, dtype in cases:
             generator = torch.Generator(device="cpu").manual_seed(t + s + d)
             q, k, v = (torch.randn(batch, heads, n, d, generator=generator,
                                    dtype=torch.float64) for n in (t, s, s))  # fmt: skip
             grad = torch.randn(batch, heads, t, d, generator=generator, dtype=torch.float64)
-            case = (q, k, v, grad, None, False, device)
+            case = (q, k, v, grad, None, causal, device)
             try:
                 flat = [x.to(device, dtype).reshape(-1, x.shape[2], d)
                         for x in (q, k, v)]  # fmt: skip
                 scale = d**-0.5
-                _, lse = hopper_forward.hopper_forward(*flat, scale * triton_attention.LOG2E,
+                _, lse = hopper_forward.hopper_forward(*flat, causal,
+                                                       scale * triton_attention.LOG2E,
                                                        config)  # fmt: skip
                 rounded = [x.double() for x in flat]
                 scores = rounded[0] @ rounded[1].transpose(-1, -2) * scale
+                if causal:  # bottom-right: query i sees keys j <= i + S - T
+                    hidden = torch.ones(t, s, dtype=torch.bool, device=device).triu(s - t + 1)
+                    scores = scores.masked_fill(hidden, float("-inf"))
                 want_lse = torch.logsumexp(scores, dim=-1) / math.log(2)
                 lse_error = (lse.double() - want_lse).abs().max().item()
                 measured = errors(output_and_grads("triton", dtype, *case),
@@ -337,7 +343,9 @@ def hopper_forward_check_main() -> int:
             except Exception as error:  # report it and go on with the next tiling
                 cells, ok = [f"failed: {first_line(error, 80)}", "", "", "", ""], False
             config_ok = config_ok and ok
-            shape = f"{batch}, {heads}, {t}, {s}, {d}, {str(dtype).removeprefix('torch.')}"
+            shape = (
+                f"{batch}, {heads}, {t}, {s}, {d}, {causal}, {str(dtype).removeprefix('torch.')}"
+            )
             row = [config.describe(), shape, *cells, "yes" if ok else "**NO**"]
             print("| " + " | ".join(row) + " |", flush=True)
         if config_ok:  # said at once: a later tiling that hangs must not cost this one

@@ -88,7 +88,7 @@ def compile_config(jit_fn, config: triton.Config, head_dim: int, causal: bool, *
     return triton.compile(source, target=HOPPER, options=options)
 
 
-def compile_gluon(config: hopper_forward.Config, head_dim: int):
+def compile_gluon(config: hopper_forward.Config, head_dim: int, causal: bool):
     """Compile one tiling of the Gluon forward (``hopper_forward``) for sm_90, bf16."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -100,7 +100,8 @@ def compile_gluon(config: hopper_forward.Config, head_dim: int):
     jit_fn = hopper_forward._forward_kernel
     rows = {"q_desc": config.block_m, "k_desc": config.block_n, "v_desc": config.block_n,
             "o_desc": config.block_m}  # fmt: skip
-    constants = {"NUM_STAGES": config.stages, "Q_IN_REGISTERS": config.q_in_registers,
+    constants = {"CAUSAL": causal, "NUM_STAGES": config.stages,
+                 "Q_IN_REGISTERS": config.q_in_registers,
                  "num_warps": config.num_warps}  # fmt: skip
     types = {"Lse": "*fp32", "T": "i32", "S": "i32", "qk_scale": "fp32"}
     signature, attributes = {}, {}
@@ -229,11 +230,12 @@ def main() -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for name in args.kernels:
-        if name == GLUON:  # no causal variant, no pruner
+        if name == GLUON:  # no autotune pruner
             for head_dim in args.head_dims:
-                for config in hopper_forward.CONFIGS:
-                    compile_one = partial(compile_gluon, config, head_dim)
-                    report(name, compile_one, config.describe(), head_dim, False)
+                for causal in causal_values:
+                    for config in hopper_forward.CONFIGS:
+                        compile_one = partial(compile_gluon, config, head_dim, causal)
+                        report(name, compile_one, config.describe(), head_dim, causal)
             continue
         autotuned = kernels.AUTOTUNED[name]
         for variant, switches in variants(name).items():

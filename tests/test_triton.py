@@ -272,27 +272,30 @@ def test_kernels_compile_for_hopper_with_wgmma_and_no_spills():
 
 def test_gluon_forward_compiles_for_hopper_with_the_softmax_under_pv():
     """The Gluon forward (hopper_forward), compiled ahead of time for sm_90 by
-    benchmarks/triton_sm90.py: every tiling compiles at head dims 64 and 128 without spills,
-    and at least three quarters of a tile's exp2 (BLOCK_N / 2 per thread) issue while PV's
-    wgmma still runs, which is what the kernel is for. ptxas decides that placement, so it is
-    checked in the machine code, not assumed from the source: with Triton 3.6 (the GPU
-    machine's) all of them do; with 3.9, 27 of 32 in one tiling at D = 64."""
+    benchmarks/triton_sm90.py: every tiling compiles at head dims 64 and 128, causal and not,
+    without spills, and in each loop over key tiles at least three quarters of a tile's exp2
+    (BLOCK_N / 2 per thread) issue while PV's wgmma still runs, which is what the kernel is
+    for. ptxas decides that placement, so it is checked in the machine code, not assumed from
+    the source: with Triton 3.6 (the GPU machine's) all of them do; with 3.9, 27 of 32 in one
+    tiling at D = 64."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_sm90.py"
     command = [sys.executable, str(script), "--kernels", "gluon forward"]
-    command += ["--head-dims", "64", "128", "--causal", "no"]
+    command += ["--head-dims", "64", "128", "--causal", "both"]
     report = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert report.returncode == 0, report.stderr[-2000:]
     rows = [line.split(" | ") for line in report.stdout.splitlines()
             if line.startswith("| gluon forward")]  # fmt: skip
-    assert len(rows) == 8, report.stdout  # 4 tilings x 2 head dims
+    assert len(rows) == 16, report.stdout  # 4 tilings x 2 head dims x causal or not
     for row in rows:
         assert "failed" not in row[3], row
         block_n = int(row[3].split("BLOCK_N=")[1].split()[0])
+        loops = len(row[4].split(","))  # causal has a second loop, for the diagonal's tiles
         stack, hgmma, under = int(row[6]), int(row[8]), int(row[11].split("/")[0])
         assert stack == 0 and hgmma > 0, row
-        assert under >= 0.75 * block_n // 2, row
+        assert loops == (2 if row[2] == "True" else 1), row
+        assert under >= 0.75 * loops * block_n // 2, row
 
 
 def test_forward_kernel_choice(monkeypatch):

@@ -17,20 +17,23 @@ P(j-1) goes from float32 to the 16-bit A operand just before its PV is issued. C
 at the end of the iteration instead (FlashAttention-3's place) lets ``ptxas`` move the last
 wait up above the exponentials, which then no longer overlap anything; with the conversion
 where it is, all 32 exp2 per thread and tile sit between PV's issue and its wait in the SASS
-(``benchmarks/triton_sm90.py`` reports this as "exp2 under PV").
+(``benchmarks/triton_sm90.py`` reports this as "exp2 under wgmma").
 
 Key and value tiles arrive by TMA into two rings of NUM_STAGES buffers, each with an
 mbarrier; a key slot is refilled once its S is done, a value slot once its PV is done. The
 output and the base-2 log-sum-exp per query are those of the Triton forward, so the Triton
 backward kernels take them as they are.
 
-Scope: the common case only, where it pays and needs no masking: CUDA Hopper, float16 or
+Causal attention (bottom-right) runs the tiles the diagonal crosses in a second loop, which
+masks every tile it visits; tiles wholly above the diagonal are not visited.
+
+Scope: the common cases, where no ragged edge needs masking: CUDA Hopper, float16 or
 bfloat16, equal query and value head dims of 64 or 128, contiguous (N, T, D) inputs, T and S
-multiples of 128, no mask, not causal. ``applies`` says whether a call is in it;
-everything else runs the Triton forward. Gluon has no CPU interpreter, so this kernel is
-checked on a GPU only (``benchmarks/gpu_attention.py``) and compiled for sm_90 on any machine
-(``benchmarks/triton_sm90.py``); ``triton_attention.forward_kernel`` keeps it off until
-then.
+multiples of 128, no mask; causal when T <= S (so that every query sees a key). ``applies``
+says whether a call is in it; everything else runs the Triton forward. Gluon has no CPU
+interpreter, so this kernel is checked on a GPU only (``benchmarks/gpu_attention.py``) and
+compiled for sm_90 on any machine (``benchmarks/triton_sm90.py``);
+``triton_attention.forward_kernel`` keeps it off until then.
 """
 
 from __future__ import annotations
@@ -91,7 +94,9 @@ CONFIGS = (
 
 def applies(query: Tensor, key: Tensor, value: Tensor, masked: bool, causal: bool) -> bool:
     """Whether this kernel can run the forward of these (N, T|S, D) tensors (see the module)."""
-    if masked or causal or not query.is_cuda:
+    if masked or not query.is_cuda:
+        return False
+    if causal and query.shape[-2] > key.shape[-2]:  # some rows would see no key at all
         return False
     if torch.cuda.get_device_capability(query.device) != (9, 0):  # wgmma is sm_90a only
         return False
@@ -114,10 +119,11 @@ def _descriptor(tensor: Tensor, rows: int) -> TensorDescriptor:
 
 
 def hopper_forward(
-    query: Tensor, key: Tensor, value: Tensor, qk_scale: float, config: Config
+    query: Tensor, key: Tensor, value: Tensor, causal: bool, qk_scale: float, config: Config
 ) -> tuple[Tensor, Tensor]:
-    """Output (N, T, D) and base-2 log-sum-exp (N, T) of softmax(QKᵀ·scale)V, where
-    ``qk_scale`` is scale·log2(e) >= 0; the caller has checked ``applies``."""
+    """Output (N, T, D) and base-2 log-sum-exp (N, T) of softmax(QKᵀ·scale)V, causal
+    (bottom-right) or not, where ``qk_scale`` is scale·log2(e) >= 0; the caller has checked
+    ``applies``."""
     n, t, _ = query.shape
     s = key.shape[1]
     out = torch.empty_like(query)
@@ -131,6 +137,7 @@ def hopper_forward(
         t,
         s,
         qk_scale,
+        CAUSAL=causal,
         NUM_STAGES=config.stages,
         Q_IN_REGISTERS=config.q_in_registers,
         num_warps=config.num_warps,
@@ -158,6 +165,82 @@ def _refill(
 
 
 @gluon.jit
+def _causal_mask(scores, tile, diagonal):
+    """Scores of key tile ``tile`` with the keys each query may not see at -inf; ``diagonal``
+    is the last key the block's first query sees."""
+    BLOCK_M: gl.constexpr = scores.shape[0]
+    BLOCK_N: gl.constexpr = scores.shape[1]
+    row_layout: gl.constexpr = gl.SliceLayout(1, scores.type.layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, scores.type.layout)
+    rows = gl.arange(0, BLOCK_M, layout=row_layout)
+    cols = gl.arange(0, BLOCK_N, layout=col_layout)
+    visible = tile * BLOCK_N + cols[None, :] <= diagonal + rows[:, None]
+    return gl.where(visible, scores, float("-inf"))
+
+
+@gluon.jit
+def _tiles(
+    acc,
+    weights,
+    row_max,
+    row_sum,
+    alpha,
+    q,
+    k_desc,
+    v_desc,
+    k_smem,
+    v_smem,
+    k_bars,
+    v_bars,
+    kv_row,
+    lo,
+    hi,
+    n_tiles,
+    diagonal,
+    qk_scale,
+    NUM_STAGES: gl.constexpr,
+    MASKED: gl.constexpr,
+):
+    """Key tiles ``lo`` to ``hi - 1`` in the overlapped order the module describes, each
+    under the causal mask if MASKED (a loop of its own: a branch inside the loop would let
+    ptxas undo the overlap). Takes and returns the running state: the output accumulator,
+    the previous tile's weights, row maxima and sums, and the rescaling still owed."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = k_desc.dtype
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    s_layout: gl.constexpr = weights.type.layout
+    no_scores = gl.zeros(weights.shape, gl.float32, s_layout)
+    for j in range(lo, hi):
+        slot = j % NUM_STAGES
+        prev = (j - 1) % NUM_STAGES
+        mbarrier.wait(k_bars.index(slot), (j // NUM_STAGES) & 1)
+        tile_scores = warpgroup_mma(
+            q, k_smem.index(slot).permute((1, 0)), no_scores, use_acc=False, is_async=True
+        )
+        acc = acc * alpha[:, None]  # to tile j-1's shift, while S(j) runs
+        mbarrier.wait(v_bars.index(prev), ((j - 1) // NUM_STAGES) & 1)
+        p = gl.convert_layout(weights.to(dtype), p_layout)
+        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+        tile_scores = warpgroup_mma_wait(1, deps=(tile_scores,))  # S(j) done; PV(j-1) runs on
+        # This TMA issue, here, is what keeps ptxas from moving PV's wait above the exp2 below
+        # (with nothing or a plain mbarrier arrive here, it does: docs/benchmarks.md).
+        _refill(k_desc, kv_row, k_bars, k_smem, j, n_tiles, NUM_STAGES, BLOCK_N)
+        if MASKED:
+            tile_scores = _causal_mask(tile_scores, j, diagonal)
+
+        new_max = gl.maximum(row_max, gl.max(tile_scores, axis=1) * qk_scale)
+        tile_alpha = gl.exp2(row_max - new_max)
+        weights = gl.exp2(tile_scores * qk_scale - new_max[:, None])
+        row_sum = row_sum * tile_alpha + gl.sum(weights, axis=1)
+        row_max = new_max
+        alpha = gl.convert_layout(tile_alpha, o_rows)
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+        _refill(v_desc, kv_row, v_bars, v_smem, j - 1, n_tiles, NUM_STAGES, BLOCK_N)
+    return acc, weights, row_max, row_sum, alpha
+
+
+@gluon.jit
 def _forward_kernel(
     q_desc,
     k_desc,
@@ -167,6 +250,7 @@ def _forward_kernel(
     T,
     S,
     qk_scale,
+    CAUSAL: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     Q_IN_REGISTERS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -189,9 +273,21 @@ def _forward_kernel(
     q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    q_row = gl.program_id(1) * T + gl.program_id(0) * BLOCK_M
+    if CAUSAL:  # the longest rows first: fewer programs still running at the end
+        start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    else:
+        start_m = gl.program_id(0) * BLOCK_M
+    q_row = gl.program_id(1) * T + start_m
     kv_row = gl.program_id(1) * S
-    n_tiles = S // BLOCK_N
+    # Causal, query i sees keys j <= i + S - T: key tiles from `free` on need the mask, and
+    # those from `n_tiles` on are not visited. T <= S, so every row sees key 0.
+    diagonal = start_m + S - T
+    if CAUSAL:
+        n_tiles = gl.cdiv(gl.minimum(S, diagonal + BLOCK_M), BLOCK_N)
+        free = (diagonal + 1) // BLOCK_N
+    else:
+        n_tiles = S // BLOCK_N
+        free = n_tiles
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -221,6 +317,8 @@ def _forward_kernel(
         q, k_smem.index(0).permute((1, 0)), no_scores, use_acc=False, is_async=True
     )
     scores = warpgroup_mma_wait(0, deps=(scores,))
+    if CAUSAL:
+        scores = _causal_mask(scores, 0, diagonal)
     row_max = gl.max(scores, axis=1) * qk_scale
     weights = gl.exp2(scores * qk_scale - row_max[:, None])
     row_sum = gl.sum(weights, axis=1)
@@ -228,30 +326,51 @@ def _forward_kernel(
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     _refill(k_desc, kv_row, k_bars, k_smem, 0, n_tiles, NUM_STAGES, BLOCK_N)
 
-    for j in range(1, n_tiles):
-        slot = j % NUM_STAGES
-        prev = (j - 1) % NUM_STAGES
-        mbarrier.wait(k_bars.index(slot), (j // NUM_STAGES) & 1)
-        tile_scores = warpgroup_mma(
-            q, k_smem.index(slot).permute((1, 0)), no_scores, use_acc=False, is_async=True
-        )
-        acc = acc * alpha[:, None]  # to tile j-1's shift, while S(j) runs
-        mbarrier.wait(v_bars.index(prev), ((j - 1) // NUM_STAGES) & 1)
-        p = gl.convert_layout(weights.to(dtype), p_layout)
-        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-        tile_scores = warpgroup_mma_wait(1, deps=(tile_scores,))  # S(j) done; PV(j-1) runs on
-        # This TMA issue, here, is what keeps ptxas from moving PV's wait above the exp2 below
-        # (with nothing or a plain mbarrier arrive here, it does: docs/benchmarks.md).
-        _refill(k_desc, kv_row, k_bars, k_smem, j, n_tiles, NUM_STAGES, BLOCK_N)
-
-        new_max = gl.maximum(row_max, gl.max(tile_scores, axis=1) * qk_scale)
-        tile_alpha = gl.exp2(row_max - new_max)
-        weights = gl.exp2(tile_scores * qk_scale - new_max[:, None])
-        row_sum = row_sum * tile_alpha + gl.sum(weights, axis=1)
-        row_max = new_max
-        alpha = gl.convert_layout(tile_alpha, o_rows)
-        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-        _refill(v_desc, kv_row, v_bars, v_smem, j - 1, n_tiles, NUM_STAGES, BLOCK_N)
+    unmasked = gl.minimum(free, n_tiles)
+    acc, weights, row_max, row_sum, alpha = _tiles(
+        acc,
+        weights,
+        row_max,
+        row_sum,
+        alpha,
+        q,
+        k_desc,
+        v_desc,
+        k_smem,
+        v_smem,
+        k_bars,
+        v_bars,
+        kv_row,
+        1,
+        unmasked,
+        n_tiles,
+        diagonal,
+        qk_scale,
+        NUM_STAGES,
+        False,
+    )
+    acc, weights, row_max, row_sum, alpha = _tiles(
+        acc,
+        weights,
+        row_max,
+        row_sum,
+        alpha,
+        q,
+        k_desc,
+        v_desc,
+        k_smem,
+        v_smem,
+        k_bars,
+        v_bars,
+        kv_row,
+        gl.maximum(free, 1),
+        n_tiles,
+        n_tiles,
+        diagonal,
+        qk_scale,
+        NUM_STAGES,
+        True,
+    )
 
     acc = acc * alpha[:, None]
     last = (n_tiles - 1) % NUM_STAGES

@@ -816,7 +816,7 @@ def _gluon_forwards(
         return {}
     return {
         config.describe(): partial(
-            hopper_forward.hopper_forward, query, key, value, scale * LOG2E, config
+            hopper_forward.hopper_forward, query, key, value, causal, scale * LOG2E, config
         )
         for config in hopper_forward.CONFIGS
     }
