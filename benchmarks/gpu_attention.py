@@ -289,69 +289,73 @@ def check_hopper_forward(setting: Setting) -> None:
     print(f"Gluon tilings in the timed run: {len(hopper_forward.CONFIGS)}.\n")
 
 
-def hopper_forward_check_main() -> int:
+HOPPER_CHECK_CASES = [  # (B, H, T, S, D, causal, dtype)
+    (1, 4, 1024, 1024, 128, False, torch.bfloat16),
+    (2, 3, 256, 640, 64, False, torch.bfloat16),
+    (1, 2, 128, 128, 128, False, torch.bfloat16),
+    (1, 2, 384, 256, 64, False, torch.float16),
+    (1, 4, 1024, 1024, 128, True, torch.bfloat16),
+    (2, 3, 256, 640, 64, True, torch.bfloat16),
+]
+
+
+def hopper_forward_check_main(device: torch.device) -> int:
     """The child of ``check_hopper_forward``: every Gluon tiling against float64, as the rest
-    of this script checks ours: the output within twice SDPA's error (bf16), the base-2
+    of this script checks ours: the output within twice SDPA's error (same dtype), the base-2
     log-sum-exp within 1e-3, and the gradients (the Triton backward, from this LSE)."""
     from selfattn.kernels import hopper_forward, triton_attention
 
-    device = torch.device("cuda")
-    cases = [  # (B, H, T, S, D, causal, dtype)
-        (1, 4, 1024, 1024, 128, False, torch.bfloat16),
-        (2, 3, 256, 640, 64, False, torch.bfloat16),
-        (1, 2, 128, 128, 128, False, torch.bfloat16),
-        (1, 2, 384, 256, 64, False, torch.float16),
-        (1, 4, 1024, 1024, 128, True, torch.bfloat16),
-        (2, 3, 256, 640, 64, True, torch.bfloat16),
-    ]
     print("## Gluon forward for Hopper, each tiling (max abs error against float64; "
           "ours / torch SDPA; LSE: ours)\n")  # fmt: skip
     print("| tiling | B, H, T, S, D, causal, dtype | output | LSE | dQ | dK | dV | ok |")
     print("|---|---|---|---|---|---|---|---|")
-    every = hopper_forward.CONFIGS
-    passed = []
+    prepared = [hopper_check_inputs(*case, device) for case in HOPPER_CHECK_CASES]
+    every, passed = hopper_forward.CONFIGS, []
     triton_attention.forward_kernel = "gluon"
     for config in every:
         hopper_forward.CONFIGS = (config,)
         config_ok = True
-        for batch, heads, t, s, d, causal, dtype in cases:
-            generator = torch.Generator(device="cpu").manual_seed(t + s + d)
-            q, k, v = (torch.randn(batch, heads, n, d, generator=generator,
-                                   dtype=torch.float64) for n in (t, s, s))  # fmt: skip
-            grad = torch.randn(batch, heads, t, d, generator=generator, dtype=torch.float64)
-            case = (q, k, v, grad, None, causal, device)
+        for (*shape, causal, dtype), (case, flat, want_lse, base, want) in zip(
+            HOPPER_CHECK_CASES, prepared, strict=True
+        ):
             try:
-                flat = [x.to(device, dtype).reshape(-1, x.shape[2], d)
-                        for x in (q, k, v)]  # fmt: skip
-                scale = d**-0.5
-                _, lse = hopper_forward.hopper_forward(*flat, causal,
-                                                       scale * triton_attention.LOG2E,
-                                                       config)  # fmt: skip
-                rounded = [x.double() for x in flat]
-                scores = rounded[0] @ rounded[1].transpose(-1, -2) * scale
-                if causal:  # bottom-right: query i sees keys j <= i + S - T
-                    hidden = torch.ones(t, s, dtype=torch.bool, device=device).triu(s - t + 1)
-                    scores = scores.masked_fill(hidden, float("-inf"))
-                want_lse = torch.logsumexp(scores, dim=-1) / math.log(2)
+                qk_scale = shape[-1] ** -0.5 * triton_attention.LOG2E
+                _, lse = hopper_forward.hopper_forward(*flat, causal, qk_scale, config)
                 lse_error = (lse.double() - want_lse).abs().max().item()
-                measured = errors(output_and_grads("triton", dtype, *case),
-                                  output_and_grads("sdpa", dtype, *case),
-                                  output_and_grads("explicit", torch.float64, *case))  # fmt: skip
+                measured = errors(output_and_grads("triton", dtype, *case), base, want)
                 cells = [f"{error:.1e} / {base:.1e}" for error, base, _ in measured]
                 ok = lse_error <= 1e-3 and all(within for *_, within in measured)
                 cells.insert(1, f"{lse_error:.1e}")
             except Exception as error:  # report it and go on with the next tiling
                 cells, ok = [f"failed: {first_line(error, 80)}", "", "", "", ""], False
             config_ok = config_ok and ok
-            shape = (
-                f"{batch}, {heads}, {t}, {s}, {d}, {causal}, {str(dtype).removeprefix('torch.')}"
-            )
-            row = [config.describe(), shape, *cells, "yes" if ok else "**NO**"]
+            label = ", ".join(str(x) for x in (*shape, causal, str(dtype).removeprefix("torch.")))
+            row = [config.describe(), label, *cells, "yes" if ok else "**NO**"]
             print("| " + " | ".join(row) + " |", flush=True)
         if config_ok:  # said at once: a later tiling that hangs must not cost this one
             passed.append(config.describe())
             print(f"{PASSED} {config.describe()}", flush=True)
     return 0 if len(passed) == len(every) else 1
+
+
+def hopper_check_inputs(batch, heads, t, s, d, causal, dtype, device) -> tuple:
+    """One case of the Gluon check, and what it must give: the inputs for
+    ``output_and_grads``, the (N, T, D) inputs in ``dtype``, the base-2 log-sum-exp of their
+    scaled scores in float64, SDPA's output and gradients in ``dtype``, and float64's."""
+    generator = torch.Generator(device="cpu").manual_seed(t + s + d)
+    q, k, v = (torch.randn(batch, heads, n, d, generator=generator, dtype=torch.float64)
+               for n in (t, s, s))  # fmt: skip
+    grad = torch.randn(batch, heads, t, d, generator=generator, dtype=torch.float64)
+    case = (q, k, v, grad, None, causal, device)
+    flat = [x.to(device, dtype).reshape(-1, x.shape[2], d) for x in (q, k, v)]
+    scores = flat[0].double() @ flat[1].double().transpose(-1, -2) * d**-0.5
+    if causal:  # bottom-right: query i sees keys j <= i + S - T
+        hidden = torch.ones(t, s, dtype=torch.bool, device=device).triu(s - t + 1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    want_lse = torch.logsumexp(scores, dim=-1) / math.log(2)
+    base = output_and_grads("sdpa", dtype, *case)
+    want = output_and_grads("explicit", torch.float64, *case)
+    return case, flat, want_lse, base, want
 
 
 def config_check_cases(setting: Setting) -> list[tuple[int, int, int, int, bool]]:
@@ -541,7 +545,7 @@ def describe(setting: Setting) -> None:
 def main() -> int:
     args = parse_args()
     if args.check_hopper_forward:
-        return hopper_forward_check_main()
+        return hopper_forward_check_main(torch.device("cuda"))
     if args.interpret_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
         setting = Setting(torch.device("cpu"), torch.float32, tokens=64, width=32, smoke=True)

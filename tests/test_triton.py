@@ -298,6 +298,35 @@ def test_gluon_forward_compiles_for_hopper_with_the_softmax_under_pv():
         assert under >= 0.75 * loops * block_n // 2, row
 
 
+def test_gluon_check_logic_with_the_triton_forward_standing_in(monkeypatch, capsys):
+    """gpu_attention.py's check of the Gluon forward (the child process on the GPU) runs its
+    own logic on CPU here, with the Triton forward standing in for the Gluon kernel: the
+    reference log-sum-exp (base 2, bottom-right causal) must match the Triton forward's to
+    float32 rounding, and every case must pass, so a wrong reference cannot fail the kernel."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_attention
+    from selfattn.kernels import hopper_forward, triton_attention
+
+    def stand_in(query, key, value, causal, qk_scale, config=None):
+        scale = qk_scale / triton_attention.LOG2E
+        none = triton_attention.MASK_NONE
+        return triton_attention._triton_forward(query, key, value, None, 1, none, causal, scale)
+
+    def candidates(query, key, value, mask, causal, scale):
+        qk_scale = scale * triton_attention.LOG2E
+        return {"stand-in": lambda: stand_in(query, key, value, causal, qk_scale)}
+
+    monkeypatch.setattr(hopper_forward, "hopper_forward", stand_in)
+    monkeypatch.setattr(hopper_forward, "CONFIGS", hopper_forward.CONFIGS[:1])
+    monkeypatch.setattr(triton_attention, "_gluon_forwards", candidates)
+    monkeypatch.setattr(triton_attention, "forward_kernel", "triton")
+    cases = [(1, 2, 32, 32, 16, False, torch.float32), (1, 2, 16, 48, 16, True, torch.float32)]
+    monkeypatch.setattr(gpu_attention, "HOPPER_CHECK_CASES", cases)
+    assert gpu_attention.hopper_forward_check_main(torch.device("cpu")) == 0
+    report = capsys.readouterr().out
+    assert report.count("| yes |") == 2 and gpu_attention.PASSED in report, report
+
+
 def test_forward_kernel_choice(monkeypatch):
     """forward_kernel: "triton" (the default) ignores the Gluon kernel; "gluon" takes its first
     tiling; "auto" times every candidate once per shape bucket (a fake timer here) and keeps
