@@ -315,6 +315,7 @@ def hopper_forward_check_main(device: torch.device) -> int:
     for config in every:
         hopper_forward.CONFIGS = (config,)
         config_ok = True
+        notes = []
         for (*shape, causal, dtype), (case, flat, want_lse, base, want) in zip(
             HOPPER_CHECK_CASES, prepared, strict=True
         ):
@@ -322,20 +323,35 @@ def hopper_forward_check_main(device: torch.device) -> int:
                 qk_scale = shape[-1] ** -0.5 * triton_attention.LOG2E
                 _, lse = hopper_forward.hopper_forward(*flat, causal, qk_scale, config)
                 lse_error = (lse.double() - want_lse).abs().max().item()
-                measured = errors(output_and_grads("triton", dtype, *case), base, want)
-                cells = [f"{error:.1e} / {base:.1e}" for error, base, _ in measured]
+                got = output_and_grads("triton", dtype, *case)
+                measured = errors(got, base, want)
+                cells = [f"{error:.1e} / {base_error:.1e}" for error, base_error, _ in measured]
                 ok = lse_error <= 1e-3 and all(within for *_, within in measured)
                 cells.insert(1, f"{lse_error:.1e}")
+                if not ok:  # where it goes wrong says which part of the kernel to look at
+                    where = misses(got[0], want[0], bound(measured[0][1]))
+                    notes.append(f"{config.describe()}, {shape}, causal={causal}: {where}")
             except Exception as error:  # report it and go on with the next tiling
                 cells, ok = [f"failed: {first_line(error, 80)}", "", "", "", ""], False
             config_ok = config_ok and ok
             label = ", ".join(str(x) for x in (*shape, causal, str(dtype).removeprefix("torch.")))
             row = [config.describe(), label, *cells, "yes" if ok else "**NO**"]
             print("| " + " | ".join(row) + " |", flush=True)
+        for note in notes:
+            print(f"- {note}")
         if config_ok:  # said at once: a later tiling that hangs must not cost this one
             passed.append(config.describe())
             print(f"{PASSED} {config.describe()}", flush=True)
     return 0 if len(passed) == len(every) else 1
+
+
+def misses(got: torch.Tensor, want: torch.Tensor, limit: float) -> str:
+    """Where an output (B, H, T, D) is off: how many query rows exceed ``limit`` (or are not
+    finite), and the first few of their positions t."""
+    row_error = (got - want).abs().amax(dim=-1)
+    bad = (row_error > limit) | ~torch.isfinite(row_error)
+    positions = bad.nonzero()[:, -1].unique()[:8].tolist()
+    return f"{int(bad.sum())} of {bad.numel()} query rows off; first at t = {positions}"
 
 
 def hopper_check_inputs(batch, heads, t, s, d, causal, dtype, device) -> tuple:

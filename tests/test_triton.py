@@ -298,11 +298,13 @@ def test_gluon_forward_compiles_for_hopper_with_the_softmax_under_pv():
         assert under >= 0.75 * loops * block_n // 2, row
 
 
-def test_gluon_check_logic_with_the_triton_forward_standing_in(monkeypatch, capsys):
+@pytest.mark.parametrize("error", [1.0, 1.01], ids=["right", "wrong"])
+def test_gluon_check_logic_with_the_triton_forward_standing_in(monkeypatch, capsys, error):
     """gpu_attention.py's check of the Gluon forward (the child process on the GPU) runs its
-    own logic on CPU here, with the Triton forward standing in for the Gluon kernel: the
-    reference log-sum-exp (base 2, bottom-right causal) must match the Triton forward's to
-    float32 rounding, and every case must pass, so a wrong reference cannot fail the kernel."""
+    own logic on CPU here, with the Triton forward standing in for the Gluon kernel. As it is,
+    every case passes: the reference log-sum-exp (base 2, bottom-right causal) matches the
+    Triton forward's, so a wrong reference cannot fail a right kernel. With its output off by
+    1% from query row 20 on, the check fails and says which rows."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import gpu_attention
     from selfattn.kernels import hopper_forward, triton_attention
@@ -310,7 +312,10 @@ def test_gluon_check_logic_with_the_triton_forward_standing_in(monkeypatch, caps
     def stand_in(query, key, value, causal, qk_scale, config=None):
         scale = qk_scale / triton_attention.LOG2E
         none = triton_attention.MASK_NONE
-        return triton_attention._triton_forward(query, key, value, None, 1, none, causal, scale)
+        out, lse = triton_attention._triton_forward(query, key, value, None, 1, none, causal, scale)
+        out = out.clone()
+        out[:, 20:] *= error
+        return out, lse
 
     def candidates(query, key, value, mask, causal, scale):
         qk_scale = scale * triton_attention.LOG2E
@@ -322,9 +327,14 @@ def test_gluon_check_logic_with_the_triton_forward_standing_in(monkeypatch, caps
     monkeypatch.setattr(triton_attention, "forward_kernel", "triton")
     cases = [(1, 2, 32, 32, 16, False, torch.float32), (1, 2, 16, 48, 16, True, torch.float32)]
     monkeypatch.setattr(gpu_attention, "HOPPER_CHECK_CASES", cases)
-    assert gpu_attention.hopper_forward_check_main(torch.device("cpu")) == 0
+    status = gpu_attention.hopper_forward_check_main(torch.device("cpu"))
     report = capsys.readouterr().out
-    assert report.count("| yes |") == 2 and gpu_attention.PASSED in report, report
+    if error == 1.0:
+        assert status == 0, report
+        assert report.count("| yes |") == 2 and gpu_attention.PASSED in report, report
+    else:  # T = 32 has rows 20..31 off in both heads; T = 16 has none past 20
+        assert status == 1 and gpu_attention.PASSED not in report, report
+        assert "24 of 64 query rows off; first at t = [20, 21" in report, report
 
 
 def test_forward_kernel_choice(monkeypatch):
