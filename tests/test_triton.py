@@ -357,6 +357,8 @@ def test_forward_kernel_choice(monkeypatch):
     assert triton_attention._forward_choice(("bucket",), kernels) == "gluon b"
     assert triton_attention._forward_choice(("bucket",), kernels) == "gluon b"
     assert sorted(timed) == sorted(fake_ms)  # each timed once, then remembered
+    fewer = {name: kernels[name] for name in ("triton", "gluon a")}  # e.g. another layout
+    assert triton_attention._forward_choice(("bucket",), fewer) == "triton"  # timed anew
     monkeypatch.setattr(triton_attention, "forward_kernel", "fastest")
     with pytest.raises(ValueError, match="forward_kernel"):
         triton_attention._forward_choice(("bucket",), kernels)

@@ -755,8 +755,8 @@ def _forward(
     if forward_kernel != "triton":
         kernels.update(_gluon_forwards(query, key, value, mask, causal, scale))
     buckets = (_length_bucket(query.shape[1]), _length_bucket(key.shape[1]))
-    tune_key = ("forward", query.device, query.dtype, *buckets, query.shape[-1])
-    return kernels[_forward_choice(tune_key, kernels)]()
+    shape_key = ("forward", query.device, query.dtype, *buckets, query.shape[-1], causal, mask_kind)
+    return kernels[_forward_choice(shape_key, kernels)]()
 
 
 def _triton_forward(
@@ -928,15 +928,15 @@ def _fastest(tune_key: tuple, runs: dict[str, Callable[[], object]]) -> str:
     return min(timings, key=timings.get)
 
 
-def _forward_choice(tune_key: tuple, kernels: dict[str, Callable[[], object]]) -> str:
+def _forward_choice(shape_key: tuple, kernels: dict[str, Callable[[], object]]) -> str:
     """Which forward kernel runs: "triton", or a tiling of the Gluon kernel for Hopper.
 
     ``forward_kernel`` decides: "triton" (the default) always runs the Triton kernel; "gluon"
     runs the Gluon kernel's first tiling wherever it applies (``hopper_forward.applies``);
     "auto" times the Triton kernel and every Gluon tiling on the first call of each shape
-    bucket and keeps the fastest. The Gluon kernel has no CPU interpreter, so it stays off by
-    default until it has been checked on a GPU (``benchmarks/gpu_attention.py`` does that,
-    then times it under "auto").
+    bucket (``shape_key``) with the same candidates and keeps the fastest. The Gluon kernel
+    has no CPU interpreter, so it stays off by default until it has been checked on a GPU
+    (``benchmarks/gpu_attention.py`` does that, then times it under "auto").
     """
     if forward_kernel not in FORWARD_KERNELS:
         choices = ", ".join(FORWARD_KERNELS)
@@ -946,7 +946,7 @@ def _forward_choice(tune_key: tuple, kernels: dict[str, Callable[[], object]]) -
         return "triton"
     if forward_kernel == "gluon":
         return gluon[0]
-    return _fastest(tune_key, kernels)
+    return _fastest((*shape_key, *kernels), kernels)
 
 
 def _backward_plan(tune_key: tuple, run) -> str:
