@@ -180,19 +180,8 @@ def _causal_mask(scores, tile, diagonal):
 
 @gluon.jit
 def _tiles(
-    acc,
-    weights,
-    row_max,
-    row_sum,
-    alpha,
-    q,
-    k_desc,
-    v_desc,
-    k_smem,
-    v_smem,
-    k_bars,
-    v_bars,
-    kv_row,
+    state,
+    operands,
     lo,
     hi,
     n_tiles,
@@ -204,7 +193,10 @@ def _tiles(
     """Key tiles ``lo`` to ``hi - 1`` in the overlapped order the module describes, each
     under the causal mask if MASKED (a loop of its own: a branch inside the loop would let
     ptxas undo the overlap). Takes and returns the running state: the output accumulator,
-    the previous tile's weights, row maxima and sums, and the rescaling still owed."""
+    the previous tile's weights, row maxima and sums, and the rescaling still owed; the
+    operands are the query and the key and value rings."""
+    acc, weights, row_max, row_sum, alpha = state
+    q, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row = operands
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = k_desc.dtype
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
@@ -326,51 +318,13 @@ def _forward_kernel(
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     _refill(k_desc, kv_row, k_bars, k_smem, 0, n_tiles, NUM_STAGES, BLOCK_N)
 
+    state = (acc, weights, row_max, row_sum, alpha)
+    operands = (q, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row)
     unmasked = gl.minimum(free, n_tiles)
-    acc, weights, row_max, row_sum, alpha = _tiles(
-        acc,
-        weights,
-        row_max,
-        row_sum,
-        alpha,
-        q,
-        k_desc,
-        v_desc,
-        k_smem,
-        v_smem,
-        k_bars,
-        v_bars,
-        kv_row,
-        1,
-        unmasked,
-        n_tiles,
-        diagonal,
-        qk_scale,
-        NUM_STAGES,
-        False,
-    )
-    acc, weights, row_max, row_sum, alpha = _tiles(
-        acc,
-        weights,
-        row_max,
-        row_sum,
-        alpha,
-        q,
-        k_desc,
-        v_desc,
-        k_smem,
-        v_smem,
-        k_bars,
-        v_bars,
-        kv_row,
-        gl.maximum(free, 1),
-        n_tiles,
-        n_tiles,
-        diagonal,
-        qk_scale,
-        NUM_STAGES,
-        True,
-    )
+    state = _tiles(state, operands, 1, unmasked, n_tiles, diagonal, qk_scale, NUM_STAGES, False)
+    state = _tiles(state, operands, gl.maximum(free, 1), n_tiles, n_tiles, diagonal, qk_scale,
+                   NUM_STAGES, True)  # fmt: skip
+    acc, weights, row_max, row_sum, alpha = state
 
     acc = acc * alpha[:, None]
     last = (n_tiles - 1) % NUM_STAGES
