@@ -93,7 +93,8 @@ CONFIGS = (
 
 
 def applies(query: Tensor, key: Tensor, value: Tensor, masked: bool, causal: bool) -> bool:
-    """Whether this kernel can run the forward of these (N, T|S, D) tensors (see the module)."""
+    """Whether this kernel can run the forward of these (..., T|S, D) tensors (see the
+    module)."""
     if masked or not query.is_cuda:
         return False
     if causal and query.shape[-2] > key.shape[-2]:  # some rows would see no key at all
@@ -121,11 +122,11 @@ def _descriptor(tensor: Tensor, rows: int) -> TensorDescriptor:
 def hopper_forward(
     query: Tensor, key: Tensor, value: Tensor, causal: bool, qk_scale: float, config: Config
 ) -> tuple[Tensor, Tensor]:
-    """Output (N, T, D) and base-2 log-sum-exp (N, T) of softmax(QKᵀ·scale)V, causal
-    (bottom-right) or not, where ``qk_scale`` is scale·log2(e) >= 0; the caller has checked
-    ``applies``."""
-    n, t, _ = query.shape
-    s = key.shape[1]
+    """Output (..., T, D) and base-2 log-sum-exp (N, T), N the leading dims' product, of
+    softmax(QKᵀ·scale)V, causal (bottom-right) or not, where ``qk_scale`` is scale·log2(e)
+    >= 0; the caller has checked ``applies``."""
+    t, s = query.shape[-2], key.shape[-2]
+    n = query.numel() // (t * query.shape[-1])
     out = torch.empty_like(query)
     lse = torch.empty((n, t), dtype=torch.float32, device=query.device)
     _forward_kernel[(t // config.block_m, n)](

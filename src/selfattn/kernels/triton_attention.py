@@ -24,7 +24,9 @@ float mask is added to the scaled scores, ``causal`` aligns bottom-right (query 
 masked row gives output 0 and gradients 0 (its log-sum-exp is stored as +inf, so every
 recomputed weight of that row is exp2(-inf) = 0).
 
-Inputs are ``(N, T, D)`` views (the wrapper flattens leading dims); any strides are accepted.
+Inputs are ``(outer, inner, T, D)`` views (the wrapper folds all but the last leading dim
+into ``outer``; ``inner`` is usually the heads), with any strides: a (B, H, T, D) view of a
+(B, T, H, D) projection is read where it lies, not copied.
 The head dim is padded to a power of two (at least 16) with masked loads, so odd sizes such as
 59 work. float16 and bfloat16 use tensor cores with float32 accumulation; float32 inputs use
 exact (IEEE) float32 products, so they match the reference to rounding.
@@ -218,6 +220,14 @@ def _length_bucket(length: int) -> int:
 # The kernels below keep their arguments grouped by tensor (pointer, then its strides) on shared
 # lines, as Triton code usually is; one argument per line would triple their length.
 # fmt: off
+
+
+@triton.jit
+def _head_start(base, head, inner, stride_outer, stride_inner):
+    """Where head ``head`` starts in a tensor laid out (outer, inner, ...) with any strides:
+    Q, K and V as the caller's (B, H, T, D) views (no copy for a transposed (B, T, H, D)), and
+    the mask with its broadcast dims at stride 0."""
+    return base + (head // inner) * stride_outer + (head % inner) * stride_inner
 
 
 @triton.jit
@@ -415,9 +425,9 @@ def _forward_tiles(acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, lo, 
                  do_bench=_quick_bench)
 @triton.jit(do_not_specialize=KEY_ONLY_INTS)
 def _forward_kernel(Q, K, V, Mask, Out, Lse,
-                    stride_qn, stride_qt, stride_qd,
-                    stride_kn, stride_ks, stride_kd,
-                    stride_vn, stride_vs, stride_vd,
+                    stride_qo, stride_qi, stride_qt, stride_qd,
+                    stride_ko, stride_ki, stride_ks, stride_kd,
+                    stride_vo, stride_vi, stride_vs, stride_vd,
                     stride_mo, stride_mi, stride_mt, stride_ms,
                     stride_on, stride_ot, stride_od,
                     inner, T, S, qk_scale, t_bucket, s_bucket,
@@ -447,21 +457,20 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
+    q_base = _head_start(Q, head, inner, stride_qo, stride_qi)
+    k_src = _head_start(K, head, inner, stride_ko, stride_ki)
+    v_src = _head_start(V, head, inner, stride_vo, stride_vi)
     if USE_TMA:  # rows past T or S, and columns past the head dims, read as 0
-        q = tl.make_tensor_descriptor(Q + head * stride_qn, shape=[T, HEAD_DIM],
-                                      strides=[stride_qt, 1],
+        q = tl.make_tensor_descriptor(q_base, shape=[T, HEAD_DIM], strides=[stride_qt, 1],
                                       block_shape=[BLOCK_M, BLOCK_D]).load([start_m, 0])
-        k_src = tl.make_tensor_descriptor(K + head * stride_kn, shape=[S, HEAD_DIM],
-                                          strides=[stride_ks, 1], block_shape=[BLOCK_N, BLOCK_D])
-        v_src = tl.make_tensor_descriptor(V + head * stride_vn, shape=[S, VALUE_DIM],
-                                          strides=[stride_vs, 1],
+        k_src = tl.make_tensor_descriptor(k_src, shape=[S, HEAD_DIM], strides=[stride_ks, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_src, shape=[S, VALUE_DIM], strides=[stride_vs, 1],
                                           block_shape=[BLOCK_N, BLOCK_DV])
     else:
-        q = _load(Q + head * stride_qn + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+        q = _load(q_base + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd,
                   rows < T, offs_d < HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # (M, D)
-        k_src = K + head * stride_kn
-        v_src = V + head * stride_vn
-    mask_base = Mask + (head // inner) * stride_mo + (head % inner) * stride_mi
+    mask_base = _head_start(Mask, head, inner, stride_mo, stride_mi)
     if A_FROM_REGISTERS:
         q = _computed(q)
 
@@ -561,9 +570,9 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, 
                  reset_to_zero=["DQAcc"], do_bench=_quick_bench)
 @triton.jit(do_not_specialize=KEY_ONLY_INTS)
 def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV, DQAcc,
-                 stride_qn, stride_qt, stride_qd,
-                 stride_kn, stride_ks, stride_kd,
-                 stride_vn, stride_vs, stride_vd,
+                 stride_qo, stride_qi, stride_qt, stride_qd,
+                 stride_ko, stride_ki, stride_ks, stride_kd,
+                 stride_vo, stride_vi, stride_vs, stride_vd,
                  stride_mo, stride_mi, stride_mt, stride_ms,
                  stride_dn, stride_dt, stride_dd,
                  inner, T, S, qk_scale, scale, t_bucket, s_bucket,
@@ -585,16 +594,18 @@ def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV, DQAcc,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    k = _load(K + head * stride_kn + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+    k_base = _head_start(K, head, inner, stride_ko, stride_ki)
+    v_base = _head_start(V, head, inner, stride_vo, stride_vi)
+    k = _load(k_base + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd,
               cols < S, offs_d < HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # (N, D)
-    v = _load(V + head * stride_vn + cols[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+    v = _load(v_base + cols[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
               cols < S, offs_dv < VALUE_DIM, True, BLOCK_DV != VALUE_DIM)  # (N, Dv)
     if A_FROM_REGISTERS:
         k = _computed(k)
         v = _computed(v)
-    q_base = Q + head * stride_qn
+    q_base = _head_start(Q, head, inner, stride_qo, stride_qi)
     do_base = DOut + head * stride_dn
-    mask_base = Mask + (head // inner) * stride_mo + (head % inner) * stride_mi
+    mask_base = _head_start(Mask, head, inner, stride_mo, stride_mi)
     lse_base = Lse + head * T
     delta_base = Delta + head * T
     dq_base = DQAcc + head * T * BLOCK_D
@@ -660,9 +671,9 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, mask_base, rows, lo, hi,
                  do_bench=_quick_bench)
 @triton.jit(do_not_specialize=KEY_ONLY_INTS)
 def _dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
-               stride_qn, stride_qt, stride_qd,
-               stride_kn, stride_ks, stride_kd,
-               stride_vn, stride_vs, stride_vd,
+               stride_qo, stride_qi, stride_qt, stride_qd,
+               stride_ko, stride_ki, stride_ks, stride_kd,
+               stride_vo, stride_vi, stride_vs, stride_vd,
                stride_mo, stride_mi, stride_mt, stride_ms,
                stride_dn, stride_dt, stride_dd,
                inner, T, S, qk_scale, scale, t_bucket, s_bucket,
@@ -681,7 +692,8 @@ def _dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    q = _load(Q + head * stride_qn + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+    q_base = _head_start(Q, head, inner, stride_qo, stride_qi)
+    q = _load(q_base + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd,
               rows < T, offs_d < HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # (M, D)
     do = _load(DOut + head * stride_dn + rows[:, None] * stride_dt
                + offs_dv[None, :] * stride_dd,
@@ -691,9 +703,9 @@ def _dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
         do = _computed(do)
     lse = tl.load(Lse + head * T + rows, mask=rows < T, other=float("inf"))
     delta = tl.load(Delta + head * T + rows, mask=rows < T, other=0.0)
-    k_base = K + head * stride_kn
-    v_base = V + head * stride_vn
-    mask_base = Mask + (head // inner) * stride_mo + (head % inner) * stride_mi
+    k_base = _head_start(K, head, inner, stride_ko, stride_ki)
+    v_base = _head_start(V, head, inner, stride_vo, stride_vi)
+    mask_base = _head_start(Mask, head, inner, stride_mo, stride_mi)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     free, hi = _key_range(start_m, T, S, BLOCK_M, BLOCK_N, CAUSAL)
@@ -748,13 +760,13 @@ def _forward(
     causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
-    """Run the chosen forward kernel on (N, T, D) inputs; returns output (N, T, Dv) and LSE
-    (N, T)."""
+    """Run the chosen forward kernel on (outer, inner, T, D) inputs; returns the output
+    (outer, inner, T, Dv) and the LSE (outer · inner, T)."""
     kernels = {"triton": partial(_triton_forward, query, key, value, mask, inner, mask_kind,
                                  causal, scale)}  # fmt: skip
     if forward_kernel != "triton":
         kernels.update(_gluon_forwards(query, key, value, mask, causal, scale))
-    buckets = (_length_bucket(query.shape[1]), _length_bucket(key.shape[1]))
+    buckets = (_length_bucket(query.shape[-2]), _length_bucket(key.shape[-2]))
     shape_key = ("forward", query.device, query.dtype, *buckets, query.shape[-1], causal, mask_kind)
     return kernels[_forward_choice(shape_key, kernels)]()
 
@@ -770,8 +782,8 @@ def _triton_forward(
     scale: float,
 ) -> tuple[Tensor, Tensor]:
     """The Triton forward kernel (autotuned); see ``_forward``."""
-    n, t, _ = query.shape
-    s, value_dim = key.shape[1], value.shape[2]
+    n, t = query.shape[0] * query.shape[1], query.shape[2]
+    s, value_dim = key.shape[2], value.shape[3]
     out = torch.empty((n, t, value_dim), dtype=query.dtype, device=query.device)
     lse = torch.empty((n, t), dtype=torch.float32, device=query.device)
     tma_ok = _tma_ok(query, key, value)
@@ -799,7 +811,7 @@ def _triton_forward(
         TMA_OK=tma_ok,
         **_shape_args(query, value, causal, mask_kind),
     )
-    return out, lse
+    return out.view(*query.shape[:2], t, value_dim), lse
 
 
 def _gluon_forwards(
@@ -849,9 +861,11 @@ def _backward(
     causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Launch the backward kernels of the chosen plan; returns dQ, dK, dV shaped like the inputs."""
-    n, t, _ = query.shape
-    s, value_dim = key.shape[1], value.shape[2]
+    """Launch the backward kernels of the chosen plan; returns dQ, dK, dV shaped like the inputs
+    (outer, inner, T|S, D)."""
+    n, t = query.shape[0] * query.shape[1], query.shape[2]
+    s, value_dim = key.shape[2], value.shape[3]
+    out, grad_out = (x.reshape(n, t, value_dim) for x in (out, grad_out))
     shape_args = _shape_args(query, value, causal, mask_kind)
     buckets = (_length_bucket(t), _length_bucket(s))
     mask_arg = query if mask is None else mask
@@ -898,7 +912,7 @@ def _backward(
             *tensors, grad_key, grad_value, dq_acc, *common, ATOMIC_DQ=atomic, **shape_args
         )
         if atomic:
-            grad_query = dq_acc[..., : query.shape[-1]].to(query.dtype)
+            grad_query = dq_acc[..., : query.shape[-1]].to(query.dtype).reshape(query.shape)
         else:
             grad_query = torch.empty(query.shape, dtype=query.dtype, device=query.device)
             _dq_kernel[lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), n)](
@@ -1069,9 +1083,11 @@ def triton_attention(
         return (query.sum() + key.sum() + value.sum()) * 0 + query.new_zeros(*lead, t, value_dim)
     if scale < 0:  # the kernels scale after taking row maxima, which needs scale >= 0
         key, scale = -key, -scale
-    flat = [x.reshape(-1, *x.shape[-2:]) for x in (query, key, value)]  # (N, T|S, D)
     kernel_mask, inner, mask_kind = _kernel_mask(mask, lead, t, s, query.device)
-    out = _FusedAttention.apply(*flat, kernel_mask, inner, mask_kind, causal, float(scale))
+    # (outer, inner, T|S, D): a view for 4-D inputs whatever their strides, so a transposed
+    # (B, T, H, D) projection goes to the kernels as it is.
+    heads = [x.reshape(-1, inner, *x.shape[-2:]) for x in (query, key, value)]
+    out = _FusedAttention.apply(*heads, kernel_mask, inner, mask_kind, causal, float(scale))
     return out.reshape(*lead, t, value_dim)
 
 
