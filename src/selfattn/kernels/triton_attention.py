@@ -429,7 +429,7 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
                     stride_ko, stride_ki, stride_ks, stride_kd,
                     stride_vo, stride_vi, stride_vs, stride_vd,
                     stride_mo, stride_mi, stride_mt, stride_ms,
-                    stride_on, stride_ot, stride_od,
+                    stride_oo, stride_oi, stride_ot, stride_od,
                     inner, T, S, qk_scale, t_bucket, s_bucket,
                     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -493,24 +493,27 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
     row_sum = tl.where(empty, 1.0, row_sum)
     lse = tl.where(empty, float("inf"), row_max + tl.math.log2(row_sum))
     tl.store(Lse + head * T + rows, lse, mask=rows < T)
-    tl.store(Out + head * stride_on + rows[:, None] * stride_ot + offs_dv[None, :] * stride_od,
+    out_base = _head_start(Out, head, inner, stride_oo, stride_oi)
+    tl.store(out_base + rows[:, None] * stride_ot + offs_dv[None, :] * stride_od,
              (acc / row_sum[:, None]).to(Out.dtype.element_ty),
              mask=(rows < T)[:, None] & (offs_dv < VALUE_DIM)[None, :])
 
 
 @triton.jit
 def _preprocess_kernel(Out, DOut, Delta,
-                       stride_on, stride_ot, stride_od, stride_dn, stride_dt, stride_dd,
-                       T, VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+                       stride_oo, stride_oi, stride_ot, stride_od,
+                       stride_do, stride_di, stride_dt, stride_dd,
+                       inner, T, VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
                        BLOCK_M: tl.constexpr):
     """delta[i] = sum_d O[i, d] * dO[i, d], in float32, for BLOCK_M queries of one head."""
     head = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     ok = (rows < T)[:, None] & (offs_dv < VALUE_DIM)[None, :]
-    o = tl.load(Out + head * stride_on + rows[:, None] * stride_ot + offs_dv[None, :] * stride_od,
+    o = tl.load(_head_start(Out, head, inner, stride_oo, stride_oi)
+                + rows[:, None] * stride_ot + offs_dv[None, :] * stride_od,
                 mask=ok, other=0.0)
-    do = tl.load(DOut + head * stride_dn + rows[:, None] * stride_dt
+    do = tl.load(_head_start(DOut, head, inner, stride_do, stride_di) + rows[:, None] * stride_dt
                  + offs_dv[None, :] * stride_dd, mask=ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + head * T + rows, delta, mask=rows < T)
@@ -574,7 +577,7 @@ def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV, DQAcc,
                  stride_ko, stride_ki, stride_ks, stride_kd,
                  stride_vo, stride_vi, stride_vs, stride_vd,
                  stride_mo, stride_mi, stride_mt, stride_ms,
-                 stride_dn, stride_dt, stride_dd,
+                 stride_do, stride_di, stride_dt, stride_dd,
                  inner, T, S, qk_scale, scale, t_bucket, s_bucket,
                  HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -604,7 +607,7 @@ def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV, DQAcc,
         k = _computed(k)
         v = _computed(v)
     q_base = _head_start(Q, head, inner, stride_qo, stride_qi)
-    do_base = DOut + head * stride_dn
+    do_base = _head_start(DOut, head, inner, stride_do, stride_di)
     mask_base = _head_start(Mask, head, inner, stride_mo, stride_mi)
     lse_base = Lse + head * T
     delta_base = Delta + head * T
@@ -675,7 +678,7 @@ def _dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
                stride_ko, stride_ki, stride_ks, stride_kd,
                stride_vo, stride_vi, stride_vs, stride_vd,
                stride_mo, stride_mi, stride_mt, stride_ms,
-               stride_dn, stride_dt, stride_dd,
+               stride_do, stride_di, stride_dt, stride_dd,
                inner, T, S, qk_scale, scale, t_bucket, s_bucket,
                HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -695,7 +698,7 @@ def _dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
     q_base = _head_start(Q, head, inner, stride_qo, stride_qi)
     q = _load(q_base + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd,
               rows < T, offs_d < HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # (M, D)
-    do = _load(DOut + head * stride_dn + rows[:, None] * stride_dt
+    do = _load(_head_start(DOut, head, inner, stride_do, stride_di) + rows[:, None] * stride_dt
                + offs_dv[None, :] * stride_dd,
                rows < T, offs_dv < VALUE_DIM, True, BLOCK_DV != VALUE_DIM)  # (M, Dv)
     if A_FROM_REGISTERS:
@@ -784,7 +787,7 @@ def _triton_forward(
     """The Triton forward kernel (autotuned); see ``_forward``."""
     n, t = query.shape[0] * query.shape[1], query.shape[2]
     s, value_dim = key.shape[2], value.shape[3]
-    out = torch.empty((n, t, value_dim), dtype=query.dtype, device=query.device)
+    out = _empty_heads(query, value_dim)
     lse = torch.empty((n, t), dtype=torch.float32, device=query.device)
     tma_ok = _tma_ok(query, key, value)
     if tma_ok and not INTERPRETING:
@@ -811,7 +814,7 @@ def _triton_forward(
         TMA_OK=tma_ok,
         **_shape_args(query, value, causal, mask_kind),
     )
-    return out.view(*query.shape[:2], t, value_dim), lse
+    return out, lse
 
 
 def _gluon_forwards(
@@ -832,6 +835,16 @@ def _gluon_forwards(
         )
         for config in hopper_forward.CONFIGS
     }
+
+
+def _empty_heads(like: Tensor, last_dim: int) -> Tensor:
+    """An empty (outer, inner, T, last_dim) tensor laid out as ``like`` is: T outside the heads
+    when ``like`` is a (B, T, H, D) projection seen as (B, H, T, D), so that the caller's
+    transpose back to (B, T, H·D) is a view, as it is with torch's SDPA; contiguous otherwise."""
+    outer, inner, t, _ = like.shape
+    if inner > 1 and like.stride(1) < like.stride(2):
+        return like.new_empty((outer, t, inner, last_dim)).transpose(1, 2)
+    return like.new_empty((outer, inner, t, last_dim))
 
 
 def _device_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
@@ -865,7 +878,6 @@ def _backward(
     (outer, inner, T|S, D)."""
     n, t = query.shape[0] * query.shape[1], query.shape[2]
     s, value_dim = key.shape[2], value.shape[3]
-    out, grad_out = (x.reshape(n, t, value_dim) for x in (out, grad_out))
     shape_args = _shape_args(query, value, causal, mask_kind)
     buckets = (_length_bucket(t), _length_bucket(s))
     mask_arg = query if mask is None else mask
@@ -878,6 +890,7 @@ def _backward(
         delta,
         *out.stride(),
         *grad_out.stride(),
+        inner,
         t,
         VALUE_DIM=value_dim,
         BLOCK_DV=shape_args["BLOCK_DV"],
