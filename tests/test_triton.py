@@ -158,8 +158,8 @@ def test_non_contiguous_inputs():
 
 def test_transposed_heads_reach_the_kernels_without_a_copy(monkeypatch):
     """A (B, H, T, D) view of a (B, T, H, D) projection goes to the kernels where it lies (an
-    outer and an inner stride per tensor), not copied to contiguous first; the output comes
-    back in the same layout, so the caller's transpose back to (B, T, H·D) is a view too."""
+    outer and an inner stride per tensor), not copied to contiguous first; the output and the
+    gradients come back in the same layout, so the caller's transposes back are views too."""
     from selfattn.kernels import triton_attention
 
     seen = []
@@ -170,10 +170,11 @@ def test_transposed_heads_reach_the_kernels_without_a_copy(monkeypatch):
         return apply(*args)
 
     monkeypatch.setattr(triton_attention._FusedAttention, "apply", recording)
-    q, k, v = (torch.randn(2, n, 3, 16).transpose(1, 2) for n in (7, 33, 33))
+    q, k, v = (torch.randn(2, n, 3, 16, requires_grad=True).transpose(1, 2) for n in (7, 33, 33))
     out = attention(q, k, v, backend="triton")
     assert seen == [x.data_ptr() for x in (q, k, v)]
-    assert out.transpose(1, 2).is_contiguous()
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert all(x.transpose(1, 2).is_contiguous() for x in (out, *grads))
     torch.testing.assert_close(out, attention(q, k, v, backend="sdpa"), rtol=1e-5, atol=1e-5)
 
 

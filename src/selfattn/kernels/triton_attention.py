@@ -573,6 +573,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, 
                  reset_to_zero=["DQAcc"], do_bench=_quick_bench)
 @triton.jit(do_not_specialize=KEY_ONLY_INTS)
 def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV, DQAcc,
+                 stride_gko, stride_gki, stride_gks, stride_gvo, stride_gvi, stride_gvs,
                  stride_qo, stride_qi, stride_qt, stride_qd,
                  stride_ko, stride_ki, stride_ks, stride_kd,
                  stride_vo, stride_vi, stride_vs, stride_vd,
@@ -632,11 +633,13 @@ def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV, DQAcc,
         HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL, MASK_KIND, True, PRECISION,
         ATOMIC_DQ)
 
-    # dK and dV are written contiguous, (N, S, D) and (N, S, Dv).
+    # dK and dV are written in the layout of K and V (unit last stride).
     key_ok = (cols < S)[:, None]
-    tl.store(DK + head * S * HEAD_DIM + cols[:, None] * HEAD_DIM + offs_d[None, :],
+    dk_base = _head_start(DK, head, inner, stride_gko, stride_gki)
+    dv_base = _head_start(DV, head, inner, stride_gvo, stride_gvi)
+    tl.store(dk_base + cols[:, None] * stride_gks + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=key_ok & (offs_d < HEAD_DIM)[None, :])
-    tl.store(DV + head * S * VALUE_DIM + cols[:, None] * VALUE_DIM + offs_dv[None, :],
+    tl.store(dv_base + cols[:, None] * stride_gvs + offs_dv[None, :],
              dv.to(DV.dtype.element_ty), mask=key_ok & (offs_dv < VALUE_DIM)[None, :])
 
 
@@ -674,6 +677,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, mask_base, rows, lo, hi,
                  do_bench=_quick_bench)
 @triton.jit(do_not_specialize=KEY_ONLY_INTS)
 def _dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
+               stride_gqo, stride_gqi, stride_gqt,
                stride_qo, stride_qi, stride_qt, stride_qd,
                stride_ko, stride_ki, stride_ks, stride_kd,
                stride_vo, stride_vi, stride_vs, stride_vd,
@@ -721,8 +725,9 @@ def _dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
         stride_ks, stride_kd, stride_vs, stride_vd, stride_mt, stride_ms, T, S, qk_scale,
         HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, MASK_KIND, True, PRECISION)
 
-    # dQ is written contiguous, (N, T, D).
-    tl.store(DQ + head * T * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :],
+    # dQ is written in the layout of Q (unit last stride).
+    dq_base = _head_start(DQ, head, inner, stride_gqo, stride_gqi)
+    tl.store(dq_base + rows[:, None] * stride_gqt + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty),
              mask=(rows < T)[:, None] & (offs_d < HEAD_DIM)[None, :])
 
@@ -913,23 +918,24 @@ def _backward(
     tensors = (query, key, value, mask_arg, grad_out, lse, delta)
 
     def run(plan: str) -> tuple[Tensor, Tensor, Tensor]:
-        grad_key = torch.empty(key.shape, dtype=key.dtype, device=key.device)
-        grad_value = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+        grad_key, grad_value = _empty_heads(key, key.shape[-1]), _empty_heads(value, value_dim)
         atomic = plan == "atomic"
         if atomic:
             width = shape_args["BLOCK_D"]
             dq_acc = torch.zeros((n, t, width), dtype=torch.float32, device=query.device)
         else:
             dq_acc = torch.empty(0, dtype=torch.float32, device=query.device)
+        grad_strides = (*grad_key.stride()[:3], *grad_value.stride()[:3])
         _dkdv_kernel[lambda meta: (triton.cdiv(s, meta["BLOCK_N"]), n)](
-            *tensors, grad_key, grad_value, dq_acc, *common, ATOMIC_DQ=atomic, **shape_args
-        )
+            *tensors, grad_key, grad_value, dq_acc, *grad_strides, *common, ATOMIC_DQ=atomic,
+            **shape_args,
+        )  # fmt: skip
+        grad_query = _empty_heads(query, query.shape[-1])
         if atomic:
-            grad_query = dq_acc[..., : query.shape[-1]].to(query.dtype).reshape(query.shape)
+            grad_query.copy_(dq_acc[..., : query.shape[-1]].view(query.shape))
         else:
-            grad_query = torch.empty(query.shape, dtype=query.dtype, device=query.device)
             _dq_kernel[lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), n)](
-                *tensors, grad_query, *common, **shape_args
+                *tensors, grad_query, *grad_query.stride()[:3], *common, **shape_args
             )
         return grad_query, grad_key, grad_value
 
