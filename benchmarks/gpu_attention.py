@@ -6,7 +6,8 @@ and backward, for head dims 64 and 128, T from 512 to 16,384 with B·T = 16,384 
 model width of 2,048 (H = 2048 / D), causal and not. All timings come from CUDA events in
 the same run. On an sm_90 GPU it also checks the Gluon forward (``hopper_forward``) in a
 child process first; the tilings that pass are timed against the Triton forward
-(``forward_kernel = "auto"``) and "ours" is whichever wins.
+(``forward_kernel = "auto"``) and "ours" is whichever wins. A last, short table repeats the
+shortest and longest T with the heads in a layer's layout (transposed views).
 
 FLOPs counted: forward 4·B·H·T²·D (two matmuls), backward 2.5× that; both halved when causal.
 
@@ -523,19 +524,8 @@ def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int])
                     for _ in range(3)
                 )  # fmt: skip
                 flops = forward_flops(batch, heads, length, head_dim, causal)
-                forward, backward = [], []
-                for name, run in backends.items():
-                    forward_ms = backward_ms = None
-                    if run is not None:
-                        try:
-                            forward_ms, backward_ms = time_one(run, q, k, v, causal, setting.device)
-                        except Exception as error:  # a backend that refuses or fails here
-                            notes.append(f"{name}, D={head_dim}, T={length}: {first_line(error)}")
-                    forward.append("n/a" if forward_ms is None else tflops(flops, forward_ms))
-                    backward.append(
-                        "n/a" if backward_ms is None else tflops(2.5 * flops, backward_ms)
-                    )
-                row = [head_dim, causal, length, batch, heads, *forward, *backward]
+                cells = timed_cells(backends, (q, k, v), causal, flops, setting.device, notes)
+                row = [head_dim, causal, length, batch, heads, *cells]
                 print("| " + " | ".join(str(cell) for cell in row) + " |", flush=True)
             notes.append(f"ours, D={head_dim}, causal={causal}, T={length}: {tuned_configs()}")
             for kernel in AUTOTUNED:
@@ -548,6 +538,50 @@ def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int])
     for note in notes:
         print(f"- {note}")
     print()
+
+
+def timed_cells(backends: dict, inputs, causal: bool, flops: float, device, notes: list) -> list:
+    """TFLOP/s of each backend on one input, forward cells then backward ones ("n/a" where a
+    backend is missing or fails, with the failure added to ``notes``)."""
+    forward, backward = [], []
+    for name, run in backends.items():
+        forward_ms = backward_ms = None
+        if run is not None:
+            try:
+                forward_ms, backward_ms = time_one(run, *inputs, causal, device)
+            except Exception as error:  # a backend that refuses or fails here
+                shape = "x".join(str(size) for size in inputs[0].shape)
+                notes.append(f"{name}, {shape}: {first_line(error)}")
+        forward.append("n/a" if forward_ms is None else tflops(flops, forward_ms))
+        backward.append("n/a" if backward_ms is None else tflops(2.5 * flops, backward_ms))
+    return forward + backward
+
+
+def layout_table(setting: Setting, lengths: list[int], head_dim: int) -> None:
+    """The shortest and longest T again, with the heads as a model's layer hands them over: a
+    (B, H, T, D) view of a (B, T, H, D) projection. Ours reads and writes that layout in
+    place, as torch's SDPA does; this shows what it costs against contiguous inputs."""
+    backends = {"ours": ours, **sdpa_backends()}
+    heads = max(1, setting.width // head_dim)
+    print("## Layer layout: (B, H, T, D) views of (B, T, H, D) tensors (TFLOP/s, not causal)\n")
+    header = ["D", "T", "B", "H"]
+    header += [f"{name} fwd" for name in backends] + [f"{name} bwd" for name in backends]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    notes = []
+    for length in sorted({lengths[0], lengths[-1]}):
+        batch = max(1, setting.tokens // length)
+        inputs = [
+            torch.randn(batch, length, heads, head_dim, device=setting.device,
+                        dtype=setting.dtype).transpose(1, 2)
+            for _ in range(3)
+        ]  # fmt: skip
+        flops = forward_flops(batch, heads, length, head_dim, False)
+        cells = timed_cells(backends, inputs, False, flops, setting.device, notes)
+        print("| " + " | ".join(str(x) for x in [head_dim, length, batch, heads, *cells]) + " |")
+    print()
+    for note in notes:
+        print(f"- {note}")
 
 
 def describe(setting: Setting) -> None:
@@ -579,6 +613,7 @@ def main() -> int:
     correct = check_correctness(setting) and correct
     check_hopper_forward(setting)
     throughput_table(setting, lengths, head_dims)
+    layout_table(setting, lengths, head_dims[-1])
     print(f"Total time: {time.perf_counter() - started:.0f} s")
     if not correct:
         print("Correctness check FAILED: the throughput above is for a wrong kernel.")

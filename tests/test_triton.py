@@ -499,4 +499,4 @@ def test_gpu_benchmark_script_dry_run():
         "| split |" in line for line in checks
     )
     assert checks and all(line.endswith("| yes |") for line in checks), report.stdout
-    assert "## Throughput" in report.stdout
+    assert "## Throughput" in report.stdout and "## Layer layout" in report.stdout
