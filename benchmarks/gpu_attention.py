@@ -290,13 +290,15 @@ def check_hopper_forward(setting: Setting) -> None:
     print(f"Gluon tilings in the timed run: {len(hopper_forward.CONFIGS)}.\n")
 
 
-HOPPER_CHECK_CASES = [  # (B, H, T, S, D, causal, dtype)
-    (1, 4, 1024, 1024, 128, False, torch.bfloat16),
-    (2, 3, 256, 640, 64, False, torch.bfloat16),
-    (1, 2, 128, 128, 128, False, torch.bfloat16),
-    (1, 2, 384, 256, 64, False, torch.float16),
-    (1, 4, 1024, 1024, 128, True, torch.bfloat16),
-    (2, 3, 256, 640, 64, True, torch.bfloat16),
+HOPPER_CHECK_CASES = [  # (B, H, T, S, D, causal, dtype, layout)
+    (1, 4, 1024, 1024, 128, False, torch.bfloat16, "heads"),
+    (2, 3, 256, 640, 64, False, torch.bfloat16, "heads"),
+    (1, 2, 128, 128, 128, False, torch.bfloat16, "heads"),
+    (1, 2, 384, 256, 64, False, torch.float16, "heads"),
+    (1, 4, 1024, 1024, 128, True, torch.bfloat16, "heads"),
+    (2, 3, 256, 640, 64, True, torch.bfloat16, "heads"),
+    (2, 4, 512, 512, 128, False, torch.bfloat16, "interleaved"),  # a layer's (B, T, H, D)
+    (2, 3, 256, 384, 64, True, torch.bfloat16, "interleaved"),
 ]
 
 
@@ -308,7 +310,7 @@ def hopper_forward_check_main(device: torch.device) -> int:
 
     print("## Gluon forward for Hopper, each tiling (max abs error against float64; "
           "ours / torch SDPA; LSE: ours)\n")  # fmt: skip
-    print("| tiling | B, H, T, S, D, causal, dtype | output | LSE | dQ | dK | dV | ok |")
+    print("| tiling | B, H, T, S, D, causal, dtype, layout | output | LSE | dQ | dK | dV | ok |")
     print("|---|---|---|---|---|---|---|---|")
     prepared = [hopper_check_inputs(*case, device) for case in HOPPER_CHECK_CASES]
     every, passed = hopper_forward.CONFIGS, []
@@ -317,12 +319,12 @@ def hopper_forward_check_main(device: torch.device) -> int:
         hopper_forward.CONFIGS = (config,)
         config_ok = True
         notes = []
-        for (*shape, causal, dtype), (case, flat, want_lse, base, want) in zip(
+        for (*shape, causal, dtype, layout), (case, inputs, want_lse, base, want) in zip(
             HOPPER_CHECK_CASES, prepared, strict=True
         ):
             try:
                 qk_scale = shape[-1] ** -0.5 * triton_attention.LOG2E
-                _, lse = hopper_forward.hopper_forward(*flat, causal, qk_scale, config)
+                _, lse = hopper_forward.hopper_forward(*inputs, causal, qk_scale, config)
                 lse_error = (lse.double() - want_lse).abs().max().item()
                 got = output_and_grads("triton", dtype, *case)
                 measured = errors(got, base, want)
@@ -335,7 +337,9 @@ def hopper_forward_check_main(device: torch.device) -> int:
             except Exception as error:  # report it and go on with the next tiling
                 cells, ok = [f"failed: {first_line(error, 80)}", "", "", "", ""], False
             config_ok = config_ok and ok
-            label = ", ".join(str(x) for x in (*shape, causal, str(dtype).removeprefix("torch.")))
+            label = ", ".join(
+                str(x) for x in (*shape, causal, str(dtype).removeprefix("torch."), layout)
+            )
             row = [config.describe(), label, *cells, "yes" if ok else "**NO**"]
             print("| " + " | ".join(row) + " |", flush=True)
         for note in notes:
@@ -355,24 +359,32 @@ def misses(got: torch.Tensor, want: torch.Tensor, limit: float) -> str:
     return f"{int(bad.sum())} of {bad.numel()} query rows off; first at t = {positions}"
 
 
-def hopper_check_inputs(batch, heads, t, s, d, causal, dtype, device) -> tuple:
+def hopper_check_inputs(batch, heads, t, s, d, causal, dtype, layout, device) -> tuple:
     """One case of the Gluon check, and what it must give: the inputs for
-    ``output_and_grads``, the (N, T, D) inputs in ``dtype``, the base-2 log-sum-exp of their
-    scaled scores in float64, SDPA's output and gradients in ``dtype``, and float64's."""
+    ``output_and_grads``, the same in ``dtype`` on the device, the base-2 log-sum-exp of their
+    scaled scores in float64 as (B·H, T), SDPA's output and gradients in ``dtype``, and
+    float64's. Layout "interleaved" makes each input a (B, H, T, D) view of a (B, T, H, D)
+    tensor, as a layer splitting heads does; "heads" makes it contiguous."""
     generator = torch.Generator(device="cpu").manual_seed(t + s + d)
-    q, k, v = (torch.randn(batch, heads, n, d, generator=generator, dtype=torch.float64)
-               for n in (t, s, s))  # fmt: skip
+
+    def sample(length: int) -> torch.Tensor:
+        if layout == "interleaved":
+            shape = (batch, length, heads, d)
+            return torch.randn(*shape, generator=generator, dtype=torch.float64).transpose(1, 2)
+        return torch.randn(batch, heads, length, d, generator=generator, dtype=torch.float64)
+
+    q, k, v = sample(t), sample(s), sample(s)
     grad = torch.randn(batch, heads, t, d, generator=generator, dtype=torch.float64)
     case = (q, k, v, grad, None, causal, device)
-    flat = [x.to(device, dtype).reshape(-1, x.shape[2], d) for x in (q, k, v)]
-    scores = flat[0].double() @ flat[1].double().transpose(-1, -2) * d**-0.5
+    inputs = [x.to(device, dtype) for x in (q, k, v)]  # .to keeps the layout
+    scores = inputs[0].double() @ inputs[1].double().transpose(-1, -2) * d**-0.5
     if causal:  # bottom-right: query i sees keys j <= i + S - T
         hidden = torch.ones(t, s, dtype=torch.bool, device=device).triu(s - t + 1)
         scores = scores.masked_fill(hidden, float("-inf"))
-    want_lse = torch.logsumexp(scores, dim=-1) / math.log(2)
+    want_lse = (torch.logsumexp(scores, dim=-1) / math.log(2)).reshape(-1, t)
     base = output_and_grads("sdpa", dtype, *case)
     want = output_and_grads("explicit", torch.float64, *case)
-    return case, flat, want_lse, base, want
+    return case, inputs, want_lse, base, want
 
 
 def config_check_cases(setting: Setting) -> list[tuple[int, int, int, int, bool]]:

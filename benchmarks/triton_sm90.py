@@ -22,6 +22,7 @@ does not spill, and still uses wgmma, before it spends device time:
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -88,8 +89,11 @@ def compile_config(jit_fn, config: triton.Config, head_dim: int, causal: bool, *
     return triton.compile(source, target=HOPPER, options=options)
 
 
-def compile_gluon(config: hopper_forward.Config, head_dim: int, causal: bool):
-    """Compile one tiling of the Gluon forward (``hopper_forward``) for sm_90, bf16."""
+def compile_gluon(
+    config: hopper_forward.Config, head_dim: int, causal: bool, interleaved: bool = False
+):
+    """Compile one tiling of the Gluon forward (``hopper_forward``) for sm_90, bf16, for
+    (N, T, D) inputs or, ``interleaved``, for (B, H, T, D) views of (B, T, H, D) ones."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -100,10 +104,10 @@ def compile_gluon(config: hopper_forward.Config, head_dim: int, causal: bool):
     jit_fn = hopper_forward._forward_kernel
     rows = {"q_desc": config.block_m, "k_desc": config.block_n, "v_desc": config.block_n,
             "o_desc": config.block_m}  # fmt: skip
-    constants = {"CAUSAL": causal, "NUM_STAGES": config.stages,
+    constants = {"CAUSAL": causal, "INTERLEAVED": interleaved, "NUM_STAGES": config.stages,
                  "Q_IN_REGISTERS": config.q_in_registers,
                  "num_warps": config.num_warps}  # fmt: skip
-    types = {"Lse": "*fp32", "T": "i32", "S": "i32", "qk_scale": "fp32"}
+    types = {"Lse": "*fp32", "T": "i32", "S": "i32", "qk_scale": "fp32", "H": "i32"}
     signature, attributes = {}, {}
     for index, name in enumerate(jit_fn.arg_names):
         if name in rows:
@@ -230,12 +234,13 @@ def main() -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for name in args.kernels:
-        if name == GLUON:  # no autotune pruner
-            for head_dim in args.head_dims:
-                for causal in causal_values:
-                    for config in hopper_forward.CONFIGS:
-                        compile_one = partial(compile_gluon, config, head_dim, causal)
-                        report(name, compile_one, config.describe(), head_dim, causal)
+        if name == GLUON:  # no autotune pruner; both input layouts
+            for head_dim, causal, interleaved, config in itertools.product(
+                args.head_dims, causal_values, (False, True), hopper_forward.CONFIGS
+            ):
+                compile_one = partial(compile_gluon, config, head_dim, causal, interleaved)
+                label = config.describe() + (" interleaved" if interleaved else "")
+                report(name, compile_one, label, head_dim, causal)
             continue
         autotuned = kernels.AUTOTUNED[name]
         for variant, switches in variants(name).items():

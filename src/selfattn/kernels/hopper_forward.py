@@ -28,8 +28,10 @@ Causal attention (bottom-right) runs the tiles the diagonal crosses in a second 
 masks every tile it visits; tiles wholly above the diagonal are not visited.
 
 Scope: the common cases, where no ragged edge needs masking: CUDA Hopper, float16 or
-bfloat16, equal query and value head dims of 64 or 128, contiguous (N, T, D) inputs, T and S
-multiples of 128, no mask; causal when T <= S (so that every query sees a key). ``applies``
+bfloat16, equal query and value head dims of 64 or 128, T and S multiples of 128, no mask;
+causal when T <= S (so that every query sees a key). Inputs are contiguous (..., T, D), or
+all three (B, H, T, D) views of contiguous (B, T, H, D) tensors (a layer's projections split
+into heads), read in place: a head is then a column block of a (B·T, H·D) matrix. ``applies``
 says whether a call is in it; everything else runs the Triton forward. Gluon has no CPU
 interpreter, so this kernel is checked on a GPU only (``benchmarks/gpu_attention.py``) and
 compiled for sm_90 on any machine (``benchmarks/triton_sm90.py``);
@@ -108,12 +110,33 @@ def applies(query: Tensor, key: Tensor, value: Tensor, masked: bool, causal: boo
         return False
     if t % TILE_MULTIPLE or s % TILE_MULTIPLE:
         return False
-    return all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (query, key, value))
+    layouts = {_layout(x) for x in (query, key, value)}
+    return (
+        len(layouts) == 1
+        and None not in layouts
+        and query.data_ptr() % 16 == 0
+        and all(x.data_ptr() % 16 == 0 for x in (key, value))
+    )
+
+
+def _layout(x: Tensor) -> str | None:
+    """ "heads" for a contiguous (..., T, D) tensor; "interleaved" for a (B, H, T, D) view of a
+    contiguous (B, T, H, D) one, a layer's projection split into heads; None otherwise."""
+    if x.is_contiguous():
+        return "heads"
+    if x.dim() == 4 and x.transpose(1, 2).is_contiguous():
+        return "interleaved"
+    return None
 
 
 def _descriptor(tensor: Tensor, rows: int) -> TensorDescriptor:
-    """A TMA descriptor over the (N·T, D) rows of a contiguous (N, T, D) tensor."""
-    flat = tensor.view(-1, tensor.shape[-1])
+    """A TMA descriptor of (rows, D) blocks over the tensor's memory as a matrix: (N·T, D)
+    for the "heads" layout, (B·T, H·D) for "interleaved" (a head is then a column block)."""
+    if _layout(tensor) == "interleaved":
+        b, h, t, d = tensor.shape
+        flat = tensor.transpose(1, 2).view(b * t, h * d)
+    else:
+        flat = tensor.view(-1, tensor.shape[-1])
     block = [rows, tensor.shape[-1]]
     layout = gl.NVMMASharedLayout.get_default_for(block, DTYPES[tensor.dtype])
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
@@ -127,7 +150,7 @@ def hopper_forward(
     >= 0; the caller has checked ``applies``."""
     t, s = query.shape[-2], key.shape[-2]
     n = query.numel() // (t * query.shape[-1])
-    out = torch.empty_like(query)
+    out = torch.empty_like(query)  # the same layout, strides and all
     lse = torch.empty((n, t), dtype=torch.float32, device=query.device)
     _forward_kernel[(t // config.block_m, n)](
         _descriptor(query, config.block_m),
@@ -138,7 +161,9 @@ def hopper_forward(
         t,
         s,
         qk_scale,
+        query.shape[1] if query.dim() == 4 else 1,
         CAUSAL=causal,
+        INTERLEAVED=_layout(query) == "interleaved",
         NUM_STAGES=config.stages,
         Q_IN_REGISTERS=config.q_in_registers,
         num_warps=config.num_warps,
@@ -147,22 +172,22 @@ def hopper_forward(
 
 
 @gluon.jit
-def _fetch(desc, row, bar, dest, pred):
+def _fetch(desc, row, col, bar, dest, pred):
     """Start the TMA copy of one tile into ``dest``; ``bar`` completes when its bytes land."""
     mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
-    _tma_load(desc, [row, 0], bar, dest, pred=pred)
+    _tma_load(desc, [row, col], bar, dest, pred=pred)
 
 
 @gluon.jit
 def _refill(
-    desc, base_row, bars, ring, used, n_tiles, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr
+    desc, base_row, col, bars, ring, used, n_tiles, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr
 ):
     """Tile ``used`` is consumed: once every warp is past it, load tile ``used + NUM_STAGES``,
     if there is one, into its slot."""
     _barrier()
     tile = used + NUM_STAGES
     slot = used % NUM_STAGES
-    _fetch(desc, base_row + tile * BLOCK_N, bars.index(slot), ring.index(slot), tile < n_tiles)
+    _fetch(desc, base_row + tile * BLOCK_N, col, bars.index(slot), ring.index(slot), tile < n_tiles)
 
 
 @gluon.jit
@@ -197,7 +222,7 @@ def _tiles(
     the previous tile's weights, row maxima and sums, and the rescaling still owed; the
     operands are the query and the key and value rings."""
     acc, weights, row_max, row_sum, alpha = state
-    q, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row = operands
+    q, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row, col = operands
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = k_desc.dtype
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
@@ -218,7 +243,7 @@ def _tiles(
         tile_scores = warpgroup_mma_wait(1, deps=(tile_scores,))  # S(j) done; PV(j-1) runs on
         # This TMA issue, here, is what keeps ptxas from moving PV's wait above the exp2 below
         # (with nothing or a plain mbarrier arrive here, it does: docs/benchmarks.md).
-        _refill(k_desc, kv_row, k_bars, k_smem, j, n_tiles, NUM_STAGES, BLOCK_N)
+        _refill(k_desc, kv_row, col, k_bars, k_smem, j, n_tiles, NUM_STAGES, BLOCK_N)
         if MASKED:
             tile_scores = _causal_mask(tile_scores, j, diagonal)
 
@@ -229,7 +254,7 @@ def _tiles(
         row_max = new_max
         alpha = gl.convert_layout(tile_alpha, o_rows)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-        _refill(v_desc, kv_row, v_bars, v_smem, j - 1, n_tiles, NUM_STAGES, BLOCK_N)
+        _refill(v_desc, kv_row, col, v_bars, v_smem, j - 1, n_tiles, NUM_STAGES, BLOCK_N)
     return acc, weights, row_max, row_sum, alpha
 
 
@@ -243,7 +268,9 @@ def _forward_kernel(
     T,
     S,
     qk_scale,
+    H,
     CAUSAL: gl.constexpr,
+    INTERLEAVED: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     Q_IN_REGISTERS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -270,8 +297,16 @@ def _forward_kernel(
         start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
     else:
         start_m = gl.program_id(0) * BLOCK_M
-    q_row = gl.program_id(1) * T + start_m
-    kv_row = gl.program_id(1) * S
+    head = gl.program_id(1)
+    lse_row = head * T + start_m
+    if INTERLEAVED:  # (B·T, H·D): a batch's rows, a head's columns
+        q_row = (head // H) * T + start_m
+        kv_row = (head // H) * S
+        col = (head % H) * HEAD_DIM
+    else:  # (N·T, D)
+        q_row = lse_row
+        kv_row = head * S
+        col = 0
     # Causal, query i sees keys j <= i + S - T: key tiles from `free` on need the mask, and
     # those from `n_tiles` on are not visited. T <= S, so every row sees key 0.
     diagonal = start_m + S - T
@@ -294,11 +329,11 @@ def _forward_kernel(
         mbarrier.init(v_bars.index(i), count=1)
     fence_async_shared()  # the barriers' initialisation, seen by the copy engine
 
-    _fetch(q_desc, q_row, q_bar, q_smem, True)
+    _fetch(q_desc, q_row, col, q_bar, q_smem, True)
     for i in gl.static_range(NUM_STAGES):
         ahead = i < n_tiles
-        _fetch(k_desc, kv_row + i * BLOCK_N, k_bars.index(i), k_smem.index(i), ahead)
-        _fetch(v_desc, kv_row + i * BLOCK_N, v_bars.index(i), v_smem.index(i), ahead)
+        _fetch(k_desc, kv_row + i * BLOCK_N, col, k_bars.index(i), k_smem.index(i), ahead)
+        _fetch(v_desc, kv_row + i * BLOCK_N, col, v_bars.index(i), v_smem.index(i), ahead)
 
     mbarrier.wait(q_bar, 0)
     q = q_smem.load(q_layout) if Q_IN_REGISTERS else q_smem
@@ -317,10 +352,10 @@ def _forward_kernel(
     row_sum = gl.sum(weights, axis=1)
     alpha = gl.full([BLOCK_M], 1.0, gl.float32, o_rows)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    _refill(k_desc, kv_row, k_bars, k_smem, 0, n_tiles, NUM_STAGES, BLOCK_N)
+    _refill(k_desc, kv_row, col, k_bars, k_smem, 0, n_tiles, NUM_STAGES, BLOCK_N)
 
     state = (acc, weights, row_max, row_sum, alpha)
-    operands = (q, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row)
+    operands = (q, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row, col)
     unmasked = gl.minimum(free, n_tiles)
     state = _tiles(state, operands, 1, unmasked, n_tiles, diagonal, qk_scale, NUM_STAGES, False)
     state = _tiles(state, operands, gl.maximum(free, 1), n_tiles, n_tiles, diagonal, qk_scale,
@@ -341,10 +376,10 @@ def _forward_kernel(
 
     row_sum = gl.convert_layout(row_sum, o_rows)
     lse = gl.convert_layout(row_max, o_rows) + gl.log2(row_sum)
-    gl.store(Lse + q_row + gl.arange(0, BLOCK_M, layout=o_rows), lse)
+    gl.store(Lse + lse_row + gl.arange(0, BLOCK_M, layout=o_rows), lse)
     q_smem.store((acc / row_sum[:, None]).to(dtype))  # the query tile's buffer, now free
     fence_async_shared()
-    _tma_store(o_desc, [q_row, 0], q_smem)
+    _tma_store(o_desc, [q_row, col], q_smem)
     tma.store_wait(0)
 
 
