@@ -254,7 +254,7 @@ def check_every_config(setting: Setting, kernel: str) -> bool:
     return not failed
 
 
-HOPPER_CHECK_SECONDS = 240  # a Gluon kernel that waits on the wrong barrier phase hangs
+HOPPER_CHECK_SECONDS = 180  # a Gluon kernel that waits on the wrong barrier phase hangs
 PASSED = "Gluon tiling passed:"
 
 
