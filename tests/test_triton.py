@@ -336,7 +336,7 @@ def test_gluon_check_logic_with_the_triton_forward_standing_in(monkeypatch, caps
         heads = [x.reshape(1, -1, *x.shape[-2:]) for x in (query, key, value)]
         scale = qk_scale / triton_attention.LOG2E
         inner, none = heads[0].shape[1], triton_attention.MASK_NONE
-        out, lse = triton_attention._triton_forward(*heads, None, inner, none, causal, scale)
+        out, lse = triton_attention._forward(*heads, None, inner, none, causal, scale)
         out = out.reshape(*query.shape[:-1], value.shape[-1]).clone()
         out[..., 20:, :] *= error
         return out, lse

@@ -111,17 +111,14 @@ def applies(query: Tensor, key: Tensor, value: Tensor, masked: bool, causal: boo
     if t % TILE_MULTIPLE or s % TILE_MULTIPLE:
         return False
     layouts = {_layout(x) for x in (query, key, value)}
-    return (
-        len(layouts) == 1
-        and None not in layouts
-        and query.data_ptr() % 16 == 0
-        and all(x.data_ptr() % 16 == 0 for x in (key, value))
-    )
+    aligned = all(x.data_ptr() % 16 == 0 for x in (query, key, value))
+    return aligned and len(layouts) == 1 and None not in layouts
 
 
 def _layout(x: Tensor) -> str | None:
-    """ "heads" for a contiguous (..., T, D) tensor; "interleaved" for a (B, H, T, D) view of a
-    contiguous (B, T, H, D) one, a layer's projection split into heads; None otherwise."""
+    """The layout name: "heads" for a contiguous (..., T, D) tensor, "interleaved" for a
+    (B, H, T, D) view of a contiguous (B, T, H, D) one (a layer's projection split into
+    heads), None for any other."""
     if x.is_contiguous():
         return "heads"
     if x.dim() == 4 and x.transpose(1, 2).is_contiguous():
@@ -129,10 +126,10 @@ def _layout(x: Tensor) -> str | None:
     return None
 
 
-def _descriptor(tensor: Tensor, rows: int) -> TensorDescriptor:
+def _descriptor(tensor: Tensor, rows: int, interleaved: bool) -> TensorDescriptor:
     """A TMA descriptor of (rows, D) blocks over the tensor's memory as a matrix: (N·T, D)
     for the "heads" layout, (B·T, H·D) for "interleaved" (a head is then a column block)."""
-    if _layout(tensor) == "interleaved":
+    if interleaved:
         b, h, t, d = tensor.shape
         flat = tensor.transpose(1, 2).view(b * t, h * d)
     else:
@@ -150,20 +147,21 @@ def hopper_forward(
     >= 0; the caller has checked ``applies``."""
     t, s = query.shape[-2], key.shape[-2]
     n = query.numel() // (t * query.shape[-1])
+    interleaved = _layout(query) == "interleaved"  # and so are key and value (``applies``)
     out = torch.empty_like(query)  # the same layout, strides and all
     lse = torch.empty((n, t), dtype=torch.float32, device=query.device)
     _forward_kernel[(t // config.block_m, n)](
-        _descriptor(query, config.block_m),
-        _descriptor(key, config.block_n),
-        _descriptor(value, config.block_n),
-        _descriptor(out, config.block_m),
+        _descriptor(query, config.block_m, interleaved),
+        _descriptor(key, config.block_n, interleaved),
+        _descriptor(value, config.block_n, interleaved),
+        _descriptor(out, config.block_m, interleaved),
         lse,
         t,
         s,
         qk_scale,
-        query.shape[1] if query.dim() == 4 else 1,
+        query.shape[1] if interleaved else 1,
         CAUSAL=causal,
-        INTERLEAVED=_layout(query) == "interleaved",
+        INTERLEAVED=interleaved,
         NUM_STAGES=config.stages,
         Q_IN_REGISTERS=config.q_in_registers,
         num_warps=config.num_warps,

@@ -768,28 +768,8 @@ def _forward(
     causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
-    """Run the chosen forward kernel on (outer, inner, T, D) inputs; returns the output
-    (outer, inner, T, Dv) and the LSE (outer · inner, T)."""
-    kernels = {"triton": partial(_triton_forward, query, key, value, mask, inner, mask_kind,
-                                 causal, scale)}  # fmt: skip
-    if forward_kernel != "triton":
-        kernels.update(_gluon_forwards(query, key, value, mask, causal, scale))
-    buckets = (_length_bucket(query.shape[-2]), _length_bucket(key.shape[-2]))
-    shape_key = ("forward", query.device, query.dtype, *buckets, query.shape[-1], causal, mask_kind)
-    return kernels[_forward_choice(shape_key, kernels)]()
-
-
-def _triton_forward(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    mask: Tensor | None,
-    inner: int,
-    mask_kind: int,
-    causal: bool,
-    scale: float,
-) -> tuple[Tensor, Tensor]:
-    """The Triton forward kernel (autotuned); see ``_forward``."""
+    """Launch the Triton forward kernel (autotuned) on (outer, inner, T, D) inputs; returns
+    the output (outer, inner, T, Dv), laid out as the query, and the LSE (outer · inner, T)."""
     n, t = query.shape[0] * query.shape[1], query.shape[2]
     s, value_dim = key.shape[2], value.shape[3]
     out = _empty_heads(query, value_dim)
@@ -820,6 +800,26 @@ def _triton_forward(
         **_shape_args(query, value, causal, mask_kind),
     )
     return out, lse
+
+
+def _chosen_forward(
+    triton_forward: Callable[[], tuple[Tensor, Tensor]],
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    mask_kind: int,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Run the forward kernel ``forward_kernel`` picks: ``triton_forward`` (``_forward`` with
+    its arguments bound) or a Gluon tiling; returns what ``_forward`` does."""
+    kernels = {"triton": triton_forward}
+    if forward_kernel != "triton":
+        kernels.update(_gluon_forwards(query, key, value, mask, causal, scale))
+    buckets = (_length_bucket(query.shape[-2]), _length_bucket(key.shape[-2]))
+    shape_key = ("forward", query.device, query.dtype, *buckets, query.shape[-1], causal, mask_kind)
+    return kernels[_forward_choice(shape_key, kernels)]()
 
 
 def _gluon_forwards(
@@ -1019,7 +1019,8 @@ class _FusedAttention(torch.autograd.Function):
         causal: bool,
         scale: float,
     ) -> Tensor:
-        out, lse = _forward(query, key, value, mask, inner, mask_kind, causal, scale)
+        launch = partial(_forward, query, key, value, mask, inner, mask_kind, causal, scale)
+        out, lse = _chosen_forward(launch, query, key, value, mask, mask_kind, causal, scale)
         ctx.save_for_backward(query, key, value, out, lse, mask)
         ctx.settings = (inner, mask_kind, causal, scale)
         return out
