@@ -258,7 +258,7 @@ class Model(nn.Module):
         if not truncate and (count := tokenizer.count(text)) > limit:
             raise SelfAttnError(
                 f"the text is {count} tokens but {self.name} takes at most {limit}; "
-                "shorten it or pass truncate=True"
+                "shorten it or pass truncate=True (--truncate on the command line)"
             )
         encoding = tokenizer.encode(text, max_length=limit if truncate else None)
         input_ids = torch.tensor([encoding.ids], device=self.device)
