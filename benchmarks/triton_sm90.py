@@ -101,7 +101,7 @@ def compile_gluon(
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
 
-    jit_fn = hopper_forward._forward_kernel
+    jit_fn = hopper_forward._pingpong_kernel if config.pingpong else hopper_forward._forward_kernel
     rows = {"q_desc": config.block_m, "k_desc": config.block_n, "v_desc": config.block_n,
             "o_desc": config.block_m}  # fmt: skip
     constants = {"CAUSAL": causal, "INTERLEAVED": interleaved, "NUM_STAGES": config.stages,
@@ -238,6 +238,8 @@ def main() -> None:
             for head_dim, causal, interleaved, config in itertools.product(
                 args.head_dims, causal_values, (False, True), hopper_forward.CONFIGS
             ):
+                if head_dim not in config.head_dims:
+                    continue
                 compile_one = partial(compile_gluon, config, head_dim, causal, interleaved)
                 label = config.describe() + (" interleaved" if interleaved else "")
                 report(name, compile_one, label, head_dim, causal)

@@ -27,6 +27,14 @@ backward kernels take them as they are.
 Causal attention (bottom-right) runs the tiles the diagonal crosses in a second loop, which
 masks every tile it visits; tiles wholly above the diagonal are not visited.
 
+The ping-pong kernel (``_pingpong_kernel``) adds the rest of FlashAttention-3's layout, by
+``gl.warp_specialize``: a loader partition issues every TMA load, into the rings, as the
+warpgroups release slots (mbarriers with two arrivals each), and two warpgroups of 64 rows
+each run the loop above, taking turns to issue their wgmma (two more mbarriers), so that
+one's softmax runs while the other's matrix products do. ptxas keeps the exp2 under PV in
+both warpgroups at D = 128 with 128-key tiles under a cap of 232 registers (with 240 it
+moves the wait up), so that is the one ping-pong tiling offered.
+
 Scope: the common cases, where no ragged edge needs masking: CUDA Hopper, float16 or
 bfloat16, equal query and value head dims of 64 or 128, T and S multiples of 128, no mask;
 causal when T <= S (so that every query sees a key). Inputs are contiguous (..., T, D), or
@@ -62,35 +70,53 @@ _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_
 
 TILE_MULTIPLE = 128  # T and S must be multiples of this (every configuration's tiles divide it)
 HEAD_DIMS = (64, 128)
+# Registers per thread of a ping-pong warpgroup (setmaxnreg); the loader's warps get the rest.
+# Not 240, which would spare its few spills: ptxas then moves PV's wait above the exp2.
+PINGPONG_REGISTERS = gl.constexpr(232)
 DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
 @dataclass(frozen=True)
 class Config:
-    """One tiling: query rows per program, keys per tile, TMA ring depth, warps (4 per 64 rows),
-    and whether the query block is kept in registers as wgmma's A operand."""
+    """One tiling: query rows per warpgroup, keys per tile, TMA ring depth, whether the query
+    block is kept in registers as wgmma's A operand, whether it is the ping-pong kernel (two
+    warpgroups and a loader, ``_pingpong_kernel``), and the head dims it is offered for."""
 
     block_m: int
     block_n: int
     stages: int
     q_in_registers: bool
+    pingpong: bool = False
+    head_dims: tuple[int, ...] = HEAD_DIMS
+
+    @property
+    def rows(self) -> int:
+        """Query rows per program."""
+        return 2 * self.block_m if self.pingpong else self.block_m
 
     @property
     def num_warps(self) -> int:
-        return self.block_m // 16
+        """The launch's warps: 4 per 64 rows; ping-pong, the loader's (its two warpgroups are
+        ``warp_specialize``'s workers)."""
+        return 4 if self.pingpong else self.block_m // 16
 
     def describe(self) -> str:
-        text = f"gluon BLOCK_M={self.block_m} BLOCK_N={self.block_n} stages={self.stages}"
-        return text + (" Q-in-registers" if self.q_in_registers else "")
+        rows = f"2x{self.block_m}" if self.pingpong else str(self.block_m)
+        text = f"gluon BLOCK_M={rows} BLOCK_N={self.block_n} stages={self.stages}"
+        text += " Q-in-registers" if self.q_in_registers else ""
+        return text + (" ping-pong" if self.pingpong else "")
 
 
 # 64 rows on one warpgroup: two programs share an SM and interleave their phases. 128 rows on
 # two warpgroups: one program per SM, FlashAttention-3's consumers without its producer warp.
+# Ping-pong: FlashAttention-3's whole layout, at D = 128 only: the one tiling in which ptxas
+# keeps the exp2 under PV in both warpgroups (at D = 64 and with 64-key tiles it does not).
 CONFIGS = (
     Config(64, 64, 2, True),
     Config(64, 64, 3, True),
     Config(128, 128, 2, False),
     Config(128, 64, 3, True),
+    Config(64, 128, 2, False, pingpong=True, head_dims=(128,)),
 )
 
 
@@ -150,7 +176,8 @@ def hopper_forward(
     interleaved = _layout(query) == "interleaved"  # and so are key and value (``applies``)
     out = torch.empty_like(query)  # the same layout, strides and all
     lse = torch.empty((n, t), dtype=torch.float32, device=query.device)
-    _forward_kernel[(t // config.block_m, n)](
+    kernel = _pingpong_kernel if config.pingpong else _forward_kernel
+    kernel[(t // config.rows, n)](
         _descriptor(query, config.block_m, interleaved),
         _descriptor(key, config.block_n, interleaved),
         _descriptor(value, config.block_n, interleaved),
@@ -203,6 +230,37 @@ def _causal_mask(scores, tile, diagonal):
 
 
 @gluon.jit
+def _take_turn(turns, turn, PINGPONG: gl.constexpr):
+    """Ping-pong: wait until the other warpgroup has issued its wgmma for the turn before.
+    ``turns`` is (this warpgroup's barrier, the other's, 1 for the first warpgroup, whose
+    first wait, on parity 1 of a fresh barrier, passes at once; 0 for the second)."""
+    if PINGPONG:
+        mbarrier.wait(turns[0], (turn + turns[2]) & 1)
+
+
+@gluon.jit
+def _pass_turn(turns, PINGPONG: gl.constexpr):
+    """Ping-pong: this warpgroup's wgmma for the turn are issued; the other may issue its."""
+    if PINGPONG:
+        mbarrier.arrive(turns[1])
+
+
+@gluon.jit
+def _release(
+    desc, base_row, col, bars, free, ring, used, n_tiles, NUM_STAGES: gl.constexpr,
+    PINGPONG: gl.constexpr,
+):  # fmt: skip
+    """Tile ``used`` is consumed. Ping-pong, tell the loader its slot is free;
+    otherwise refill the slot here (``_refill``)."""
+    if PINGPONG:
+        mbarrier.arrive(free.index(used % NUM_STAGES))
+    else:
+        _refill(
+            desc, base_row, col, bars, ring, used, n_tiles, NUM_STAGES, desc.block_type.shape[0]
+        )
+
+
+@gluon.jit
 def _tiles(
     state,
     operands,
@@ -213,15 +271,16 @@ def _tiles(
     qk_scale,
     NUM_STAGES: gl.constexpr,
     MASKED: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):
     """Key tiles ``lo`` to ``hi - 1`` in the overlapped order the module describes, each
     under the causal mask if MASKED (a loop of its own: a branch inside the loop would let
     ptxas undo the overlap). Takes and returns the running state: the output accumulator,
     the previous tile's weights, row maxima and sums, and the rescaling still owed; the
-    operands are the query and the key and value rings."""
+    operands are the query, the key and value rings with their barriers, and, ping-pong,
+    the two warpgroups' turn barriers."""
     acc, weights, row_max, row_sum, alpha = state
-    q, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row, col = operands
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    q, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_free, v_free, turns, kv_row, col = operands
     dtype: gl.constexpr = k_desc.dtype
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
@@ -231,6 +290,7 @@ def _tiles(
         slot = j % NUM_STAGES
         prev = (j - 1) % NUM_STAGES
         mbarrier.wait(k_bars.index(slot), (j // NUM_STAGES) & 1)
+        _take_turn(turns, j, PINGPONG)
         tile_scores = warpgroup_mma(
             q, k_smem.index(slot).permute((1, 0)), no_scores, use_acc=False, is_async=True
         )
@@ -238,10 +298,12 @@ def _tiles(
         mbarrier.wait(v_bars.index(prev), ((j - 1) // NUM_STAGES) & 1)
         p = gl.convert_layout(weights.to(dtype), p_layout)
         acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+        _pass_turn(turns, PINGPONG)
         tile_scores = warpgroup_mma_wait(1, deps=(tile_scores,))  # S(j) done; PV(j-1) runs on
         # This TMA issue, here, is what keeps ptxas from moving PV's wait above the exp2 below
-        # (with nothing or a plain mbarrier arrive here, it does: docs/benchmarks.md).
-        _refill(k_desc, kv_row, col, k_bars, k_smem, j, n_tiles, NUM_STAGES, BLOCK_N)
+        # (with nothing or a plain mbarrier arrive here, it does: docs/benchmarks.md). The
+        # ping-pong warpgroups arrive here, and keep the order under a register cap instead.
+        _release(k_desc, kv_row, col, k_bars, k_free, k_smem, j, n_tiles, NUM_STAGES, PINGPONG)
         if MASKED:
             tile_scores = _causal_mask(tile_scores, j, diagonal)
 
@@ -252,8 +314,138 @@ def _tiles(
         row_max = new_max
         alpha = gl.convert_layout(tile_alpha, o_rows)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-        _refill(v_desc, kv_row, col, v_bars, v_smem, j - 1, n_tiles, NUM_STAGES, BLOCK_N)
+        _release(v_desc, kv_row, col, v_bars, v_free, v_smem, j - 1, n_tiles, NUM_STAGES, PINGPONG)
     return acc, weights, row_max, row_sum, alpha
+
+
+@gluon.constexpr_function
+def _mma_layout(columns, num_warps):
+    """The wgmma accumulator layout of a (rows, columns) tile, one warp per 16 rows."""
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, columns, 16]
+    )
+
+
+@gluon.jit
+def _program_rows(T, S, H, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                  INTERLEAVED: gl.constexpr):  # fmt: skip
+    """This program's first query, and where its rows start: in the log-sum-exp (N, T), in
+    the query and output matrix, in the key and value matrix, and the head's first column.
+    Causal, the longest rows go first: fewer programs still running at the end."""
+    if CAUSAL:
+        start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * ROWS
+    else:
+        start_m = gl.program_id(0) * ROWS
+    head = gl.program_id(1)
+    lse_row = head * T + start_m
+    if INTERLEAVED:  # (B·T, H·D): a batch's rows, a head's columns
+        q_row = (head // H) * T + start_m
+        kv_row = (head // H) * S
+        col = (head % H) * HEAD_DIM
+    else:  # (N·T, D)
+        q_row = lse_row
+        kv_row = head * S
+        col = 0
+    return start_m, lse_row, q_row, kv_row, col
+
+
+@gluon.jit
+def _key_tiles(diagonal, S, rows, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """How many key tiles ``rows`` queries from ``diagonal`` on visit, and the first that needs
+    the mask. Causal, query i sees keys j <= i + S - T, ``diagonal`` being the first query's
+    last key; T <= S, so every row sees key 0."""
+    if CAUSAL:
+        n_tiles = gl.cdiv(gl.minimum(S, diagonal + rows), BLOCK_N)
+        free = (diagonal + 1) // BLOCK_N
+    else:
+        n_tiles = S // BLOCK_N
+        free = n_tiles
+    return n_tiles, free
+
+
+@gluon.jit
+def _attend(
+    q, rings, n_tiles, free, diagonal, qk_scale, turns, NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+):  # fmt: skip
+    """One warpgroup's (or two's, in step) rows against key tiles 0 to ``n_tiles - 1``: tile
+    0's scores, the loops of ``_tiles``, the last tile's PV. Returns the unnormalised output,
+    the row maxima and the row sums."""
+    k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_free, v_free, kv_row, col = rings
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    BLOCK_M: gl.constexpr = q.shape[0]
+    dtype: gl.constexpr = k_desc.dtype
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, gl.num_warps())
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, gl.num_warps())
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    # Tile 0: scores, row maxima, weights. Its PV is issued in the loop's first iteration.
+    mbarrier.wait(k_bars.index(0), 0)
+    _take_turn(turns, 0, PINGPONG)
+    no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    scores = warpgroup_mma(
+        q, k_smem.index(0).permute((1, 0)), no_scores, use_acc=False, is_async=True
+    )
+    _pass_turn(turns, PINGPONG)
+    scores = warpgroup_mma_wait(0, deps=(scores,))
+    _release(k_desc, kv_row, col, k_bars, k_free, k_smem, 0, n_tiles, NUM_STAGES, PINGPONG)
+    if CAUSAL:
+        scores = _causal_mask(scores, 0, diagonal)
+    row_max = gl.max(scores, axis=1) * qk_scale
+    weights = gl.exp2(scores * qk_scale - row_max[:, None])
+    row_sum = gl.sum(weights, axis=1)
+    alpha = gl.full([BLOCK_M], 1.0, gl.float32, o_rows)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+
+    state = (acc, weights, row_max, row_sum, alpha)
+    operands = (q, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_free, v_free, turns,
+                kv_row, col)  # fmt: skip
+    unmasked = gl.minimum(free, n_tiles)
+    state = _tiles(state, operands, 1, unmasked, n_tiles, diagonal, qk_scale, NUM_STAGES,
+                   False, PINGPONG)  # fmt: skip
+    state = _tiles(state, operands, gl.maximum(free, 1), n_tiles, n_tiles, diagonal, qk_scale,
+                   NUM_STAGES, True, PINGPONG)  # fmt: skip
+    acc, weights, row_max, row_sum, alpha = state
+
+    acc = acc * alpha[:, None]
+    last = (n_tiles - 1) % NUM_STAGES
+    mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
+    _take_turn(turns, n_tiles, PINGPONG)
+    p = gl.convert_layout(weights.to(dtype), p_layout)
+    acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+    _pass_turn(turns, PINGPONG)
+    acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+    return acc, gl.convert_layout(row_max, o_rows), gl.convert_layout(row_sum, o_rows)
+
+
+@gluon.jit
+def _finish(acc, row_max, row_sum, o_desc, out_smem, Lse, lse_row, q_row, col):
+    """Store the normalised output through ``out_smem`` (the query's buffer, free by now) by
+    TMA, and the base-2 log-sum-exp per query."""
+    BLOCK_M: gl.constexpr = acc.shape[0]
+    o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    gl.store(Lse + lse_row + gl.arange(0, BLOCK_M, layout=o_rows), row_max + gl.log2(row_sum))
+    out_smem.store((acc / row_sum[:, None]).to(o_desc.dtype))
+    fence_async_shared()
+    _tma_store(o_desc, [q_row, col], out_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _init_barriers(count: gl.constexpr, bars):
+    """Each of a column of mbarriers, expecting ``count`` arrivals per phase."""
+    n: gl.constexpr = bars.shape[0]
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=count)
+
+
+@gluon.jit
+def _invalidate_barriers(bars):
+    n: gl.constexpr = bars.shape[0]
+    for i in gl.static_range(n):
+        mbarrier.invalidate(bars.index(i))
 
 
 @gluon.jit
@@ -273,47 +465,20 @@ def _forward_kernel(
     Q_IN_REGISTERS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """One program: BLOCK_M queries of one head against all S keys (see the module)."""
+    """One program: BLOCK_M queries of one head against all S keys, its warps loading the
+    key and value tiles themselves (see the module)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
-
-    # Scores (M, N) and output (M, D) live in wgmma accumulator layouts, one warp per 16 rows;
-    # the weights become PV's A operand, and the query optionally QKᵀ's, in registers.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, num_warps)
     q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    if CAUSAL:  # the longest rows first: fewer programs still running at the end
-        start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
-    else:
-        start_m = gl.program_id(0) * BLOCK_M
-    head = gl.program_id(1)
-    lse_row = head * T + start_m
-    if INTERLEAVED:  # (B·T, H·D): a batch's rows, a head's columns
-        q_row = (head // H) * T + start_m
-        kv_row = (head // H) * S
-        col = (head % H) * HEAD_DIM
-    else:  # (N·T, D)
-        q_row = lse_row
-        kv_row = head * S
-        col = 0
-    # Causal, query i sees keys j <= i + S - T: key tiles from `free` on need the mask, and
-    # those from `n_tiles` on are not visited. T <= S, so every row sees key 0.
+    start_m, lse_row, q_row, kv_row, col = _program_rows(
+        T, S, H, BLOCK_M, HEAD_DIM, CAUSAL, INTERLEAVED
+    )
     diagonal = start_m + S - T
-    if CAUSAL:
-        n_tiles = gl.cdiv(gl.minimum(S, diagonal + BLOCK_M), BLOCK_N)
-        free = (diagonal + 1) // BLOCK_N
-    else:
-        n_tiles = S // BLOCK_N
-        free = n_tiles
+    n_tiles, free = _key_tiles(diagonal, S, BLOCK_M, BLOCK_N, CAUSAL)
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -322,9 +487,8 @@ def _forward_kernel(
     k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
+    _init_barriers(1, k_bars)
+    _init_barriers(1, v_bars)
     fence_async_shared()  # the barriers' initialisation, seen by the copy engine
 
     _fetch(q_desc, q_row, col, q_bar, q_smem, True)
@@ -335,50 +499,141 @@ def _forward_kernel(
 
     mbarrier.wait(q_bar, 0)
     q = q_smem.load(q_layout) if Q_IN_REGISTERS else q_smem
-    no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-
-    # Tile 0: scores, row maxima, weights. Its PV is issued in the loop's first iteration.
-    mbarrier.wait(k_bars.index(0), 0)
-    scores = warpgroup_mma(
-        q, k_smem.index(0).permute((1, 0)), no_scores, use_acc=False, is_async=True
+    rings = (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_bars, v_bars, kv_row, col)
+    no_turns = (q_bar, q_bar, 0)  # this program's warps refill the slots themselves
+    acc, row_max, row_sum = _attend(
+        q, rings, n_tiles, free, diagonal, qk_scale, no_turns, NUM_STAGES, CAUSAL, False
     )
-    scores = warpgroup_mma_wait(0, deps=(scores,))
-    if CAUSAL:
-        scores = _causal_mask(scores, 0, diagonal)
-    row_max = gl.max(scores, axis=1) * qk_scale
-    weights = gl.exp2(scores * qk_scale - row_max[:, None])
-    row_sum = gl.sum(weights, axis=1)
-    alpha = gl.full([BLOCK_M], 1.0, gl.float32, o_rows)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    _refill(k_desc, kv_row, col, k_bars, k_smem, 0, n_tiles, NUM_STAGES, BLOCK_N)
-
-    state = (acc, weights, row_max, row_sum, alpha)
-    operands = (q, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kv_row, col)
-    unmasked = gl.minimum(free, n_tiles)
-    state = _tiles(state, operands, 1, unmasked, n_tiles, diagonal, qk_scale, NUM_STAGES, False)
-    state = _tiles(state, operands, gl.maximum(free, 1), n_tiles, n_tiles, diagonal, qk_scale,
-                   NUM_STAGES, True)  # fmt: skip
-    acc, weights, row_max, row_sum, alpha = state
-
-    acc = acc * alpha[:, None]
-    last = (n_tiles - 1) % NUM_STAGES
-    mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
-    p = gl.convert_layout(weights.to(dtype), p_layout)
-    acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
-    acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-
     mbarrier.invalidate(q_bar)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
+    _invalidate_barriers(k_bars)
+    _invalidate_barriers(v_bars)
+    _finish(acc, row_max, row_sum, o_desc, q_smem, Lse, lse_row, q_row, col)
 
-    row_sum = gl.convert_layout(row_sum, o_rows)
-    lse = gl.convert_layout(row_max, o_rows) + gl.log2(row_sum)
-    gl.store(Lse + lse_row + gl.arange(0, BLOCK_M, layout=o_rows), lse)
-    q_smem.store((acc / row_sum[:, None]).to(dtype))  # the query tile's buffer, now free
-    fence_async_shared()
-    _tma_store(o_desc, [q_row, col], q_smem)
-    tma.store_wait(0)
+
+@gluon.jit
+def _pingpong_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    o_desc,
+    Lse,
+    T,
+    S,
+    qk_scale,
+    H,
+    CAUSAL: gl.constexpr,
+    INTERLEAVED: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    Q_IN_REGISTERS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """One program: 2·BLOCK_M queries of one head, FlashAttention-3's layout: a loader
+    partition fills the key and value rings by TMA; two warpgroups of BLOCK_M rows each run
+    the overlapped loop, taking turns to issue their wgmma (see the module)."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+
+    start_m, lse_row, q_row, kv_row, col = _program_rows(
+        T, S, H, 2 * BLOCK_M, HEAD_DIM, CAUSAL, INTERLEAVED
+    )
+    n_tiles, _ = _key_tiles(start_m + S - T, S, 2 * BLOCK_M, BLOCK_N, CAUSAL)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    _init_barriers(1, q_bar)
+    _init_barriers(1, k_bars)
+    _init_barriers(1, v_bars)
+    _init_barriers(2, k_free)  # both warpgroups release each slot
+    _init_barriers(2, v_free)
+    _init_barriers(1, turns)
+    fence_async_shared()  # the barriers' initialisation, seen by the copy engine
+
+    rings = (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_free, v_free, kv_row, col)
+    common = (q_smem, q_bar, rings, o_desc, Lse, lse_row, q_row, start_m + S - T, n_tiles, S)
+    first = (turns.index(0), turns.index(1), 1)  # (wait on, hand over on, parity shift)
+    second = (turns.index(1), turns.index(0), 0)
+    gl.warp_specialize(
+        [
+            (_loader, (q_desc, q_smem, q_bar, rings, q_row, n_tiles, NUM_STAGES)),
+            (_warpgroup, (common, first, qk_scale, NUM_STAGES, CAUSAL, Q_IN_REGISTERS, 0)),
+            (_warpgroup, (common, second, qk_scale, NUM_STAGES, CAUSAL, Q_IN_REGISTERS, 1)),
+        ],
+        [4, 4],
+        [PINGPONG_REGISTERS, PINGPONG_REGISTERS],
+    )
+    _invalidate_barriers(q_bar)
+    _invalidate_barriers(k_bars)
+    _invalidate_barriers(v_bars)
+    _invalidate_barriers(k_free)
+    _invalidate_barriers(v_free)
+    _invalidate_barriers(turns)
+
+
+@gluon.jit
+def _warpgroup(
+    common,
+    turns,
+    qk_scale,
+    NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    Q_IN_REGISTERS: gl.constexpr,
+    HALF: gl.constexpr,
+):
+    """A ping-pong warpgroup: rows HALF·BLOCK_M to (HALF + 1)·BLOCK_M of the program's
+    queries. Both run ``n_tiles`` turns (the program's; a causal first half masks its extra
+    tiles away), so their hand-offs pair up."""
+    q_smem, q_bar, rings, o_desc, Lse, lse_row, q_row, diagonal, n_tiles, S = common
+    BLOCK_M: gl.constexpr = q_smem.shape[1]
+    BLOCK_N: gl.constexpr = rings[0].block_type.shape[0]
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, gl.num_warps())
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    first_row = HALF * BLOCK_M
+    diagonal = diagonal + first_row
+    _, free = _key_tiles(diagonal, S, BLOCK_M, BLOCK_N, CAUSAL)
+    mbarrier.wait(q_bar.index(0), 0)
+    q_half = q_smem.index(HALF)
+    q = q_half.load(q_layout) if Q_IN_REGISTERS else q_half
+    acc, row_max, row_sum = _attend(
+        q, rings, n_tiles, free, diagonal, qk_scale, turns, NUM_STAGES, CAUSAL, True
+    )
+    lse_row, q_row, col = lse_row + first_row, q_row + first_row, rings[9]
+    _finish(acc, row_max, row_sum, o_desc, q_half, Lse, lse_row, q_row, col)
+
+
+@gluon.jit
+def _loader(q_desc, q_smem, q_bar, rings, q_row, n_tiles, NUM_STAGES: gl.constexpr):
+    """The loader (four warps, one thread issuing): both query halves, then key tile j and
+    value tile j - 1 in turn (a key is needed one iteration before the value of the same
+    index), each into its ring slot once both warpgroups have released it."""
+    k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_free, v_free, kv_row, col = rings
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    mbarrier.expect(q_bar.index(0), 2 * q_desc.block_type.nbytes)
+    _tma_load(q_desc, [q_row, col], q_bar.index(0), q_smem.index(0))
+    _tma_load(q_desc, [q_row + BLOCK_M, col], q_bar.index(0), q_smem.index(1))
+    _produce(k_desc, kv_row, col, k_bars, k_free, k_smem, 0, NUM_STAGES)
+    for j in range(1, n_tiles):
+        _produce(k_desc, kv_row, col, k_bars, k_free, k_smem, j, NUM_STAGES)
+        _produce(v_desc, kv_row, col, v_bars, v_free, v_smem, j - 1, NUM_STAGES)
+    _produce(v_desc, kv_row, col, v_bars, v_free, v_smem, n_tiles - 1, NUM_STAGES)
+
+
+@gluon.jit
+def _produce(desc, base_row, col, bars, free, ring, tile, NUM_STAGES: gl.constexpr):
+    """Load ``tile`` into its slot once the slot's previous tile is released (the first
+    round's wait, on parity 1 of a fresh barrier, passes at once)."""
+    slot = tile % NUM_STAGES
+    mbarrier.wait(free.index(slot), ((tile // NUM_STAGES) & 1) ^ 1)
+    row = base_row + tile * desc.block_type.shape[0]
+    _fetch(desc, row, col, bars.index(slot), ring.index(slot), True)
 
 
 __all__ = ["CONFIGS", "Config", "applies", "hopper_forward"]

@@ -839,6 +839,7 @@ def _gluon_forwards(
             hopper_forward.hopper_forward, query, key, value, causal, scale * LOG2E, config
         )
         for config in hopper_forward.CONFIGS
+        if query.shape[-1] in config.head_dims
     }
 
 
