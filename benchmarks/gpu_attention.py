@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,8 +59,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--check-hopper-forward",
-        action="store_true",
-        help="only check the Gluon forward's tilings (the full run does this in a child process)",
+        type=int,
+        nargs="*",
+        metavar="INDEX",
+        help="only check the Gluon forward's tilings, these or all (the full run does this in "
+        "child processes)",
     )
     return parser.parse_args()
 
@@ -254,40 +259,85 @@ def check_every_config(setting: Setting, kernel: str) -> bool:
     return not failed
 
 
-HOPPER_CHECK_SECONDS = 180  # a Gluon kernel that waits on the wrong barrier phase hangs
+HOPPER_STALL_SECONDS = 60  # the check silent this long: the tiling it is on hangs
+HOPPER_CHECK_SECONDS = 240  # all of the Gluon check; tilings not reached by then are left out
+CHECKING = "Checking Gluon tiling"
 PASSED = "Gluon tiling passed:"
 
 
 def check_hopper_forward(setting: Setting) -> None:
-    """Check the Gluon forward for Hopper in a child process; time it only if it passes.
+    """Check the Gluon forward for Hopper in child processes; time only the tilings that pass.
 
-    Gluon has no CPU interpreter, so this is the kernel's first run anywhere: the child runs
-    ``--check-hopper-forward`` and is killed if it outlives HOPPER_CHECK_SECONDS. The tilings
-    that pass join the timed run, where ``forward_kernel = "auto"`` times them against the
-    Triton forward on each shape's first call and keeps the fastest.
+    Gluon has no CPU interpreter, so this is the kernel's first run anywhere, and a tiling
+    that waits on a wrong barrier phase hangs: the child (``--check-hopper-forward``) says
+    which tiling it is on, and if it falls silent for HOPPER_STALL_SECONDS it is killed and
+    a new one checks the tilings after that one. The tilings that pass join the timed run,
+    where ``forward_kernel = "auto"`` times them against the Triton forward on each shape's
+    first call and keeps the fastest.
     """
-    from selfattn.kernels import triton_attention
+    from selfattn.kernels import hopper_forward, triton_attention
 
     if setting.smoke or torch.cuda.get_device_capability() != (9, 0):
         print("## Gluon forward (Hopper): skipped, it runs on an sm_90 GPU only.\n")
         return
-    command = [sys.executable, __file__, "--check-hopper-forward"]
-    try:
-        child = subprocess.run(command, capture_output=True, text=True,
-                               timeout=HOPPER_CHECK_SECONDS)  # fmt: skip
-        report = child.stdout + child.stderr[-2000:]
-    except subprocess.TimeoutExpired as timeout:  # its output comes back as bytes
-        partial_output = (timeout.stdout or b"").decode(errors="replace")
-        report = f"{partial_output}\nKilled after {HOPPER_CHECK_SECONDS} s (a hang).\n"
-    print(report)
-    from selfattn.kernels import hopper_forward
-
-    names = {line.removeprefix(PASSED).strip() for line in report.splitlines()
-             if line.startswith(PASSED)}  # fmt: skip
-    hopper_forward.CONFIGS = tuple(c for c in hopper_forward.CONFIGS if c.describe() in names)
+    every = hopper_forward.CONFIGS
+    passed = set()
+    todo = list(range(len(every)))
+    deadline = time.monotonic() + HOPPER_CHECK_SECONDS
+    while todo:
+        lines, stopped_at = run_check_child(todo, deadline)
+        print("".join(lines))
+        passed |= {line.removeprefix(PASSED).strip() for line in lines if line.startswith(PASSED)}
+        if stopped_at is None:
+            break
+        if time.monotonic() >= deadline:
+            left = ", ".join(every[i].describe() for i in todo[todo.index(stopped_at) :])
+            print(f"Gluon check out of its {HOPPER_CHECK_SECONDS} s: left out {left}.\n")
+            break
+        print(f"Killed after {HOPPER_STALL_SECONDS} s without a word: "
+              f"{every[stopped_at].describe()} hangs; left out.\n")  # fmt: skip
+        todo = todo[todo.index(stopped_at) + 1 :]
+    hopper_forward.CONFIGS = tuple(c for c in every if c.describe() in passed)
     if hopper_forward.CONFIGS:
         triton_attention.forward_kernel = "auto"
     print(f"Gluon tilings in the timed run: {len(hopper_forward.CONFIGS)}.\n")
+
+
+def check_command(indices: list[int]) -> list[str]:
+    """The child that checks the Gluon tilings at these indices of ``CONFIGS``."""
+    return [sys.executable, __file__, "--check-hopper-forward", *map(str, indices)]
+
+
+def run_check_child(indices: list[int], deadline: float) -> tuple[list[str], int | None]:
+    """Run the check child on these tilings: its output lines, and None if it finished, or
+    the index of the tiling it was on when it was killed, silent for HOPPER_STALL_SECONDS or
+    past ``deadline`` (``time.monotonic``)."""
+    child = subprocess.Popen(
+        check_command(indices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    arriving: queue.Queue[str | None] = queue.Queue()
+
+    def forward_lines() -> None:
+        for line in child.stdout:
+            arriving.put(line)
+        arriving.put(None)
+
+    threading.Thread(target=forward_lines, daemon=True).start()
+    lines, current = [], indices[0]
+    while True:
+        wait = min(HOPPER_STALL_SECONDS, deadline - time.monotonic())
+        try:
+            line = arriving.get(timeout=max(wait, 0))
+        except queue.Empty:
+            child.kill()
+            child.wait()
+            return lines, current
+        if line is None:
+            child.wait()
+            return lines, None
+        lines.append(line)
+        if line.startswith(CHECKING):  # "Checking Gluon tiling 3: ..."
+            current = int(line.removeprefix(CHECKING).split(":")[0])
 
 
 HOPPER_CHECK_CASES = [  # (B, H, T, S, D, causal, dtype, layout)
@@ -303,10 +353,11 @@ HOPPER_CHECK_CASES = [  # (B, H, T, S, D, causal, dtype, layout)
 ]
 
 
-def hopper_forward_check_main(device: torch.device) -> int:
-    """The child of ``check_hopper_forward``: every Gluon tiling against float64, as the rest
-    of this script checks ours: the output within twice SDPA's error (same dtype), the base-2
-    log-sum-exp within 1e-3, and the gradients (the Triton backward, from this LSE)."""
+def hopper_forward_check_main(device: torch.device, indices: list[int] | None = None) -> int:
+    """The child of ``check_hopper_forward``: the Gluon tilings at these indices of
+    ``CONFIGS`` (all if none) against float64, as the rest of this script checks ours: the
+    output within twice SDPA's error (same dtype), the base-2 log-sum-exp within 1e-3, and
+    the gradients (the Triton backward, from this LSE)."""
     from selfattn.kernels import hopper_forward, triton_attention
 
     print("## Gluon forward for Hopper, each tiling (max abs error against float64; "
@@ -314,9 +365,11 @@ def hopper_forward_check_main(device: torch.device) -> int:
     print("| tiling | B, H, T, S, D, causal, dtype, layout | output | LSE | dQ | dK | dV | ok |")
     print("|---|---|---|---|---|---|---|---|")
     prepared = [hopper_check_inputs(*case, device) for case in HOPPER_CHECK_CASES]
-    every, passed = hopper_forward.CONFIGS, []
+    indices = indices or range(len(hopper_forward.CONFIGS))
+    every, passed = [hopper_forward.CONFIGS[i] for i in indices], []
     triton_attention.forward_kernel = "gluon"
-    for config in every:
+    for index, config in zip(indices, every, strict=True):
+        print(f"{CHECKING} {index}: {config.describe()}", flush=True)
         hopper_forward.CONFIGS = (config,)
         cases_run = 0
         config_ok = True
@@ -614,8 +667,8 @@ def describe(setting: Setting) -> None:
 
 def main() -> int:
     args = parse_args()
-    if args.check_hopper_forward:
-        return hopper_forward_check_main(torch.device("cuda"))
+    if args.check_hopper_forward is not None:
+        return hopper_forward_check_main(torch.device("cuda"), args.check_hopper_forward)
     if args.interpret_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
         setting = Setting(torch.device("cpu"), torch.float32, tokens=64, width=32, smoke=True)

@@ -373,6 +373,47 @@ def test_gluon_check_logic_with_the_triton_forward_standing_in(monkeypatch, caps
         assert "24 of 64 query rows off; first at t = [20, 21" in report, report
 
 
+def test_gluon_check_leaves_out_a_tiling_that_hangs(monkeypatch, capsys):
+    """gpu_attention.py's parent side of the Gluon check, with a stand-in child: the second
+    of three tilings falls silent, so the child is killed after the stall time, a new child
+    checks the third, and the timed run gets the first and the third."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_attention
+    from selfattn.kernels import hopper_forward, triton_attention
+
+    configs = hopper_forward.CONFIGS[:3]
+    names = [config.describe() for config in configs]
+    child = (
+        "import sys, time\n"
+        "names = sys.argv[1].split('|')\n"
+        "for index in map(int, sys.argv[2:]):\n"
+        f"    print('{gpu_attention.CHECKING}', index, ':', names[index], flush=True)\n"
+        "    if index == 1:\n"
+        "        time.sleep(60)\n"
+        f"    print('{gpu_attention.PASSED}', names[index], flush=True)\n"
+    )
+    started = []
+
+    def command(indices):
+        started.append(list(indices))
+        return [sys.executable, "-c", child, "|".join(names), *map(str, indices)]
+
+    monkeypatch.setattr(gpu_attention, "check_command", command)
+    monkeypatch.setattr(gpu_attention, "HOPPER_STALL_SECONDS", 3)
+    monkeypatch.setattr(hopper_forward, "CONFIGS", configs)
+    monkeypatch.setattr(triton_attention, "forward_kernel", "triton")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (9, 0))
+    gpu_attention.check_hopper_forward(
+        gpu_attention.Setting(torch.device("cpu"), torch.float32, 64, 32)
+    )
+    report = capsys.readouterr().out
+    assert started == [[0, 1, 2], [2]], report
+    timed = hopper_forward.CONFIGS
+    assert timed == (configs[0], configs[2]), report
+    assert triton_attention.forward_kernel == "auto"
+    assert f"{names[1]} hangs; left out" in report, report
+
+
 def test_gluon_check_fails_a_tiling_it_has_no_case_for(monkeypatch, capsys):
     """A tiling offered only for head dims that no check case has is not "passed" by
     skipping every case: it stays out of the timed run, and the report says why."""
