@@ -58,12 +58,12 @@ def parse_args() -> argparse.Namespace:
         "--head-dims", type=int, nargs="+", default=HEAD_DIMS, help="head dims D to time"
     )
     parser.add_argument(
-        "--check-hopper-forward",
+        "--check-hopper",
         type=int,
         nargs="*",
         metavar="INDEX",
-        help="only check the Gluon forward's tilings, these or all (the full run does this in "
-        "child processes)",
+        help="only check the Gluon kernels (forward tilings, then the backward), these or all "
+        "(the full run does this in child processes)",
     )
     return parser.parse_args()
 
@@ -259,28 +259,30 @@ def check_every_config(setting: Setting, kernel: str) -> bool:
     return not failed
 
 
-HOPPER_STALL_SECONDS = 60  # the check silent this long: the tiling it is on hangs
-HOPPER_CHECK_SECONDS = 240  # all of the Gluon check; tilings not reached by then are left out
-CHECKING = "Checking Gluon tiling"
-PASSED = "Gluon tiling passed:"
+HOPPER_STALL_SECONDS = 60  # the check silent this long: the kernel it is on hangs
+HOPPER_CHECK_SECONDS = 240  # all of the Gluon check; kernels not reached by then are left out
+CHECKING = "Checking Gluon kernel"
+PASSED = "Gluon kernel passed:"
+GLUON_BACKWARD = "gluon backward"
 
 
-def check_hopper_forward(setting: Setting) -> None:
-    """Check the Gluon forward for Hopper in child processes; time only the tilings that pass.
+def check_hopper_kernels(setting: Setting) -> None:
+    """Check the Gluon kernels for Hopper in child processes; time only those that pass.
 
-    Gluon has no CPU interpreter, so this is the kernel's first run anywhere, and a tiling
-    that waits on a wrong barrier phase hangs: the child (``--check-hopper-forward``) says
-    which tiling it is on, and if it falls silent for HOPPER_STALL_SECONDS it is killed and
-    a new one checks the tilings after that one. The tilings that pass join the timed run,
+    Gluon has no CPU interpreter, so this is the kernels' first run anywhere, and a kernel
+    that waits on a wrong barrier phase hangs: the child (``--check-hopper``) says which
+    kernel it is on, and if it falls silent for HOPPER_STALL_SECONDS it is killed and a new
+    one checks the kernels after that one. The forward tilings that pass join the timed run,
     where ``forward_kernel = "auto"`` times them against the Triton forward on each shape's
-    first call and keeps the fastest.
+    first call and keeps the fastest; the backward, if it passes, joins the backward plans
+    that "auto" times (``gluon_backward``).
     """
     from selfattn.kernels import hopper_forward, triton_attention
 
     if setting.smoke or torch.cuda.get_device_capability() != (9, 0):
-        print("## Gluon forward (Hopper): skipped, it runs on an sm_90 GPU only.\n")
+        print("## Gluon kernels (Hopper): skipped, they run on an sm_90 GPU only.\n")
         return
-    every = hopper_forward.CONFIGS
+    every = gluon_candidates()
     passed = set()
     todo = list(range(len(every)))
     deadline = time.monotonic() + HOPPER_CHECK_SECONDS
@@ -291,26 +293,28 @@ def check_hopper_forward(setting: Setting) -> None:
         if stopped_at is None:
             break
         if time.monotonic() >= deadline:
-            left = ", ".join(every[i].describe() for i in todo[todo.index(stopped_at) :])
+            left = ", ".join(every[i] for i in todo[todo.index(stopped_at) :])
             print(f"Gluon check out of its {HOPPER_CHECK_SECONDS} s: left out {left}.\n")
             break
-        print(f"Killed after {HOPPER_STALL_SECONDS} s without a word: "
-              f"{every[stopped_at].describe()} hangs; left out.\n")  # fmt: skip
+        print(f"Killed after {HOPPER_STALL_SECONDS} s without a word: {every[stopped_at]} "
+              "hangs; left out.\n")  # fmt: skip
         todo = todo[todo.index(stopped_at) + 1 :]
-    hopper_forward.CONFIGS = tuple(c for c in every if c.describe() in passed)
+    hopper_forward.CONFIGS = tuple(c for c in hopper_forward.CONFIGS if c.describe() in passed)
     if hopper_forward.CONFIGS:
         triton_attention.forward_kernel = "auto"
-    print(f"Gluon tilings in the timed run: {len(hopper_forward.CONFIGS)}.\n")
+    triton_attention.gluon_backward = GLUON_BACKWARD in passed
+    print(f"Gluon forward tilings in the timed run: {len(hopper_forward.CONFIGS)}; Gluon "
+          f"backward: {'yes' if triton_attention.gluon_backward else 'no'}.\n")  # fmt: skip
 
 
 def check_command(indices: list[int]) -> list[str]:
-    """The child that checks the Gluon tilings at these indices of ``CONFIGS``."""
-    return [sys.executable, __file__, "--check-hopper-forward", *map(str, indices)]
+    """The child that checks the Gluon kernels at these indices of ``gluon_candidates()``."""
+    return [sys.executable, __file__, "--check-hopper", *map(str, indices)]
 
 
 def run_check_child(indices: list[int], deadline: float) -> tuple[list[str], int | None]:
-    """Run the check child on these tilings: its output lines, and None if it finished, or
-    the index of the tiling it was on when it was killed, silent for HOPPER_STALL_SECONDS or
+    """Run the check child on these kernels: its output lines, and None if it finished, or
+    the index of the kernel it was on when it was killed, silent for HOPPER_STALL_SECONDS or
     past ``deadline`` (``time.monotonic``)."""
     child = subprocess.Popen(
         check_command(indices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -353,79 +357,112 @@ HOPPER_CHECK_CASES = [  # (B, H, T, S, D, causal, dtype, layout)
 ]
 
 
-def hopper_forward_check_main(device: torch.device, indices: list[int] | None = None) -> int:
-    """The child of ``check_hopper_forward``: the Gluon tilings at these indices of
-    ``CONFIGS`` (all if none) against float64, as the rest of this script checks ours: the
-    output within twice SDPA's error (same dtype), the base-2 log-sum-exp within 1e-3, and
-    the gradients (the Triton backward, from this LSE)."""
-    from selfattn.kernels import hopper_forward, triton_attention
+def gluon_candidates() -> list[str]:
+    """What the Gluon check covers, by name: each tiling of the forward, then the backward."""
+    from selfattn.kernels import hopper_forward
 
-    print("## Gluon forward for Hopper, each tiling (max abs error against float64; "
-          "ours / torch SDPA; LSE: ours)\n")  # fmt: skip
-    print("| tiling | B, H, T, S, D, causal, dtype, layout | output | LSE | dQ | dK | dV | ok |")
+    return [*(config.describe() for config in hopper_forward.CONFIGS), GLUON_BACKWARD]
+
+
+def hopper_check_main(device: torch.device, indices: list[int] | None = None) -> int:
+    """The child of ``check_hopper_kernels``: the Gluon kernels at these indices of
+    ``gluon_candidates()`` (all if none) against float64, as the rest of this script checks
+    ours: the output within twice SDPA's error (same dtype) and the gradients; for a forward
+    tiling also its base-2 log-sum-exp within 1e-3 (the gradients then come from the Triton
+    backward), for the backward the Triton forward's output. A case a kernel does not run
+    for is not counted, and a kernel with no case counted does not pass."""
+    from selfattn.kernels import hopper_backward, hopper_forward, triton_attention
+
+    print("## Gluon kernels for Hopper (max abs error against float64; ours / torch SDPA; "
+          "LSE: ours)\n")  # fmt: skip
+    print("| kernel | B, H, T, S, D, causal, dtype, layout | output | LSE | dQ | dK | dV | ok |")
     print("|---|---|---|---|---|---|---|---|")
     prepared = [hopper_check_inputs(*case, device) for case in HOPPER_CHECK_CASES]
-    indices = indices or range(len(hopper_forward.CONFIGS))
-    every, passed = [hopper_forward.CONFIGS[i] for i in indices], []
-    triton_attention.forward_kernel = "gluon"
-    for index, config in zip(indices, every, strict=True):
-        print(f"{CHECKING} {index}: {config.describe()}", flush=True)
-        hopper_forward.CONFIGS = (config,)
-        cases_run = 0
-        config_ok = True
-        notes = []
+    configs = {config.describe(): config for config in hopper_forward.CONFIGS}
+    names = gluon_candidates()
+    indices = indices or range(len(names))
+    backward_runs = []
+    run_backward = hopper_backward.hopper_backward
+
+    def counted_backward(*args):
+        backward_runs.append(args[1].shape)
+        return run_backward(*args)
+
+    hopper_backward.hopper_backward = counted_backward
+    passed = []
+    for index in indices:
+        name, config = names[index], configs.get(names[index])
+        print(f"{CHECKING} {index}: {name}", flush=True)
+        if config is None:  # the backward, after the Triton forward
+            triton_attention.forward_kernel, triton_attention.backward_plan = "triton", "gluon"
+        else:
+            triton_attention.forward_kernel, triton_attention.backward_plan = "gluon", "auto"
+            hopper_forward.CONFIGS = (config,)
+        cases_run, kernel_ok, notes = 0, True, []
         for (*shape, causal, dtype, layout), (case, inputs, want_lse, base, want) in zip(
             HOPPER_CHECK_CASES, prepared, strict=True
         ):
-            if shape[-1] not in config.head_dims:
+            if config is not None and shape[-1] not in config.head_dims:
                 continue
-            cases_run += 1
+            lse_cell, runs_before = "-", len(backward_runs)
             try:
-                qk_scale = shape[-1] ** -0.5 * triton_attention.LOG2E
-                _, lse = hopper_forward.hopper_forward(*inputs, causal, qk_scale, config)
-                lse_error = (lse.double() - want_lse).abs().max().item()
+                if config is not None:
+                    qk_scale = shape[-1] ** -0.5 * triton_attention.LOG2E
+                    _, lse = hopper_forward.hopper_forward(*inputs, causal, qk_scale, config)
+                    lse_error = (lse.double() - want_lse).abs().max().item()
+                    lse_cell = f"{lse_error:.1e}"
                 got = output_and_grads("triton", dtype, *case)
+                if config is None and len(backward_runs) == runs_before:
+                    continue  # the Gluon backward does not apply to this case
                 measured = errors(got, base, want)
                 cells = [f"{error:.1e} / {base_error:.1e}" for error, base_error, _ in measured]
-                ok = lse_error <= 1e-3 and all(within for *_, within in measured)
-                cells.insert(1, f"{lse_error:.1e}")
+                ok = lse_cell == "-" or lse_error <= 1e-3
+                ok = ok and all(within for *_, within in measured)
+                cells.insert(1, lse_cell)
                 if not ok:  # where it goes wrong says which part of the kernel to look at
-                    where = misses(got[0], want[0], bound(measured[0][1]))
-                    notes.append(f"{config.describe()}, {shape}, causal={causal}: {where}")
-            except Exception as error:  # report it and go on with the next tiling
+                    first = next((i for i in range(4) if not measured[i][2]), 0)  # or the LSE
+                    part = ("output", "dQ", "dK", "dV")[first]
+                    rows = "key" if part in ("dK", "dV") else "query"
+                    where = misses(got[first], want[first], bound(measured[first][1]), rows)
+                    notes.append(f"{name}, {shape}, causal={causal}: {part}: {where}")
+            except Exception as error:  # report it and go on with the next kernel
                 cells, ok = [f"failed: {first_line(error, 80)}", "", "", "", ""], False
-            config_ok = config_ok and ok
+            cases_run += 1
+            kernel_ok = kernel_ok and ok
             label = ", ".join(
                 str(x) for x in (*shape, causal, str(dtype).removeprefix("torch."), layout)
             )
-            row = [config.describe(), label, *cells, "yes" if ok else "**NO**"]
+            row = [name, label, *cells, "yes" if ok else "**NO**"]
             print("| " + " | ".join(row) + " |", flush=True)
         if not cases_run:
-            config_ok = False
-            notes.append(f"{config.describe()}: no check case has a head dim it is offered for")
+            kernel_ok = False
+            notes.append(f"{name}: no check case it runs for")
         for note in notes:
             print(f"- {note}")
-        if config_ok:  # said at once: a later tiling that hangs must not cost this one
-            passed.append(config.describe())
-            print(f"{PASSED} {config.describe()}", flush=True)
-    return 0 if len(passed) == len(every) else 1
+        if kernel_ok:  # said at once: a later kernel that hangs must not cost this one
+            passed.append(name)
+            print(f"{PASSED} {name}", flush=True)
+    hopper_backward.hopper_backward = run_backward
+    triton_attention.backward_plan = "auto"
+    return 0 if len(passed) == len(indices) else 1
 
 
-def misses(got: torch.Tensor, want: torch.Tensor, limit: float) -> str:
-    """Where an output (B, H, T, D) is off: how many query rows exceed ``limit`` (or are not
-    finite), and the first few of their positions t."""
+def misses(got: torch.Tensor, want: torch.Tensor, limit: float, rows: str = "query") -> str:
+    """Where an output or gradient (B, H, T|S, D) is off: how many of its (query or key) rows
+    exceed ``limit`` (or are not finite), and the first few of their positions."""
     row_error = (got - want).abs().amax(dim=-1)
     bad = (row_error > limit) | ~torch.isfinite(row_error)
     positions = bad.nonzero()[:, -1].unique()[:8].tolist()
-    return f"{int(bad.sum())} of {bad.numel()} query rows off; first at t = {positions}"
+    return f"{int(bad.sum())} of {bad.numel()} {rows} rows off; first at {positions}"
 
 
 def hopper_check_inputs(batch, heads, t, s, d, causal, dtype, layout, device) -> tuple:
     """One case of the Gluon check, and what it must give: the inputs for
     ``output_and_grads``, the same in ``dtype`` on the device, the base-2 log-sum-exp of their
     scaled scores in float64 as (B·H, T), SDPA's output and gradients in ``dtype``, and
-    float64's. Layout "interleaved" makes each input a (B, H, T, D) view of a (B, T, H, D)
-    tensor, as a layer splitting heads does; "heads" makes it contiguous."""
+    float64's. Layout "interleaved" makes each input, and the output's gradient, a
+    (B, H, T, D) view of a (B, T, H, D) tensor, as a layer splitting heads does; "heads"
+    makes them contiguous."""
     generator = torch.Generator(device="cpu").manual_seed(t + s + d)
 
     def sample(length: int) -> torch.Tensor:
@@ -434,8 +471,7 @@ def hopper_check_inputs(batch, heads, t, s, d, causal, dtype, layout, device) ->
             return torch.randn(*shape, generator=generator, dtype=torch.float64).transpose(1, 2)
         return torch.randn(batch, heads, length, d, generator=generator, dtype=torch.float64)
 
-    q, k, v = sample(t), sample(s), sample(s)
-    grad = torch.randn(batch, heads, t, d, generator=generator, dtype=torch.float64)
+    q, k, v, grad = sample(t), sample(s), sample(s), sample(t)
     case = (q, k, v, grad, None, causal, device)
     inputs = [x.to(device, dtype) for x in (q, k, v)]  # .to keeps the layout
     scores = inputs[0].double() @ inputs[1].double().transpose(-1, -2) * d**-0.5
@@ -667,8 +703,8 @@ def describe(setting: Setting) -> None:
 
 def main() -> int:
     args = parse_args()
-    if args.check_hopper_forward is not None:
-        return hopper_forward_check_main(torch.device("cuda"), args.check_hopper_forward)
+    if args.check_hopper is not None:
+        return hopper_check_main(torch.device("cuda"), args.check_hopper)
     if args.interpret_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
         setting = Setting(torch.device("cpu"), torch.float32, tokens=64, width=32, smoke=True)
@@ -684,7 +720,7 @@ def main() -> int:
     precompile(setting, head_dims)
     correct = all([check_every_config(setting, kernel) for kernel in ("forward", "dk/dv", "dq")])
     correct = check_correctness(setting) and correct
-    check_hopper_forward(setting)
+    check_hopper_kernels(setting)
     throughput_table(setting, lengths, head_dims)
     layout_table(setting, lengths, head_dims[-1])
     print(f"Total time: {time.perf_counter() - started:.0f} s")

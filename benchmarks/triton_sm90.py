@@ -1,9 +1,9 @@
 """Compile the Triton attention kernels for Hopper (sm_90) on any machine, and report on them.
 
 No GPU is needed: Triton's wheel carries ``ptxas`` and ``cuobjdump``, so each autotuning
-configuration of the forward, dK/dV and dQ kernels, and each tiling of the Gluon forward
-(``hopper_forward``), is compiled ahead of time for compute capability 9.0, bf16, and the
-cubin is read back. One markdown row per configuration:
+configuration of the forward, dK/dV and dQ kernels, each tiling of the Gluon forward
+(``hopper_forward``) and the Gluon backward (``hopper_backward``) is compiled ahead of time
+for compute capability 9.0, bf16, and the cubin is read back. One markdown row per configuration:
 instructions per iteration of each wgmma loop (``total/common`` where a branch in it can
 skip a block), registers per thread, stack bytes (spills), shared memory, and the counts of Hopper's
 instructions that matter here: ``HGMMA`` (wgmma, the tensor cores), ``UTMALDG`` (TMA loads)
@@ -37,12 +37,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from selfattn.kernels import hopper_forward
+from selfattn.kernels import hopper_backward, hopper_forward
 from selfattn.kernels import triton_attention as kernels
 
 HOPPER = GPUTarget("cuda", 90, 32)
 GLUON = "gluon forward"
-POINTERS_FP32 = {"Lse", "Delta", "DQAcc"}
+GLUON_BACKWARD = "gluon backward"
+POINTERS_FP32 = {"Lse", "Delta", "DQAcc", "DQ"}
 INTS = {"inner", "T", "S", "t_bucket", "s_bucket"}
 FLOATS = {"qk_scale", "scale"}
 
@@ -94,6 +95,28 @@ def compile_gluon(
 ):
     """Compile one tiling of the Gluon forward (``hopper_forward``) for sm_90, bf16, for
     (N, T, D) inputs or, ``interleaved``, for (B, H, T, D) views of (B, T, H, D) ones."""
+    jit_fn = hopper_forward._pingpong_kernel if config.pingpong else hopper_forward._forward_kernel
+    rows = {"q_desc": config.block_m, "k_desc": config.block_n, "v_desc": config.block_n,
+            "o_desc": config.block_m}  # fmt: skip
+    constants = {"CAUSAL": causal, "INTERLEAVED": interleaved, "NUM_STAGES": config.stages,
+                 "Q_IN_REGISTERS": config.q_in_registers}  # fmt: skip
+    return compile_gluon_kernel(jit_fn, head_dim, rows, constants, config.num_warps)
+
+
+def compile_gluon_backward(head_dim: int, causal: bool, interleaved: bool = False):
+    """Compile the Gluon backward (``hopper_backward``) for sm_90, bf16, as above."""
+    queries, keys = hopper_backward.BLOCK_M, hopper_backward.BLOCK_N
+    rows = {"q_desc": queries, "do_desc": queries, "k_desc": keys, "v_desc": keys,
+            "dk_desc": keys, "dv_desc": keys}  # fmt: skip
+    constants = {"CAUSAL": causal, "INTERLEAVED": interleaved,
+                 "NUM_STAGES": hopper_backward.NUM_STAGES}  # fmt: skip
+    jit_fn = hopper_backward._backward_kernel
+    return compile_gluon_kernel(jit_fn, head_dim, rows, constants, hopper_backward.NUM_WARPS)
+
+
+def compile_gluon_kernel(jit_fn, head_dim: int, rows: dict, constants: dict, num_warps: int):
+    """Compile a Gluon kernel for sm_90: its tensor descriptors' (rows, head_dim) bf16 blocks
+    by argument name, its compile-time constants, its other arguments by name."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -101,25 +124,20 @@ def compile_gluon(
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
 
-    jit_fn = hopper_forward._pingpong_kernel if config.pingpong else hopper_forward._forward_kernel
-    rows = {"q_desc": config.block_m, "k_desc": config.block_n, "v_desc": config.block_n,
-            "o_desc": config.block_m}  # fmt: skip
-    constants = {"CAUSAL": causal, "INTERLEAVED": interleaved, "NUM_STAGES": config.stages,
-                 "Q_IN_REGISTERS": config.q_in_registers,
-                 "num_warps": config.num_warps}  # fmt: skip
-    types = {"Lse": "*fp32", "T": "i32", "S": "i32", "qk_scale": "fp32", "H": "i32"}
+    constants = {**constants, "num_warps": num_warps}
     signature, attributes = {}, {}
     for index, name in enumerate(jit_fn.arg_names):
         if name in rows:
             signature[name] = descriptor(rows[name])
         elif name in constants:
             signature[name] = "constexpr"
+        elif name in FLOATS:
+            signature[name] = "fp32"
         else:
-            signature[name] = types[name]
-            if name != "qk_scale":
-                attributes[(index,)] = [["tt.divisibility", 16]]
+            signature[name] = "*fp32" if name in POINTERS_FP32 else "i32"
+            attributes[(index,)] = [["tt.divisibility", 16]]
     source = GluonASTSource(jit_fn, signature, constants, attributes)
-    return triton.compile(source, target=HOPPER, options={"num_warps": config.num_warps})
+    return triton.compile(source, target=HOPPER, options={"num_warps": num_warps})
 
 
 def read_cubin(cubin: bytes) -> dict[str, int]:
@@ -219,7 +237,7 @@ def kept(autotuned, head_dim: int) -> list[triton.Config]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    names = [*kernels.AUTOTUNED, GLUON]
+    names = [*kernels.AUTOTUNED, GLUON, GLUON_BACKWARD]
     parser.add_argument("--kernels", nargs="+", choices=names, default=names)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
@@ -242,6 +260,16 @@ def main() -> None:
                     continue
                 compile_one = partial(compile_gluon, config, head_dim, causal, interleaved)
                 label = config.describe() + (" interleaved" if interleaved else "")
+                report(name, compile_one, label, head_dim, causal)
+            continue
+        if name == GLUON_BACKWARD:
+            tiling = (f"gluon BLOCK_N={hopper_backward.BLOCK_N} BLOCK_M={hopper_backward.BLOCK_M} "
+                      f"stages={hopper_backward.NUM_STAGES}")  # fmt: skip
+            for head_dim, causal, interleaved in itertools.product(
+                args.head_dims, causal_values, (False, True)
+            ):
+                compile_one = partial(compile_gluon_backward, head_dim, causal, interleaved)
+                label = tiling + (" interleaved" if interleaved else "")
                 report(name, compile_one, label, head_dim, causal)
             continue
         autotuned = kernels.AUTOTUNED[name]

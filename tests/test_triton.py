@@ -328,6 +328,32 @@ def test_gluon_forward_compiles_for_hopper_with_the_softmax_under_pv():
         assert under >= 0.75 * loops * block_n // 2, row
 
 
+def test_gluon_backward_compiles_for_hopper():
+    """The Gluon backward (hopper_backward), compiled ahead of time for sm_90 by
+    benchmarks/triton_sm90.py at head dims 64 and 128, causal and not, both layouts: it uses
+    wgmma and atomic adds (dQ), runs one loop over query tiles (two, causal: the diagonal's
+    tiles first), and its exp2 issue while dPᵀ's wgmma still runs. Spills stay small: none
+    at D = 64; at D = 128 Triton 3.9 spills up to 24 bytes and 3.6, the GPU machine's, 16
+    (144 causal), a few local loads per iteration, where 64-query tiles spilled 248."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_sm90.py"
+    command = [sys.executable, str(script), "--kernels", "gluon backward"]
+    report = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert report.returncode == 0, report.stderr[-2000:]
+    rows = [line.split(" | ") for line in report.stdout.splitlines()
+            if line.startswith("| gluon backward")]  # fmt: skip
+    assert len(rows) == 2 * 2 * 2, report.stdout  # head dims x causal or not x layouts
+    for row in rows:
+        assert "failed" not in row[3], row
+        loops = len(row[4].split(","))
+        stack, hgmma, reductions = int(row[6]), int(row[8]), int(row[10])
+        under, exp2 = (int(x) for x in row[11].split("/"))
+        assert loops == (2 if row[2] == "True" else 1), row
+        assert hgmma > 0 and reductions > 0 and under >= 0.75 * exp2, row
+        assert stack <= (0 if row[1] == "64" else 160), row
+
+
 @pytest.mark.parametrize("error", [1.0, 1.01], ids=["right", "wrong"])
 def test_gluon_check_logic_with_the_triton_forward_standing_in(monkeypatch, capsys, error):
     """gpu_attention.py's check of the Gluon forward (the child process on the GPU) runs its
@@ -363,26 +389,76 @@ def test_gluon_check_logic_with_the_triton_forward_standing_in(monkeypatch, caps
         (1, 2, 16, 48, 16, True, torch.float32, "interleaved"),
     ]
     monkeypatch.setattr(gpu_attention, "HOPPER_CHECK_CASES", cases)
-    status = gpu_attention.hopper_forward_check_main(torch.device("cpu"))
+    status = gpu_attention.hopper_check_main(torch.device("cpu"), [0])  # the forward tiling
     report = capsys.readouterr().out
     if error == 1.0:
         assert status == 0, report
         assert report.count("| yes |") == 2 and gpu_attention.PASSED in report, report
     else:  # T = 32 has rows 20..31 off in both heads; T = 16 has none past 20
         assert status == 1 and gpu_attention.PASSED not in report, report
-        assert "24 of 64 query rows off; first at t = [20, 21" in report, report
+        assert "output: 24 of 64 query rows off; first at [20, 21" in report, report
+
+
+@pytest.mark.parametrize("error", [1.0, 1.01], ids=["right", "wrong"])
+def test_gluon_backward_check_logic_with_a_torch_stand_in(monkeypatch, capsys, error):
+    """The same check of the Gluon backward, with the backward written out in torch standing
+    in for the kernel (from the Triton forward's log-sum-exp and the preprocess kernel's Δ,
+    as the kernel gets them): right, it passes, so the plan, the layouts and the reference
+    agree; with dK 1% off from key row 20 on, it fails and names dK and the rows."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_attention
+    from selfattn.kernels import hopper_backward, triton_attention
+
+    def stand_in(grad_out, query, key, value, lse, delta, grad_key, grad_value, causal,
+                 scale, qk_scale):  # fmt: skip
+        q, k, v, do = (x.float() for x in (query, key, value, grad_out))
+        t, s = q.shape[-2], k.shape[-2]
+        scores = q @ k.transpose(-1, -2) * qk_scale
+        if causal:
+            hidden = torch.ones(t, s, dtype=torch.bool).triu(s - t + 1)
+            scores = scores.masked_fill(hidden, float("-inf"))
+        weights = torch.exp2(scores - lse.view(*q.shape[:-1], 1))
+        grad_weights = do @ v.transpose(-1, -2)
+        grad_scores = weights * (grad_weights - delta.view(*q.shape[:-1], 1))
+        grad_key.copy_(scale * grad_scores.transpose(-1, -2) @ q)
+        grad_key[..., 20:, :] *= error
+        grad_value.copy_(weights.transpose(-1, -2) @ do)
+        return (scale * grad_scores @ k).reshape(-1, t, q.shape[-1])
+
+    monkeypatch.setattr(hopper_backward, "hopper_backward", stand_in)
+    monkeypatch.setattr(hopper_backward, "applies", lambda *args: True)
+    module = {"hopper_backward": hopper_backward}
+    monkeypatch.setattr(triton_attention, "_gluon_module", lambda name, x: module.get(name))
+    monkeypatch.setattr(triton_attention, "forward_kernel", "triton")  # the check sets them
+    monkeypatch.setattr(triton_attention, "backward_plan", "auto")
+    cases = [
+        (1, 2, 32, 32, 16, False, torch.float32, "heads"),
+        (1, 2, 16, 48, 16, True, torch.float32, "interleaved"),
+    ]
+    monkeypatch.setattr(gpu_attention, "HOPPER_CHECK_CASES", cases)
+    backward = gpu_attention.gluon_candidates().index(gpu_attention.GLUON_BACKWARD)
+    status = gpu_attention.hopper_check_main(torch.device("cpu"), [backward])
+    report = capsys.readouterr().out
+    if error == 1.0:
+        assert status == 0, report
+        assert report.count("| yes |") == 2 and gpu_attention.PASSED in report, report
+    else:  # S = 32 has key rows 20..31 off in both heads, S = 48 rows 20..47
+        assert status == 1 and gpu_attention.PASSED not in report, report
+        assert "dK: 24 of 64 key rows off; first at [20, 21" in report, report
 
 
 def test_gluon_check_leaves_out_a_tiling_that_hangs(monkeypatch, capsys):
     """gpu_attention.py's parent side of the Gluon check, with a stand-in child: the second
-    of three tilings falls silent, so the child is killed after the stall time, a new child
-    checks the third, and the timed run gets the first and the third."""
+    of three forward tilings falls silent, so the child is killed after the stall time, a
+    new child checks the third and the backward, and the timed run gets the first and the
+    third tilings and the backward."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import gpu_attention
     from selfattn.kernels import hopper_forward, triton_attention
 
     configs = hopper_forward.CONFIGS[:3]
-    names = [config.describe() for config in configs]
+    names = [*(config.describe() for config in configs), gpu_attention.GLUON_BACKWARD]
     child = (
         "import sys, time\n"
         "names = sys.argv[1].split('|')\n"
@@ -402,15 +478,16 @@ def test_gluon_check_leaves_out_a_tiling_that_hangs(monkeypatch, capsys):
     monkeypatch.setattr(gpu_attention, "HOPPER_STALL_SECONDS", 3)
     monkeypatch.setattr(hopper_forward, "CONFIGS", configs)
     monkeypatch.setattr(triton_attention, "forward_kernel", "triton")
+    monkeypatch.setattr(triton_attention, "gluon_backward", False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (9, 0))
-    gpu_attention.check_hopper_forward(
+    gpu_attention.check_hopper_kernels(
         gpu_attention.Setting(torch.device("cpu"), torch.float32, 64, 32)
     )
     report = capsys.readouterr().out
-    assert started == [[0, 1, 2], [2]], report
+    assert started == [[0, 1, 2, 3], [2, 3]], report
     timed = hopper_forward.CONFIGS
     assert timed == (configs[0], configs[2]), report
-    assert triton_attention.forward_kernel == "auto"
+    assert triton_attention.forward_kernel == "auto" and triton_attention.gluon_backward
     assert f"{names[1]} hangs; left out" in report, report
 
 
@@ -427,10 +504,10 @@ def test_gluon_check_fails_a_tiling_it_has_no_case_for(monkeypatch, capsys):
     monkeypatch.setattr(triton_attention, "forward_kernel", "triton")  # the check sets it
     cases = [(1, 2, 32, 32, 16, False, torch.float32, "heads")]
     monkeypatch.setattr(gpu_attention, "HOPPER_CHECK_CASES", cases)
-    status = gpu_attention.hopper_forward_check_main(torch.device("cpu"))
+    status = gpu_attention.hopper_check_main(torch.device("cpu"), [0])
     report = capsys.readouterr().out
     assert status == 1 and gpu_attention.PASSED not in report, report
-    assert "no check case has a head dim it is offered for" in report, report
+    assert "no check case it runs for" in report, report
 
 
 def test_forward_kernel_choice(monkeypatch):
@@ -528,7 +605,31 @@ def test_auto_plan_times_both_once_and_keeps_the_faster(monkeypatch):
     assert triton_attention._backward_plan(("bucket",), run) == "atomic"
     assert triton_attention._backward_plan(("bucket",), run) == "atomic"
     assert sorted(timed) == ["atomic", "split"]  # timed once each, then remembered
-    assert triton_attention.plan_timings == {("bucket",): fake_ms}
+    assert triton_attention.plan_timings == {("bucket", "split", "atomic"): fake_ms}
+
+
+def test_gluon_backward_plan_choice(monkeypatch):
+    """The Gluon backward for Hopper joins "auto" only where it applies and once
+    ``gluon_backward`` is set (after gpu_attention.py has checked it on a GPU); forced, it runs
+    where it applies and "split" elsewhere; deterministic mode never runs it."""
+    from selfattn.kernels import triton_attention
+
+    fake_ms = {"split": 2.0, "atomic": 1.5, "gluon": 1.0}
+    monkeypatch.setattr(triton_attention, "INTERPRETING", False)
+    monkeypatch.setattr(triton_attention, "plan_timings", {})
+    monkeypatch.setattr(triton_attention, "_quick_bench", lambda fn, quantiles: fn())
+    run = fake_ms.get
+    choose = triton_attention._backward_plan
+    assert choose(("bucket",), run, gluon_applies=True) == "atomic"  # not checked yet
+    monkeypatch.setattr(triton_attention, "gluon_backward", True)
+    assert choose(("bucket",), run, gluon_applies=False) == "atomic"
+    assert choose(("bucket",), run, gluon_applies=True) == "gluon"
+    assert triton_attention.plan_timings[("bucket", "split", "atomic", "gluon")] == fake_ms
+    monkeypatch.setattr(triton_attention, "backward_plan", "gluon")
+    assert choose(("bucket",), run, gluon_applies=True) == "gluon"
+    assert choose(("bucket",), run, gluon_applies=False) == "split"
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert choose(("bucket",), run, gluon_applies=True) == "split"
 
 
 def test_backward_plans_agree_and_deterministic_mode_takes_split(monkeypatch):

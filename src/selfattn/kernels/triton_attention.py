@@ -34,7 +34,8 @@ exact (IEEE) float32 products, so they match the reference to rounding.
 Each kernel is autotuned over tile shapes, warps and pipeline stages; the forward also over
 plain loads or TMA (Hopper's copy engine, through in-kernel tensor descriptors, Triton 3.4+).
 On Hopper the forward can instead run ``hopper_forward``, a Gluon kernel that overlaps the
-softmax with the tensor cores, where it applies; ``forward_kernel`` says whether.
+softmax with the tensor cores, where it applies; ``forward_kernel`` says whether. The
+backward likewise has ``hopper_backward`` as a third plan (``_backward_plan``).
 Measured on an H200 (docs/benchmarks.md): 479 TFLOP/s forward and 378 backward at head dim
 128, T = 16,384. ``benchmarks/triton_sm90.py`` compiles every configuration for Hopper on any
 machine and reports registers, spills and wgmma use.
@@ -46,10 +47,12 @@ tests stay fast.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from collections.abc import Callable
 from functools import partial
+from types import ModuleType
 
 import torch
 import triton
@@ -822,17 +825,26 @@ def _chosen_forward(
     return kernels[_forward_choice(shape_key, kernels)]()
 
 
+def _gluon_module(name: str, tensor: Tensor) -> ModuleType | None:
+    """A module of Gluon kernels for Hopper (``hopper_forward``, ``hopper_backward``) if a call
+    on ``tensor`` may use it: on CUDA, not under the interpreter, with a Triton that has
+    Gluon's Hopper support."""
+    if INTERPRETING or not tensor.is_cuda:
+        return None
+    try:
+        return importlib.import_module(f"selfattn.kernels.{name}")
+    except ImportError:
+        return None
+
+
 def _gluon_forwards(
     query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool, scale: float
 ) -> dict[str, Callable[[], tuple[Tensor, Tensor]]]:
     """Hopper's Gluon forward (``hopper_forward``), one entry per tiling, where it applies."""
-    if INTERPRETING or not query.is_cuda:
-        return {}
-    try:
-        from selfattn.kernels import hopper_forward
-    except ImportError:  # a Triton without Gluon's Hopper support
-        return {}
-    if not hopper_forward.applies(query, key, value, mask is not None, causal):
+    hopper_forward = _gluon_module("hopper_forward", query)
+    if hopper_forward is None or not hopper_forward.applies(
+        query, key, value, mask is not None, causal
+    ):
         return {}
     return {
         config.describe(): partial(
@@ -918,36 +930,45 @@ def _backward(
     )
     tensors = (query, key, value, mask_arg, grad_out, lse, delta)
 
+    hopper_backward = _gluon_module("hopper_backward", query)
+    gluon_applies = hopper_backward is not None and hopper_backward.applies(
+        query, key, value, grad_out, mask is not None, causal
+    )
+
     def run(plan: str) -> tuple[Tensor, Tensor, Tensor]:
         grad_key, grad_value = _empty_heads(key, key.shape[-1]), _empty_heads(value, value_dim)
-        atomic = plan == "atomic"
-        if atomic:
-            width = shape_args["BLOCK_D"]
-            dq_acc = torch.zeros((n, t, width), dtype=torch.float32, device=query.device)
-        else:
-            dq_acc = torch.empty(0, dtype=torch.float32, device=query.device)
-        grad_strides = (*grad_key.stride()[:3], *grad_value.stride()[:3])
-        _dkdv_kernel[lambda meta: (triton.cdiv(s, meta["BLOCK_N"]), n)](
-            *tensors, grad_key, grad_value, dq_acc, *grad_strides, *common, ATOMIC_DQ=atomic,
-            **shape_args,
-        )  # fmt: skip
         grad_query = _empty_heads(query, query.shape[-1])
-        if atomic:
-            grad_query.copy_(dq_acc[..., : query.shape[-1]].view(query.shape))
+        grad_strides = (*grad_key.stride()[:3], *grad_value.stride()[:3])
+        if plan == "gluon":
+            dq = hopper_backward.hopper_backward(
+                grad_out, query, key, value, lse, delta, grad_key, grad_value, causal, scale,
+                scale * LOG2E,
+            )  # fmt: skip
         else:
-            _dq_kernel[lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), n)](
-                *tensors, grad_query, *grad_query.stride()[:3], *common, **shape_args
-            )
+            atomic = plan == "atomic"
+            dq_shape = (n, t, shape_args["BLOCK_D"]) if atomic else (0,)  # unused when split
+            dq = torch.zeros(dq_shape, dtype=torch.float32, device=query.device)
+            _dkdv_kernel[lambda meta: (triton.cdiv(s, meta["BLOCK_N"]), n)](
+                *tensors, grad_key, grad_value, dq, *grad_strides, *common, ATOMIC_DQ=atomic,
+                **shape_args,
+            )  # fmt: skip
+            if not atomic:
+                _dq_kernel[lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), n)](
+                    *tensors, grad_query, *grad_query.stride()[:3], *common, **shape_args
+                )
+                return grad_query, grad_key, grad_value
+        grad_query.copy_(dq[..., : query.shape[-1]].view(query.shape))
         return grad_query, grad_key, grad_value
 
     tune_key = ("backward", query.device, query.dtype, *buckets, *shape_args.values())
-    return run(_backward_plan(tune_key, run))
+    return run(_backward_plan(tune_key, run, gluon_applies))
 
 
 FORWARD_KERNELS = ("triton", "gluon", "auto")
 forward_kernel = "triton"  # see _forward_choice
-BACKWARD_PLANS = ("split", "atomic")
-backward_plan = "auto"  # or one of BACKWARD_PLANS, to force it (benchmarks, tests)
+BACKWARD_PLANS = ("split", "atomic")  # the Triton kernels' plans; "gluon" is Hopper's kernel
+backward_plan = "auto"  # or "split", "atomic", "gluon", to force it (benchmarks, tests)
+gluon_backward = False  # whether "auto" also times the Gluon backward (see _backward_plan)
 # The timed choices' measurements, ms per candidate, by ("forward" or "backward", device,
 # dtype, T bucket, S bucket, *shape args).
 plan_timings: dict[tuple, dict[str, float]] = {}
@@ -983,26 +1004,34 @@ def _forward_choice(shape_key: tuple, kernels: dict[str, Callable[[], object]]) 
     return _fastest((*shape_key, *kernels), kernels)
 
 
-def _backward_plan(tune_key: tuple, run) -> str:
-    """Which backward plan to run: "split" (a dK/dV kernel, then a dQ kernel) or "atomic".
+def _backward_plan(tune_key: tuple, run, gluon_applies: bool = False) -> str:
+    """Which backward plan to run: "split" (a dK/dV kernel, then a dQ kernel), "atomic" or
+    "gluon".
 
     "split" recomputes the weights and dP in both kernels: 7 matrix products per pair of
     tiles. "atomic" computes dQ in the dK/dV kernel and adds it into a float32 buffer with
     atomics: 5 products, but the order of the adds varies, so dQ's last bits vary from run to
-    run. ``torch.use_deterministic_algorithms(True)`` therefore always gets "split". Otherwise
-    ``backward_plan`` decides; "auto" times both on the first backward of each shape bucket
-    (on a GPU; the interpreter takes "split") and keeps the faster.
+    run. "gluon" does the same in Hopper's Gluon kernel (``hopper_backward``), with
+    asynchronous wgmma, where ``gluon_applies``. ``torch.use_deterministic_algorithms(True)``
+    therefore always gets "split". Otherwise ``backward_plan`` decides (a forced "gluon" runs
+    "split" where it does not apply); "auto" times "split" and "atomic" on the first backward
+    of each shape bucket (on a GPU; the interpreter takes "split") and keeps the faster, and
+    "gluon" too when ``gluon_backward`` is set: the Gluon kernel has no CPU interpreter, so it
+    stays out until checked on a GPU (``benchmarks/gpu_attention.py`` checks it, then sets it).
     """
-    if backward_plan not in ("auto", *BACKWARD_PLANS):
-        choices = ", ".join(("auto", *BACKWARD_PLANS))
-        raise ValueError(f"backward_plan is one of {choices}, not {backward_plan!r}")
+    choices = ("auto", *BACKWARD_PLANS, "gluon")
+    if backward_plan not in choices:
+        raise ValueError(f"backward_plan is one of {', '.join(choices)}, not {backward_plan!r}")
     if torch.are_deterministic_algorithms_enabled():
         return "split"
+    if backward_plan == "gluon":
+        return "gluon" if gluon_applies else "split"
     if backward_plan != "auto":
         return backward_plan
     if INTERPRETING:
         return "split"
-    return _fastest(tune_key, {plan: partial(run, plan) for plan in BACKWARD_PLANS})
+    plans = [*BACKWARD_PLANS, *(["gluon"] if gluon_applies and gluon_backward else [])]
+    return _fastest((*tune_key, *plans), {plan: partial(run, plan) for plan in plans})
 
 
 class _FusedAttention(torch.autograd.Function):
