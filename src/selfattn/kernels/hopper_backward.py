@@ -51,8 +51,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from selfattn.kernels.hopper_forward import (
-    DTYPES,
-    HEAD_DIMS,
     _barrier,
     _descriptor,
     _init_barriers,
@@ -61,6 +59,7 @@ from selfattn.kernels.hopper_forward import (
     _mma_layout,
     _tma_load,
     _tma_store,
+    in_scope,
 )
 
 BLOCK_N = 128  # keys per program, 64 per warpgroup
@@ -74,21 +73,9 @@ def applies(
 ) -> bool:
     """Whether this kernel can run the backward of these (B, H, T|S, D) tensors (see the
     module)."""
-    if masked or not query.is_cuda or query.dim() != 4:
-        return False
-    t, s, head_dim = query.shape[-2], key.shape[-2], query.shape[-1]
-    if causal and t > s:
-        return False
-    if torch.cuda.get_device_capability(query.device) != (9, 0):
-        return False
-    tensors = (query, key, value, grad_out)
-    if query.dtype not in DTYPES or any(x.dtype != query.dtype for x in tensors):
-        return False
-    if head_dim not in HEAD_DIMS or value.shape[-1] != head_dim or t % BLOCK_M or s % BLOCK_N:
-        return False
-    layouts = {_layout(x) for x in tensors}
-    aligned = all(x.data_ptr() % 16 == 0 for x in tensors)
-    return aligned and len(layouts) == 1 and None not in layouts
+    t, s = query.shape[-2], key.shape[-2]
+    within = query.dim() == 4 and in_scope((query, key, value, grad_out), masked, causal)
+    return within and t % BLOCK_M == 0 and s % BLOCK_N == 0
 
 
 def hopper_backward(

@@ -123,21 +123,28 @@ CONFIGS = (
 def applies(query: Tensor, key: Tensor, value: Tensor, masked: bool, causal: bool) -> bool:
     """Whether this kernel can run the forward of these (..., T|S, D) tensors (see the
     module)."""
+    t, s = query.shape[-2], key.shape[-2]
+    within = in_scope((query, key, value), masked, causal)
+    return within and t % TILE_MULTIPLE == 0 and s % TILE_MULTIPLE == 0
+
+
+def in_scope(tensors: tuple[Tensor, ...], masked: bool, causal: bool) -> bool:
+    """What the Gluon kernels (this and ``hopper_backward``) need of (query, key, value, ...):
+    no mask, CUDA sm_90, one 16-bit dtype, head dims of 64 or 128 alike, T <= S when causal
+    (else some rows would see no key), one layout of ``_layout``'s, 16-byte aligned."""
+    query, key, value = tensors[:3]
     if masked or not query.is_cuda:
         return False
-    if causal and query.shape[-2] > key.shape[-2]:  # some rows would see no key at all
+    if causal and query.shape[-2] > key.shape[-2]:
         return False
     if torch.cuda.get_device_capability(query.device) != (9, 0):  # wgmma is sm_90a only
         return False
-    if query.dtype not in DTYPES or not (query.dtype == key.dtype == value.dtype):
+    if query.dtype not in DTYPES or any(x.dtype != query.dtype for x in tensors):
         return False
-    head_dim, t, s = query.shape[-1], query.shape[-2], key.shape[-2]
-    if head_dim not in HEAD_DIMS or value.shape[-1] != head_dim:
+    if query.shape[-1] not in HEAD_DIMS or value.shape[-1] != query.shape[-1]:
         return False
-    if t % TILE_MULTIPLE or s % TILE_MULTIPLE:
-        return False
-    layouts = {_layout(x) for x in (query, key, value)}
-    aligned = all(x.data_ptr() % 16 == 0 for x in (query, key, value))
+    layouts = {_layout(x) for x in tensors}
+    aligned = all(x.data_ptr() % 16 == 0 for x in tensors)
     return aligned and len(layouts) == 1 and None not in layouts
 
 
