@@ -263,7 +263,6 @@ HOPPER_STALL_SECONDS = 60  # the check silent this long: the kernel it is on han
 HOPPER_CHECK_SECONDS = 240  # all of the Gluon check; kernels not reached by then are left out
 CHECKING = "Checking Gluon kernel"
 PASSED = "Gluon kernel passed:"
-GLUON_BACKWARD = "gluon backward"
 
 
 def check_hopper_kernels(setting: Setting) -> None:
@@ -277,7 +276,7 @@ def check_hopper_kernels(setting: Setting) -> None:
     first call and keeps the fastest; the backward, if it passes, joins the backward plans
     that "auto" times (``gluon_backward``).
     """
-    from selfattn.kernels import hopper_forward, triton_attention
+    from selfattn.kernels import hopper_backward, hopper_forward, triton_attention
 
     if setting.smoke or torch.cuda.get_device_capability() != (9, 0):
         print("## Gluon kernels (Hopper): skipped, they run on an sm_90 GPU only.\n")
@@ -299,12 +298,13 @@ def check_hopper_kernels(setting: Setting) -> None:
         print(f"Killed after {HOPPER_STALL_SECONDS} s without a word: {every[stopped_at]} "
               "hangs; left out.\n")  # fmt: skip
         todo = todo[todo.index(stopped_at) + 1 :]
-    hopper_forward.CONFIGS = tuple(c for c in hopper_forward.CONFIGS if c.describe() in passed)
+    for module in (hopper_forward, hopper_backward):
+        module.CONFIGS = tuple(c for c in module.CONFIGS if c.describe() in passed)
     if hopper_forward.CONFIGS:
         triton_attention.forward_kernel = "auto"
-    triton_attention.gluon_backward = GLUON_BACKWARD in passed
-    print(f"Gluon forward tilings in the timed run: {len(hopper_forward.CONFIGS)}; Gluon "
-          f"backward: {'yes' if triton_attention.gluon_backward else 'no'}.\n")  # fmt: skip
+    triton_attention.gluon_backward = bool(hopper_backward.CONFIGS)
+    print(f"Gluon tilings in the timed run: {len(hopper_forward.CONFIGS)} forward, "
+          f"{len(hopper_backward.CONFIGS)} backward.\n")  # fmt: skip
 
 
 def check_command(indices: list[int]) -> list[str]:
@@ -358,10 +358,11 @@ HOPPER_CHECK_CASES = [  # (B, H, T, S, D, causal, dtype, layout)
 
 
 def gluon_candidates() -> list[str]:
-    """What the Gluon check covers, by name: each tiling of the forward, then the backward."""
-    from selfattn.kernels import hopper_forward
+    """What the Gluon check covers, by name: each tiling of the forward, then the backward's."""
+    from selfattn.kernels import hopper_backward, hopper_forward
 
-    return [*(config.describe() for config in hopper_forward.CONFIGS), GLUON_BACKWARD]
+    configs = (*hopper_forward.CONFIGS, *hopper_backward.CONFIGS)
+    return [config.describe() for config in configs]
 
 
 def hopper_check_main(device: torch.device, indices: list[int] | None = None) -> int:
@@ -379,7 +380,8 @@ def hopper_check_main(device: torch.device, indices: list[int] | None = None) ->
     print("| kernel | B, H, T, S, D, causal, dtype, layout | output | LSE | dQ | dK | dV | ok |")
     print("|---|---|---|---|---|---|---|---|")
     prepared = [hopper_check_inputs(*case, device) for case in HOPPER_CHECK_CASES]
-    configs = {config.describe(): config for config in hopper_forward.CONFIGS}
+    forwards = {config.describe(): config for config in hopper_forward.CONFIGS}
+    backwards = {config.describe(): config for config in hopper_backward.CONFIGS}
     names = gluon_candidates()
     indices = indices or range(len(names))
     backward_runs = []
@@ -392,10 +394,11 @@ def hopper_check_main(device: torch.device, indices: list[int] | None = None) ->
     hopper_backward.hopper_backward = counted_backward
     passed = []
     for index in indices:
-        name, config = names[index], configs.get(names[index])
+        name, config = names[index], forwards.get(names[index])
         print(f"{CHECKING} {index}: {name}", flush=True)
-        if config is None:  # the backward, after the Triton forward
+        if config is None:  # a backward tiling, after the Triton forward
             triton_attention.forward_kernel, triton_attention.backward_plan = "triton", "gluon"
+            hopper_backward.CONFIGS = (backwards[name],)
         else:
             triton_attention.forward_kernel, triton_attention.backward_plan = "gluon", "auto"
             hopper_forward.CONFIGS = (config,)

@@ -103,15 +103,17 @@ def compile_gluon(
     return compile_gluon_kernel(jit_fn, head_dim, rows, constants, config.num_warps)
 
 
-def compile_gluon_backward(head_dim: int, causal: bool, interleaved: bool = False):
-    """Compile the Gluon backward (``hopper_backward``) for sm_90, bf16, as above."""
-    queries, keys = hopper_backward.BLOCK_M, hopper_backward.BLOCK_N
+def compile_gluon_backward(
+    config: hopper_backward.Config, head_dim: int, causal: bool, interleaved: bool = False
+):
+    """Compile one tiling of the Gluon backward (``hopper_backward``) for sm_90, bf16, as
+    above."""
+    queries, keys = config.block_m, config.block_n
     rows = {"q_desc": queries, "do_desc": queries, "k_desc": keys, "v_desc": keys,
             "dk_desc": keys, "dv_desc": keys}  # fmt: skip
-    constants = {"CAUSAL": causal, "INTERLEAVED": interleaved,
-                 "NUM_STAGES": hopper_backward.NUM_STAGES}  # fmt: skip
+    constants = {"CAUSAL": causal, "INTERLEAVED": interleaved, "NUM_STAGES": config.stages}
     jit_fn = hopper_backward._backward_kernel
-    return compile_gluon_kernel(jit_fn, head_dim, rows, constants, hopper_backward.NUM_WARPS)
+    return compile_gluon_kernel(jit_fn, head_dim, rows, constants, config.num_warps)
 
 
 def compile_gluon_kernel(jit_fn, head_dim: int, rows: dict, constants: dict, num_warps: int):
@@ -263,13 +265,11 @@ def main() -> None:
                 report(name, compile_one, label, head_dim, causal)
             continue
         if name == GLUON_BACKWARD:
-            tiling = (f"gluon BLOCK_N={hopper_backward.BLOCK_N} BLOCK_M={hopper_backward.BLOCK_M} "
-                      f"stages={hopper_backward.NUM_STAGES}")  # fmt: skip
-            for head_dim, causal, interleaved in itertools.product(
-                args.head_dims, causal_values, (False, True)
+            for head_dim, causal, interleaved, config in itertools.product(
+                args.head_dims, causal_values, (False, True), hopper_backward.CONFIGS
             ):
-                compile_one = partial(compile_gluon_backward, head_dim, causal, interleaved)
-                label = tiling + (" interleaved" if interleaved else "")
+                compile_one = partial(compile_gluon_backward, config, head_dim, causal, interleaved)
+                label = config.describe() + (" interleaved" if interleaved else "")
                 report(name, compile_one, label, head_dim, causal)
             continue
         autotuned = kernels.AUTOTUNED[name]

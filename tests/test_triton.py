@@ -343,7 +343,10 @@ def test_gluon_backward_compiles_for_hopper():
     assert report.returncode == 0, report.stderr[-2000:]
     rows = [line.split(" | ") for line in report.stdout.splitlines()
             if line.startswith("| gluon backward")]  # fmt: skip
-    assert len(rows) == 2 * 2 * 2, report.stdout  # head dims x causal or not x layouts
+    from selfattn.kernels import hopper_backward
+
+    tilings = len(hopper_backward.CONFIGS)
+    assert len(rows) == tilings * 2 * 2 * 2, report.stdout  # x head dims, causal, layouts
     for row in rows:
         assert "failed" not in row[3], row
         loops = len(row[4].split(","))
@@ -411,7 +414,7 @@ def test_gluon_backward_check_logic_with_a_torch_stand_in(monkeypatch, capsys, e
     from selfattn.kernels import hopper_backward, triton_attention
 
     def stand_in(grad_out, query, key, value, lse, delta, grad_key, grad_value, causal,
-                 scale, qk_scale):  # fmt: skip
+                 scale, qk_scale, config):  # fmt: skip
         q, k, v, do = (x.float() for x in (query, key, value, grad_out))
         t, s = q.shape[-2], k.shape[-2]
         scores = q @ k.transpose(-1, -2) * qk_scale
@@ -428,6 +431,7 @@ def test_gluon_backward_check_logic_with_a_torch_stand_in(monkeypatch, capsys, e
 
     monkeypatch.setattr(hopper_backward, "hopper_backward", stand_in)
     monkeypatch.setattr(hopper_backward, "applies", lambda *args: True)
+    monkeypatch.setattr(hopper_backward, "CONFIGS", hopper_backward.CONFIGS[:1])
     module = {"hopper_backward": hopper_backward}
     monkeypatch.setattr(triton_attention, "_gluon_module", lambda name, x: module.get(name))
     monkeypatch.setattr(triton_attention, "forward_kernel", "triton")  # the check sets them
@@ -437,7 +441,7 @@ def test_gluon_backward_check_logic_with_a_torch_stand_in(monkeypatch, capsys, e
         (1, 2, 16, 48, 16, True, torch.float32, "interleaved"),
     ]
     monkeypatch.setattr(gpu_attention, "HOPPER_CHECK_CASES", cases)
-    backward = gpu_attention.gluon_candidates().index(gpu_attention.GLUON_BACKWARD)
+    backward = gpu_attention.gluon_candidates().index(hopper_backward.CONFIGS[0].describe())
     status = gpu_attention.hopper_check_main(torch.device("cpu"), [backward])
     report = capsys.readouterr().out
     if error == 1.0:
@@ -455,10 +459,10 @@ def test_gluon_check_leaves_out_a_tiling_that_hangs(monkeypatch, capsys):
     third tilings and the backward."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import gpu_attention
-    from selfattn.kernels import hopper_forward, triton_attention
+    from selfattn.kernels import hopper_backward, hopper_forward, triton_attention
 
-    configs = hopper_forward.CONFIGS[:3]
-    names = [*(config.describe() for config in configs), gpu_attention.GLUON_BACKWARD]
+    configs, backward = hopper_forward.CONFIGS[:3], hopper_backward.CONFIGS[:1]
+    names = [config.describe() for config in (*configs, *backward)]
     child = (
         "import sys, time\n"
         "names = sys.argv[1].split('|')\n"
@@ -477,6 +481,7 @@ def test_gluon_check_leaves_out_a_tiling_that_hangs(monkeypatch, capsys):
     monkeypatch.setattr(gpu_attention, "check_command", command)
     monkeypatch.setattr(gpu_attention, "HOPPER_STALL_SECONDS", 3)
     monkeypatch.setattr(hopper_forward, "CONFIGS", configs)
+    monkeypatch.setattr(hopper_backward, "CONFIGS", backward)
     monkeypatch.setattr(triton_attention, "forward_kernel", "triton")
     monkeypatch.setattr(triton_attention, "gluon_backward", False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (9, 0))
@@ -485,8 +490,8 @@ def test_gluon_check_leaves_out_a_tiling_that_hangs(monkeypatch, capsys):
     )
     report = capsys.readouterr().out
     assert started == [[0, 1, 2, 3], [2, 3]], report
-    timed = hopper_forward.CONFIGS
-    assert timed == (configs[0], configs[2]), report
+    timed = (hopper_forward.CONFIGS, hopper_backward.CONFIGS)
+    assert timed == ((configs[0], configs[2]), backward), report
     assert triton_attention.forward_kernel == "auto" and triton_attention.gluon_backward
     assert f"{names[1]} hangs; left out" in report, report
 
@@ -609,27 +614,29 @@ def test_auto_plan_times_both_once_and_keeps_the_faster(monkeypatch):
 
 
 def test_gluon_backward_plan_choice(monkeypatch):
-    """The Gluon backward for Hopper joins "auto" only where it applies and once
-    ``gluon_backward`` is set (after gpu_attention.py has checked it on a GPU); forced, it runs
-    where it applies and "split" elsewhere; deterministic mode never runs it."""
+    """The Gluon backward's tilings for Hopper join "auto" only where they apply and once
+    ``gluon_backward`` is set (after gpu_attention.py has checked them on a GPU); forced,
+    the first runs where they apply and "split" elsewhere; deterministic mode never runs
+    them."""
     from selfattn.kernels import triton_attention
 
-    fake_ms = {"split": 2.0, "atomic": 1.5, "gluon": 1.0}
+    fake_ms = {"split": 2.0, "atomic": 1.5, "gluon a": 1.2, "gluon b": 1.0}
+    tilings = ["gluon a", "gluon b"]
     monkeypatch.setattr(triton_attention, "INTERPRETING", False)
     monkeypatch.setattr(triton_attention, "plan_timings", {})
     monkeypatch.setattr(triton_attention, "_quick_bench", lambda fn, quantiles: fn())
     run = fake_ms.get
     choose = triton_attention._backward_plan
-    assert choose(("bucket",), run, gluon_applies=True) == "atomic"  # not checked yet
+    assert choose(("bucket",), run, tilings) == "atomic"  # not checked yet
     monkeypatch.setattr(triton_attention, "gluon_backward", True)
-    assert choose(("bucket",), run, gluon_applies=False) == "atomic"
-    assert choose(("bucket",), run, gluon_applies=True) == "gluon"
-    assert triton_attention.plan_timings[("bucket", "split", "atomic", "gluon")] == fake_ms
+    assert choose(("bucket",), run, []) == "atomic"
+    assert choose(("bucket",), run, tilings) == "gluon b"
+    assert triton_attention.plan_timings[("bucket", "split", "atomic", *tilings)] == fake_ms
     monkeypatch.setattr(triton_attention, "backward_plan", "gluon")
-    assert choose(("bucket",), run, gluon_applies=True) == "gluon"
-    assert choose(("bucket",), run, gluon_applies=False) == "split"
+    assert choose(("bucket",), run, tilings) == "gluon a"
+    assert choose(("bucket",), run, []) == "split"
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert choose(("bucket",), run, gluon_applies=True) == "split"
+    assert choose(("bucket",), run, tilings) == "split"
 
 
 def test_backward_plans_agree_and_deterministic_mode_takes_split(monkeypatch):

@@ -3,17 +3,17 @@
 The Triton backward either recomputes the weights in a second kernel for dQ (7 matrix
 products per pair of tiles where 5 are counted) or adds dQ with atomics from its dK/dV
 kernel, where Triton waits for each wgmma before the next instruction. This kernel issues
-them asynchronously. One program holds BLOCK_N = 128 keys of one head (K and V in shared
-memory, 64 keys per warpgroup, dK and dV accumulated in registers) and walks the query
-tiles that see them, BLOCK_M = 32 queries at a time, Q and dO arriving by TMA into a ring.
-Per query tile, with Sᵀ laid out (keys, queries)::
+them asynchronously. One program holds BLOCK_N keys of one head (K and V in shared memory,
+64 keys per warpgroup, dK and dV accumulated in registers) and walks the query tiles that
+see them, BLOCK_M = 32 queries at a time, Q and dO arriving by TMA into a ring. Per query
+tile, with Sᵀ laid out (keys, queries)::
 
     issue  Sᵀ = K Qᵀ,  dPᵀ = V dOᵀ
     wait for Sᵀ        Pᵀ = exp2(Sᵀ·scale·log2(e) - LSE)       dPᵀ still runs
     issue  dV += Pᵀ dO
     wait for dPᵀ       dSᵀ = Pᵀ ∘ (dPᵀ - Δ), to shared memory   dV still runs
     issue  dK += dSᵀ Q
-    wait for dV        issue dQᵀ = Kᵀ dSᵀ (all 128 keys: both warpgroups' dSᵀ)
+    wait for dV        issue dQᵀ = Kᵀ dSᵀ (over the block's keys: every warpgroup's dSᵀ)
     wait for both      add scale · dQᵀ into a float32 dQ with atomics
 
 dQ is computed transposed (FlashAttention-3's "swap AB") so that a 32-query tile fills the
@@ -37,6 +37,8 @@ which then lets ``triton_attention``'s "auto" backward plan time it against the 
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -62,10 +64,31 @@ from selfattn.kernels.hopper_forward import (
     in_scope,
 )
 
-BLOCK_N = 128  # keys per program, 64 per warpgroup
 BLOCK_M = 32  # queries per tile
-NUM_STAGES = 2  # query tiles in flight
-NUM_WARPS = 8
+KEY_MULTIPLE = 128  # S must be a multiple of this (every tiling's key block divides it)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One tiling: keys per program (64 per warpgroup of 4 warps), queries per tile, and how
+    many query tiles are in flight."""
+
+    block_n: int
+    block_m: int = BLOCK_M
+    stages: int = 2
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_n // 16
+
+    def describe(self) -> str:
+        return f"gluon backward BLOCK_N={self.block_n} BLOCK_M={self.block_m} stages={self.stages}"
+
+
+# 128 keys on two warpgroups: one program per SM (registers), dQ summed over 128 keys before
+# its atomic adds, two CTA barriers per tile between the warpgroups. 64 keys on one: two
+# programs per SM that run unsynchronised, twice the atomic adds.
+CONFIGS = (Config(128), Config(64))
 
 
 def applies(
@@ -75,7 +98,7 @@ def applies(
     module)."""
     t, s = query.shape[-2], key.shape[-2]
     within = query.dim() == 4 and in_scope((query, key, value, grad_out), masked, causal)
-    return within and t % BLOCK_M == 0 and s % BLOCK_N == 0
+    return within and t % BLOCK_M == 0 and s % KEY_MULTIPLE == 0
 
 
 def hopper_backward(
@@ -90,6 +113,7 @@ def hopper_backward(
     causal: bool,
     scale: float,
     qk_scale: float,
+    config: Config,
 ) -> Tensor:
     """Write dK and dV into ``grad_key`` and ``grad_value`` (laid out as key and value are)
     and return dQ as float32 (N, T, D), from the base-2 log-sum-exp and Δ (both (N, T)
@@ -98,13 +122,13 @@ def hopper_backward(
     interleaved = _layout(query) == "interleaved"  # and so are the others (``applies``)
     grad_query = torch.zeros((batch * heads, t, head_dim), dtype=torch.float32,
                              device=query.device)  # fmt: skip
-    _backward_kernel[(s // BLOCK_N, batch * heads)](
-        _descriptor(query, BLOCK_M, interleaved),
-        _descriptor(key, BLOCK_N, interleaved),
-        _descriptor(value, BLOCK_N, interleaved),
-        _descriptor(grad_out, BLOCK_M, interleaved),
-        _descriptor(grad_key, BLOCK_N, interleaved),
-        _descriptor(grad_value, BLOCK_N, interleaved),
+    _backward_kernel[(s // config.block_n, batch * heads)](
+        _descriptor(query, config.block_m, interleaved),
+        _descriptor(key, config.block_n, interleaved),
+        _descriptor(value, config.block_n, interleaved),
+        _descriptor(grad_out, config.block_m, interleaved),
+        _descriptor(grad_key, config.block_n, interleaved),
+        _descriptor(grad_value, config.block_n, interleaved),
         lse,
         delta,
         grad_query,
@@ -115,8 +139,8 @@ def hopper_backward(
         heads,
         CAUSAL=causal,
         INTERLEAVED=interleaved,
-        NUM_STAGES=NUM_STAGES,
-        num_warps=NUM_WARPS,
+        NUM_STAGES=config.stages,
+        num_warps=config.num_warps,
     )
     return grad_query
 
@@ -283,4 +307,4 @@ def _backward_kernel(
     tma.store_wait(0)
 
 
-__all__ = ["applies", "hopper_backward"]
+__all__ = ["CONFIGS", "Config", "applies", "hopper_backward"]

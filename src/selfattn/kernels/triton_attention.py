@@ -931,18 +931,20 @@ def _backward(
     tensors = (query, key, value, mask_arg, grad_out, lse, delta)
 
     hopper_backward = _gluon_module("hopper_backward", query)
-    gluon_applies = hopper_backward is not None and hopper_backward.applies(
+    gluon = {}  # Hopper's Gluon kernel, by tiling, where it applies
+    if hopper_backward is not None and hopper_backward.applies(
         query, key, value, grad_out, mask is not None, causal
-    )
+    ):
+        gluon = {config.describe(): config for config in hopper_backward.CONFIGS}
 
     def run(plan: str) -> tuple[Tensor, Tensor, Tensor]:
         grad_key, grad_value = _empty_heads(key, key.shape[-1]), _empty_heads(value, value_dim)
         grad_query = _empty_heads(query, query.shape[-1])
         grad_strides = (*grad_key.stride()[:3], *grad_value.stride()[:3])
-        if plan == "gluon":
+        if plan in gluon:
             dq = hopper_backward.hopper_backward(
                 grad_out, query, key, value, lse, delta, grad_key, grad_value, causal, scale,
-                scale * LOG2E,
+                scale * LOG2E, gluon[plan],
             )  # fmt: skip
         else:
             atomic = plan == "atomic"
@@ -961,7 +963,7 @@ def _backward(
         return grad_query, grad_key, grad_value
 
     tune_key = ("backward", query.device, query.dtype, *buckets, *shape_args.values())
-    return run(_backward_plan(tune_key, run, gluon_applies))
+    return run(_backward_plan(tune_key, run, list(gluon)))
 
 
 FORWARD_KERNELS = ("triton", "gluon", "auto")
@@ -1004,33 +1006,35 @@ def _forward_choice(shape_key: tuple, kernels: dict[str, Callable[[], object]]) 
     return _fastest((*shape_key, *kernels), kernels)
 
 
-def _backward_plan(tune_key: tuple, run, gluon_applies: bool = False) -> str:
+def _backward_plan(tune_key: tuple, run, gluon: list[str] | None = None) -> str:
     """Which backward plan to run: "split" (a dK/dV kernel, then a dQ kernel), "atomic" or
-    "gluon".
+    a tiling of the Gluon kernel, named in ``gluon``.
 
     "split" recomputes the weights and dP in both kernels: 7 matrix products per pair of
     tiles. "atomic" computes dQ in the dK/dV kernel and adds it into a float32 buffer with
     atomics: 5 products, but the order of the adds varies, so dQ's last bits vary from run to
-    run. "gluon" does the same in Hopper's Gluon kernel (``hopper_backward``), with
-    asynchronous wgmma, where ``gluon_applies``. ``torch.use_deterministic_algorithms(True)``
-    therefore always gets "split". Otherwise ``backward_plan`` decides (a forced "gluon" runs
-    "split" where it does not apply); "auto" times "split" and "atomic" on the first backward
-    of each shape bucket (on a GPU; the interpreter takes "split") and keeps the faster, and
-    "gluon" too when ``gluon_backward`` is set: the Gluon kernel has no CPU interpreter, so it
-    stays out until checked on a GPU (``benchmarks/gpu_attention.py`` checks it, then sets it).
+    run. Hopper's Gluon kernel (``hopper_backward``) does the same with asynchronous wgmma;
+    ``gluon`` lists its tilings where it applies. ``torch.use_deterministic_algorithms(True)``
+    therefore always gets "split". Otherwise ``backward_plan`` decides: a forced "gluon"
+    runs its first tiling, or "split" where it does not apply; "auto" times "split" and
+    "atomic" on the first backward of each shape bucket (on a GPU; the interpreter takes
+    "split") and keeps the faster, and the Gluon tilings too when ``gluon_backward`` is set:
+    the Gluon kernel has no CPU interpreter, so it stays out until checked on a GPU
+    (``benchmarks/gpu_attention.py`` checks it, then sets it).
     """
+    gluon = gluon or []
     choices = ("auto", *BACKWARD_PLANS, "gluon")
     if backward_plan not in choices:
         raise ValueError(f"backward_plan is one of {', '.join(choices)}, not {backward_plan!r}")
     if torch.are_deterministic_algorithms_enabled():
         return "split"
     if backward_plan == "gluon":
-        return "gluon" if gluon_applies else "split"
+        return gluon[0] if gluon else "split"
     if backward_plan != "auto":
         return backward_plan
     if INTERPRETING:
         return "split"
-    plans = [*BACKWARD_PLANS, *(["gluon"] if gluon_applies and gluon_backward else [])]
+    plans = [*BACKWARD_PLANS, *(gluon if gluon_backward else [])]
     return _fastest((*tune_key, *plans), {plan: partial(run, plan) for plan in plans})
 
 
