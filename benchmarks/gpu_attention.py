@@ -263,6 +263,7 @@ HOPPER_STALL_SECONDS = 60  # the check silent this long: the kernel it is on han
 HOPPER_CHECK_SECONDS = 240  # all of the Gluon check; kernels not reached by then are left out
 CHECKING = "Checking Gluon kernel"
 PASSED = "Gluon kernel passed:"
+CHECK_DONE = "Gluon check done."
 
 
 def check_hopper_kernels(setting: Setting) -> None:
@@ -286,7 +287,7 @@ def check_hopper_kernels(setting: Setting) -> None:
     todo = list(range(len(every)))
     deadline = time.monotonic() + HOPPER_CHECK_SECONDS
     while todo:
-        lines, stopped_at = run_check_child(todo, deadline)
+        lines, stopped_at, why = run_check_child(todo, deadline)
         print("".join(lines))
         passed |= {line.removeprefix(PASSED).strip() for line in lines if line.startswith(PASSED)}
         if stopped_at is None:
@@ -295,8 +296,7 @@ def check_hopper_kernels(setting: Setting) -> None:
             left = ", ".join(every[i] for i in todo[todo.index(stopped_at) :])
             print(f"Gluon check out of its {HOPPER_CHECK_SECONDS} s: left out {left}.\n")
             break
-        print(f"Killed after {HOPPER_STALL_SECONDS} s without a word: {every[stopped_at]} "
-              "hangs; left out.\n")  # fmt: skip
+        print(f"{every[stopped_at]}: {why}; left out, the rest checked anew.\n")
         todo = todo[todo.index(stopped_at) + 1 :]
     for module in (hopper_forward, hopper_backward):
         module.CONFIGS = tuple(c for c in module.CONFIGS if c.describe() in passed)
@@ -312,10 +312,11 @@ def check_command(indices: list[int]) -> list[str]:
     return [sys.executable, __file__, "--check-hopper", *map(str, indices)]
 
 
-def run_check_child(indices: list[int], deadline: float) -> tuple[list[str], int | None]:
+def run_check_child(indices: list[int], deadline: float) -> tuple[list[str], int | None, str]:
     """Run the check child on these kernels: its output lines, and None if it finished, or
-    the index of the kernel it was on when it was killed, silent for HOPPER_STALL_SECONDS or
-    past ``deadline`` (``time.monotonic``)."""
+    the index of the kernel it was on when it stopped, and why: killed, silent for
+    HOPPER_STALL_SECONDS (a hang) or past ``deadline`` (``time.monotonic``), or dead before
+    the end (a kernel that broke the CUDA context, after which nothing runs there)."""
     child = subprocess.Popen(
         check_command(indices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -335,12 +336,14 @@ def run_check_child(indices: list[int], deadline: float) -> tuple[list[str], int
         except queue.Empty:
             child.kill()
             child.wait()
-            return lines, current
+            return lines, current, f"silent for {HOPPER_STALL_SECONDS} s, killed (a hang)"
         if line is None:
-            child.wait()
-            return lines, None
+            code = child.wait()
+            if lines and lines[-1].startswith(CHECK_DONE):
+                return lines, None, ""
+            return lines, current, f"its process ended before the check did (exit {code})"
         lines.append(line)
-        if line.startswith(CHECKING):  # "Checking Gluon tiling 3: ..."
+        if line.startswith(CHECKING):  # "Checking Gluon kernel 3: ..."
             current = int(line.removeprefix(CHECKING).split(":")[0])
 
 
@@ -431,6 +434,9 @@ def hopper_check_main(device: torch.device, indices: list[int] | None = None) ->
                     notes.append(f"{name}, {shape}, causal={causal}: {part}: {where}")
             except Exception as error:  # report it and go on with the next kernel
                 cells, ok = [f"failed: {first_line(error, 80)}", "", "", "", ""], False
+                if cuda_context_lost(device):  # nothing more runs in this process
+                    print(f"| {name} | {shape} | " + " | ".join(cells) + " | **NO** |")
+                    return 3
             cases_run += 1
             kernel_ok = kernel_ok and ok
             label = ", ".join(
@@ -448,7 +454,20 @@ def hopper_check_main(device: torch.device, indices: list[int] | None = None) ->
             print(f"{PASSED} {name}", flush=True)
     hopper_backward.hopper_backward = run_backward
     triton_attention.backward_plan = "auto"
+    print(CHECK_DONE, flush=True)
     return 0 if len(passed) == len(indices) else 1
+
+
+def cuda_context_lost(device: torch.device) -> bool:
+    """Whether an error on ``device`` was a sticky one (an illegal address, say), which
+    leaves its CUDA context unusable for the rest of the process."""
+    if device.type != "cuda":
+        return False
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:
+        return True
+    return False
 
 
 def pin_plain_configs() -> None:

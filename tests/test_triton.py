@@ -452,11 +452,11 @@ def test_gluon_backward_check_logic_with_a_torch_stand_in(monkeypatch, capsys, e
         assert "dK: 24 of 64 key rows off; first at [20, 21" in report, report
 
 
-def test_gluon_check_leaves_out_a_tiling_that_hangs(monkeypatch, capsys):
-    """gpu_attention.py's parent side of the Gluon check, with a stand-in child: the second
-    of three forward tilings falls silent, so the child is killed after the stall time, a
-    new child checks the third and the backward, and the timed run gets the first and the
-    third tilings and the backward."""
+def test_gluon_check_leaves_out_a_kernel_that_hangs_or_breaks_its_process(monkeypatch, capsys):
+    """gpu_attention.py's parent side of the Gluon check, with a stand-in child: of three
+    forward tilings and a backward one, the second falls silent, so its child is killed
+    after the stall time, and the third ends its process (as a lost CUDA context does); a
+    new child checks what follows each, and the timed run gets the first and the last."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import gpu_attention
     from selfattn.kernels import hopper_backward, hopper_forward, triton_attention
@@ -470,7 +470,10 @@ def test_gluon_check_leaves_out_a_tiling_that_hangs(monkeypatch, capsys):
         f"    print('{gpu_attention.CHECKING}', index, ':', names[index], flush=True)\n"
         "    if index == 1:\n"
         "        time.sleep(60)\n"
+        "    if index == 2:\n"
+        "        sys.exit(3)\n"
         f"    print('{gpu_attention.PASSED}', names[index], flush=True)\n"
+        f"print('{gpu_attention.CHECK_DONE}', flush=True)\n"
     )
     started = []
 
@@ -489,11 +492,12 @@ def test_gluon_check_leaves_out_a_tiling_that_hangs(monkeypatch, capsys):
         gpu_attention.Setting(torch.device("cpu"), torch.float32, 64, 32)
     )
     report = capsys.readouterr().out
-    assert started == [[0, 1, 2, 3], [2, 3]], report
+    assert started == [[0, 1, 2, 3], [2, 3], [3]], report
     timed = (hopper_forward.CONFIGS, hopper_backward.CONFIGS)
-    assert timed == ((configs[0], configs[2]), backward), report
+    assert timed == ((configs[0],), backward), report
     assert triton_attention.forward_kernel == "auto" and triton_attention.gluon_backward
-    assert f"{names[1]} hangs; left out" in report, report
+    assert f"{names[1]}: silent for 3 s, killed (a hang)" in report, report
+    assert f"{names[2]}: its process ended before the check did (exit 3)" in report, report
 
 
 def test_gluon_check_fails_a_tiling_it_has_no_case_for(monkeypatch, capsys):
