@@ -406,43 +406,30 @@ def hopper_check_main(device: torch.device, indices: list[int] | None = None) ->
             triton_attention.forward_kernel, triton_attention.backward_plan = "gluon", "auto"
             hopper_forward.CONFIGS = (config,)
         cases_run, kernel_ok, notes = 0, True, []
-        for (*shape, causal, dtype, layout), (case, inputs, want_lse, base, want) in zip(
+        for (*shape, causal, dtype, layout), prepared_case in zip(
             HOPPER_CHECK_CASES, prepared, strict=True
         ):
             if config is not None and shape[-1] not in config.head_dims:
                 continue
-            lse_cell, runs_before = "-", len(backward_runs)
+            runs_before, raised = len(backward_runs), False
             try:
-                if config is not None:
-                    qk_scale = shape[-1] ** -0.5 * triton_attention.LOG2E
-                    _, lse = hopper_forward.hopper_forward(*inputs, causal, qk_scale, config)
-                    lse_error = (lse.double() - want_lse).abs().max().item()
-                    lse_cell = f"{lse_error:.1e}"
-                got = output_and_grads("triton", dtype, *case)
-                if config is None and len(backward_runs) == runs_before:
-                    continue  # the Gluon backward does not apply to this case
-                measured = errors(got, base, want)
-                cells = [f"{error:.1e} / {base_error:.1e}" for error, base_error, _ in measured]
-                ok = lse_cell == "-" or lse_error <= 1e-3
-                ok = ok and all(within for *_, within in measured)
-                cells.insert(1, lse_cell)
-                if not ok:  # where it goes wrong says which part of the kernel to look at
-                    first = next((i for i in range(4) if not measured[i][2]), 0)  # or the LSE
-                    part = ("output", "dQ", "dK", "dV")[first]
-                    rows = "key" if part in ("dK", "dV") else "query"
-                    where = misses(got[first], want[first], bound(measured[first][1]), rows)
-                    notes.append(f"{name}, {shape}, causal={causal}: {part}: {where}")
+                cells, note = check_case(config, shape, causal, dtype, prepared_case)
             except Exception as error:  # report it and go on with the next kernel
-                cells, ok = [f"failed: {first_line(error, 80)}", "", "", "", ""], False
+                note = f"failed: {first_line(error, 80)}"
+                cells, raised = [note, "", "", "", ""], True
                 if cuda_context_lost(device):  # nothing more runs in this process
                     print(f"| {name} | {shape} | " + " | ".join(cells) + " | **NO** |")
                     return 3
+            if config is None and len(backward_runs) == runs_before and not raised:
+                continue  # the Gluon backward does not apply to this case
             cases_run += 1
-            kernel_ok = kernel_ok and ok
+            kernel_ok = kernel_ok and note is None
+            if note is not None:
+                notes.append(f"{name}, {shape}, causal={causal}: {note}")
             label = ", ".join(
                 str(x) for x in (*shape, causal, str(dtype).removeprefix("torch."), layout)
             )
-            row = [name, label, *cells, "yes" if ok else "**NO**"]
+            row = [name, label, *cells, "yes" if note is None else "**NO**"]
             print("| " + " | ".join(row) + " |", flush=True)
         if not cases_run:
             kernel_ok = False
@@ -456,6 +443,32 @@ def hopper_check_main(device: torch.device, indices: list[int] | None = None) ->
     triton_attention.backward_plan = "auto"
     print(CHECK_DONE, flush=True)
     return 0 if len(passed) == len(indices) else 1
+
+
+def check_case(config, shape: list[int], causal: bool, dtype: torch.dtype, prepared: tuple):
+    """One case of the Gluon check: the table cells (output, LSE, dQ, dK, dV) and None if it
+    passes, else a note on where it goes wrong (which part, which rows). ``config`` is a
+    forward tiling, whose base-2 log-sum-exp is checked too, or None for the backward."""
+    from selfattn.kernels import hopper_forward, triton_attention
+
+    case, inputs, want_lse, base, want = prepared
+    lse_cell, lse_ok = "-", True
+    if config is not None:
+        qk_scale = shape[-1] ** -0.5 * triton_attention.LOG2E
+        _, lse = hopper_forward.hopper_forward(*inputs, causal, qk_scale, config)
+        lse_error = (lse.double() - want_lse).abs().max().item()
+        lse_cell, lse_ok = f"{lse_error:.1e}", lse_error <= 1e-3
+    got = output_and_grads("triton", dtype, *case)
+    measured = errors(got, base, want)
+    cells = [f"{error:.1e} / {base_error:.1e}" for error, base_error, _ in measured]
+    cells.insert(1, lse_cell)
+    if lse_ok and all(within for *_, within in measured):
+        return cells, None
+    # Where it goes wrong says which part of the kernel to look at.
+    first = next((i for i in range(4) if not measured[i][2]), 0)  # or only the LSE
+    part = ("output", "dQ", "dK", "dV")[first]
+    rows = "key" if part in ("dK", "dV") else "query"
+    return cells, f"{part}: " + misses(got[first], want[first], bound(measured[first][1]), rows)
 
 
 def cuda_context_lost(device: torch.device) -> bool:
