@@ -625,7 +625,7 @@ def test_gluon_backward_plan_choice(monkeypatch):
     from selfattn.kernels import triton_attention
 
     fake_ms = {"split": 2.0, "atomic": 1.5, "gluon a": 1.2, "gluon b": 1.0}
-    tilings = ["gluon a", "gluon b"]
+    tilings = ("gluon a", "gluon b")
     monkeypatch.setattr(triton_attention, "INTERPRETING", False)
     monkeypatch.setattr(triton_attention, "plan_timings", {})
     monkeypatch.setattr(triton_attention, "_quick_bench", lambda fn, quantiles: fn())
@@ -633,12 +633,12 @@ def test_gluon_backward_plan_choice(monkeypatch):
     choose = triton_attention._backward_plan
     assert choose(("bucket",), run, tilings) == "atomic"  # not checked yet
     monkeypatch.setattr(triton_attention, "gluon_backward", True)
-    assert choose(("bucket",), run, []) == "atomic"
+    assert choose(("bucket",), run, ()) == "atomic"
     assert choose(("bucket",), run, tilings) == "gluon b"
     assert triton_attention.plan_timings[("bucket", "split", "atomic", *tilings)] == fake_ms
     monkeypatch.setattr(triton_attention, "backward_plan", "gluon")
     assert choose(("bucket",), run, tilings) == "gluon a"
-    assert choose(("bucket",), run, []) == "split"
+    assert choose(("bucket",), run, ()) == "split"
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert choose(("bucket",), run, tilings) == "split"
 

@@ -55,11 +55,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from selfattn.kernels.hopper_forward import (
     _barrier,
     _descriptor,
+    _fetch_two,
     _init_barriers,
     _invalidate_barriers,
     _layout,
     _mma_layout,
-    _tma_load,
     _tma_store,
     in_scope,
 )
@@ -158,14 +158,6 @@ def _dq_layout(head_dim, queries, num_warps):
 
 
 @gluon.jit
-def _fetch_rows(q_desc, do_desc, row, col, bar, q_dest, do_dest, pred):
-    """Start the TMA copies of one query tile and its output gradient, on one barrier."""
-    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes, pred=pred)
-    _tma_load(q_desc, [row, col], bar, q_dest, pred=pred)
-    _tma_load(do_desc, [row, col], bar, do_dest, pred=pred)
-
-
-@gluon.jit
 def _query_tiles(
     state, operands, lo, hi, n_tiles, first, diagonal, qk_scale, scale,
     NUM_STAGES: gl.constexpr, MASKED: gl.constexpr,
@@ -223,8 +215,9 @@ def _query_tiles(
         gl.atomic_add(dq_ptr + i * BLOCK_M * HEAD_DIM + dq_offsets, dq * scale, sem="relaxed")
         _barrier()  # every wgmma on this slot and on dSᵀ is done: refill, rewrite
         ahead = i + NUM_STAGES
-        _fetch_rows(q_desc, do_desc, q_row + ahead * BLOCK_M, col, bars.index(slot),
-                    q_smem.index(slot), do_smem.index(slot), ahead < n_tiles)  # fmt: skip
+        at = [q_row + ahead * BLOCK_M, col]
+        _fetch_two(bars.index(slot), ahead < n_tiles, q_desc, at, q_smem.index(slot),
+                   do_desc, at, do_smem.index(slot))  # fmt: skip
     return dk, dv
 
 
@@ -274,13 +267,13 @@ def _backward_kernel(
     _init_barriers(1, bars)
     fence_async_shared()  # the barriers' initialisation, seen by the copy engine
 
-    mbarrier.expect(kv_bar.index(0), 2 * k_desc.block_type.nbytes)
-    _tma_load(k_desc, [kv_row, col], kv_bar.index(0), k_smem)
-    _tma_load(v_desc, [kv_row, col], kv_bar.index(0), v_smem)
+    _fetch_two(kv_bar.index(0), True, k_desc, [kv_row, col], k_smem, v_desc, [kv_row, col],
+               v_smem)  # fmt: skip
     for stage in gl.static_range(NUM_STAGES):
         tile = first + stage
-        _fetch_rows(q_desc, do_desc, q_row + tile * BLOCK_M, col, bars.index(stage),
-                    q_smem.index(stage), do_smem.index(stage), tile < n_tiles)  # fmt: skip
+        at = [q_row + tile * BLOCK_M, col]
+        _fetch_two(bars.index(stage), tile < n_tiles, q_desc, at, q_smem.index(stage),
+                   do_desc, at, do_smem.index(stage))  # fmt: skip
     mbarrier.wait(kv_bar.index(0), 0)
 
     kv_layout: gl.constexpr = _mma_layout(HEAD_DIM, num_warps)

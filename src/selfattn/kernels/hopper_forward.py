@@ -211,15 +211,12 @@ def _fetch(desc, row, col, bar, dest, pred):
 
 
 @gluon.jit
-def _refill(
-    desc, base_row, col, bars, ring, used, n_tiles, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr
-):
-    """Tile ``used`` is consumed: once every warp is past it, load tile ``used + NUM_STAGES``,
-    if there is one, into its slot."""
-    _barrier()
-    tile = used + NUM_STAGES
-    slot = used % NUM_STAGES
-    _fetch(desc, base_row + tile * BLOCK_N, col, bars.index(slot), ring.index(slot), tile < n_tiles)
+def _fetch_two(bar, pred, first_desc, first_at, first_dest, second_desc, second_at, second_dest):
+    """Start the TMA copies of two tiles of one size (coordinates ``*_at``) on one barrier,
+    which completes when both have landed."""
+    mbarrier.expect(bar, 2 * first_desc.block_type.nbytes, pred=pred)
+    _tma_load(first_desc, first_at, bar, first_dest, pred=pred)
+    _tma_load(second_desc, second_at, bar, second_dest, pred=pred)
 
 
 @gluon.jit
@@ -257,14 +254,16 @@ def _release(
     desc, base_row, col, bars, free, ring, used, n_tiles, NUM_STAGES: gl.constexpr,
     PINGPONG: gl.constexpr,
 ):  # fmt: skip
-    """Tile ``used`` is consumed. Ping-pong, tell the loader its slot is free;
-    otherwise refill the slot here (``_refill``)."""
+    """Tile ``used`` is consumed. Ping-pong, tell the loader its slot is free; otherwise,
+    once every warp is past it, load tile ``used + NUM_STAGES``, if there is one, into it."""
+    slot = used % NUM_STAGES
     if PINGPONG:
-        mbarrier.arrive(free.index(used % NUM_STAGES))
+        mbarrier.arrive(free.index(slot))
     else:
-        _refill(
-            desc, base_row, col, bars, ring, used, n_tiles, NUM_STAGES, desc.block_type.shape[0]
-        )
+        _barrier()
+        tile = used + NUM_STAGES
+        row = base_row + tile * desc.block_type.shape[0]
+        _fetch(desc, row, col, bars.index(slot), ring.index(slot), tile < n_tiles)
 
 
 @gluon.jit
@@ -623,9 +622,8 @@ def _loader(q_desc, q_smem, q_bar, rings, q_row, n_tiles, NUM_STAGES: gl.constex
     index), each into its ring slot once both warpgroups have released it."""
     k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_free, v_free, kv_row, col = rings
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    mbarrier.expect(q_bar.index(0), 2 * q_desc.block_type.nbytes)
-    _tma_load(q_desc, [q_row, col], q_bar.index(0), q_smem.index(0))
-    _tma_load(q_desc, [q_row + BLOCK_M, col], q_bar.index(0), q_smem.index(1))
+    _fetch_two(q_bar.index(0), True, q_desc, [q_row, col], q_smem.index(0),
+               q_desc, [q_row + BLOCK_M, col], q_smem.index(1))  # fmt: skip
     _produce(k_desc, kv_row, col, k_bars, k_free, k_smem, 0, NUM_STAGES)
     for j in range(1, n_tiles):
         _produce(k_desc, kv_row, col, k_bars, k_free, k_smem, j, NUM_STAGES)

@@ -930,12 +930,13 @@ def _backward(
     )
     tensors = (query, key, value, mask_arg, grad_out, lse, delta)
 
-    hopper_backward = _gluon_module("hopper_backward", query)
-    gluon = {}  # Hopper's Gluon kernel, by tiling, where it applies
-    if hopper_backward is not None and hopper_backward.applies(
-        query, key, value, grad_out, mask is not None, causal
-    ):
-        gluon = {config.describe(): config for config in hopper_backward.CONFIGS}
+    gluon = {}  # Hopper's Gluon kernel, by tiling, where it may run and applies
+    if backward_plan == "gluon" or gluon_backward:
+        hopper_backward = _gluon_module("hopper_backward", query)
+        if hopper_backward is not None and hopper_backward.applies(
+            query, key, value, grad_out, mask is not None, causal
+        ):
+            gluon = {config.describe(): config for config in hopper_backward.CONFIGS}
 
     def run(plan: str) -> tuple[Tensor, Tensor, Tensor]:
         grad_key, grad_value = _empty_heads(key, key.shape[-1]), _empty_heads(value, value_dim)
@@ -963,7 +964,7 @@ def _backward(
         return grad_query, grad_key, grad_value
 
     tune_key = ("backward", query.device, query.dtype, *buckets, *shape_args.values())
-    return run(_backward_plan(tune_key, run, list(gluon)))
+    return run(_backward_plan(tune_key, run, tuple(gluon)))
 
 
 FORWARD_KERNELS = ("triton", "gluon", "auto")
@@ -1006,7 +1007,7 @@ def _forward_choice(shape_key: tuple, kernels: dict[str, Callable[[], object]]) 
     return _fastest((*shape_key, *kernels), kernels)
 
 
-def _backward_plan(tune_key: tuple, run, gluon: list[str] | None = None) -> str:
+def _backward_plan(tune_key: tuple, run, gluon: tuple[str, ...] = ()) -> str:
     """Which backward plan to run: "split" (a dK/dV kernel, then a dQ kernel), "atomic" or
     a tiling of the Gluon kernel, named in ``gluon``.
 
@@ -1022,7 +1023,6 @@ def _backward_plan(tune_key: tuple, run, gluon: list[str] | None = None) -> str:
     the Gluon kernel has no CPU interpreter, so it stays out until checked on a GPU
     (``benchmarks/gpu_attention.py`` checks it, then sets it).
     """
-    gluon = gluon or []
     choices = ("auto", *BACKWARD_PLANS, "gluon")
     if backward_plan not in choices:
         raise ValueError(f"backward_plan is one of {', '.join(choices)}, not {backward_plan!r}")
@@ -1034,7 +1034,7 @@ def _backward_plan(tune_key: tuple, run, gluon: list[str] | None = None) -> str:
         return backward_plan
     if INTERPRETING:
         return "split"
-    plans = [*BACKWARD_PLANS, *(gluon if gluon_backward else [])]
+    plans = [*BACKWARD_PLANS, *(gluon if gluon_backward else ())]
     return _fastest((*tune_key, *plans), {plan: partial(run, plan) for plan in plans})
 
 
