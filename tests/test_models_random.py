@@ -1,7 +1,8 @@
 """Randomly initialised Hugging Face BERT and GPT-2, saved as safetensors, load onto our layers.
 
 Tolerances (float32): hidden states and logits 1e-4 absolute; greedy tokens identical to
-Hugging Face ``generate(do_sample=False)`` for 20 steps, with and without our key/value cache.
+Hugging Face ``generate(do_sample=False)`` for 20 steps, with and without our key/value cache,
+and past the 48-position window to Hugging Face's argmax over the last 48 ids, step by step.
 The name maps are checked key by key and shape by shape against both models' state dicts.
 """
 
@@ -134,6 +135,29 @@ def test_random_gpt2_greedy_tokens_equal_hugging_face(gpt2_folder, use_cache):
     assert ours.tolist() == theirs.tolist()
     text = model.generate(prompt, 20, temperature=0.0, use_cache=use_cache)
     assert text == model.tokenizer.decode(theirs[0, prompt_ids.shape[1] :].tolist())
+
+
+def test_random_gpt2_greedy_past_the_window_equals_hugging_face_on_the_last_block(gpt2_folder):
+    """60 greedy steps from a 15-token prompt, so the 48-position window slides 27 times:
+    with and without our cache, the ids equal Hugging Face's argmax over the logits of the
+    last 48 ids, step by step. (Its top two logits differ by > 1e-3 at every step, far above
+    the 1e-4 agreement of the logits, so the argmax is unambiguous.)"""
+    folder, hf = gpt2_folder
+    model = selfattn.load(folder)
+    window = hf.config.n_positions
+    prompt_ids = torch.tensor([model.tokenizer.encode("Self-attention weighs the bank").ids])
+    expected = prompt_ids
+    with torch.no_grad():
+        for _ in range(60):
+            logits = hf(expected[:, -window:]).logits[:, -1]
+            top = logits.topk(2).values
+            assert (top[:, 0] - top[:, 1]).min() > 1e-3
+            expected = torch.cat([expected, logits.argmax(-1, keepdim=True)], dim=1)
+    assert expected.shape[1] - window > 20  # the run really slides
+    assert len(set(expected[0, window:].tolist())) > 1  # after sliding, not one token repeated
+    for use_cache in (True, False):
+        ours = model.network.generate(prompt_ids, 60, temperature=0.0, use_cache=use_cache)
+        assert ours.tolist() == expected.tolist(), use_cache
 
 
 def test_generate_sampling_is_repeatable_with_a_seed(gpt2_folder):

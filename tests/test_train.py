@@ -1,6 +1,7 @@
 """Training from scratch: the loop, exact resume, atomic checkpoints, DDP, generation, errors.
 
-Tolerances: resume and seeded generation are bit-exact (same ops, same RNG states on CPU);
+Tolerances: resume and seeded generation are bit-exact (same ops, same RNG states on CPU),
+as is seeded sampling against torch.multinomial on the tempered softmax of uncached logits;
 DDP ranks end bit-identical (DDP averages gradients before the same update on each rank);
 DDP against one process with the same global batch agrees to 1e-5 (only the order of float
 sums differs).
@@ -19,11 +20,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_model
-from torch import nn
+from torch import Tensor, nn
 from typer.testing import CliRunner
 
 from selfattn.cli import app
-from selfattn.models.gpt import GPT
+from selfattn.models.gpt import GPT, GPTConfig, sample
 from selfattn.train import (
     RandomBatches,
     TextData,
@@ -296,3 +297,114 @@ def test_bad_inputs_give_one_clear_line(corpus, trained, tmp_path):
     assert "not in the model's vocabulary" in _error_line(
         ["generate", "--checkpoint", str(trained), "Zebra"]
     )
+
+
+def test_a_resume_with_nothing_to_do_prints_one_line_and_no_bar(corpus, trained):
+    """Resuming a 30-step run with --max-iters 10: only "Nothing to do", no bar, no NaN."""
+    args = ["train", "--data", str(corpus), "--out", str(trained), "--resume"]
+    result = CliRunner().invoke(app, [*args, "--max-iters", "10"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())  # the console wraps long lines
+    assert text.startswith("Nothing to do: ") and text.endswith("(--max-iters)."), text
+    assert "already at step 30" in text and "nan" not in text and "tok/s" not in text, text
+    run = train_gpt(corpus, trained, overrides={"max_iters": 30}, resume=True, device="cpu")
+    assert run.result.step == run.result.start_step == 30 and run.result.losses == []
+    assert run.result.history[-1]["step"] == 30 and not run.result.interrupted
+
+
+def test_a_latest_file_naming_a_missing_folder_says_so(trained, tmp_path):
+    """LATEST = "garbage": the error names LATEST, its content and an existing step folder."""
+    out = tmp_path / "out"
+    save_checkpoint(out, *load_checkpoint(trained))
+    (out / "LATEST").write_text("garbage\n")
+    step_dir = next(out.glob("step-*")).name
+    for args in (
+        ["generate", "--checkpoint", str(out), "All:"],
+        ["train", "--data", str(trained), "--out", str(out), "--resume"],
+    ):
+        line = _error_line(args)
+        assert f"{out / 'LATEST'} points at checkpoint folder 'garbage'" in line, line
+        assert "is missing" in line and step_dir in line and "no LATEST" not in line, line
+
+
+@pytest.fixture(scope="module")
+def wandering():
+    """A random GPT (vocab 40, block 16) whose continuations wander, and 8 prompts of 5 ids.
+
+    GPT-2's init repeats one token; weights drawn with std 0.5 do not. Random weights also
+    make ties between logits unlikely (the tests below check the gaps they rely on).
+    """
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(std=0.5)
+    prompt = torch.randint(40, (8, 5), generator=torch.Generator().manual_seed(0))
+    return model, prompt
+
+
+def test_top_k_one_or_a_tiny_temperature_samples_the_greedy_continuation(wandering):
+    """top_k=1 at any temperature, and temperatures down to the smallest double with or
+    without top-k, give the temperature-0 tokens exactly (no NaN); a huge one still samples."""
+    model, prompt = wandering
+    greedy = model.generate(prompt, 24, temperature=0.0)
+    assert len(set(greedy[0, 5:].tolist())) > 1  # a continuation worth comparing
+    for temperature in (1.0, 3.0, 1e300):
+        tokens = model.generate(prompt, 24, temperature=temperature, top_k=1, seed=1)
+        assert torch.equal(tokens, greedy), temperature
+    for temperature in (1e-30, 1e-300, 5e-324):
+        for top_k in (None, 1, 5):
+            tokens = model.generate(prompt, 24, temperature=temperature, top_k=top_k, seed=1)
+            assert torch.equal(tokens, greedy), (temperature, top_k)
+    logits = torch.tensor([[0.5, 1.0, 1.001, -3.0]], dtype=torch.float16)
+    assert sample(logits, 1e-300, None, None).item() == 2  # half precision: no 0 / 0 either
+    hot = model.generate(prompt, 24, temperature=1e300, top_k=5, seed=1)
+    assert hot.shape == greedy.shape and not torch.equal(hot, greedy)
+
+
+@pytest.mark.parametrize("top_k", [2, 7])
+def test_top_k_sampling_never_leaves_the_top_k_logits(wandering, top_k):
+    """8 rows x 40 steps at temperature 2 (the window slides at 16): each sampled token ranks
+    among its step's top k logits, recomputed by an uncached forward of that step's window.
+    The k-th and (k+1)-th logits differ by > 1e-4 at every step, far above the ~1e-6 that
+    cached and uncached logits differ by, so the ranks are unambiguous. Every rank < k is
+    drawn (the sampler is not just the argmax); without top-k, tokens rank far lower."""
+    model, prompt = wandering
+    window = model.config.block_size
+
+    def ranks(ids: Tensor) -> Tensor:  # (B, steps): how many logits beat the sampled token
+        with torch.no_grad():
+            logits = torch.stack(
+                [model(ids[:, :t][:, -window:]).logits[:, -1] for t in range(5, ids.shape[1])],
+                dim=1,
+            )  # (B, steps, vocab)
+        top = logits.topk(top_k + 1).values
+        assert (top[..., -2] - top[..., -1]).min() > 1e-4
+        return (logits > logits.gather(-1, ids[:, 5:, None])).sum(-1)
+
+    sampled = ranks(model.generate(prompt, 40, temperature=2.0, top_k=top_k, seed=3))
+    assert sampled.max() < top_k
+    assert set(sampled.flatten().tolist()) == set(range(top_k))
+    unrestricted = ranks(model.generate(prompt, 40, temperature=2.0, seed=3))
+    assert unrestricted.max() >= 2 * top_k
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(0.7, None), (1.5, None), (1.0, 5)])
+def test_seeded_sampling_is_multinomial_on_the_tempered_softmax(wandering, temperature, top_k):
+    """generate(seed=s) draws, step by step, exactly torch.multinomial(softmax(logits / T))
+    with a generator seeded s, the logits of an uncached forward of the last block_size ids,
+    and those outside the top k set to -inf. 40 steps, so the window slides; ids exact."""
+    model, prompt = wandering
+    tokens = model.generate(prompt, 40, temperature=temperature, top_k=top_k, seed=4)
+    generator = torch.Generator().manual_seed(4)
+    expected = prompt
+    for _ in range(40):
+        with torch.no_grad():
+            logits = model(expected[:, -model.config.block_size :]).logits[:, -1]
+        if top_k is not None:
+            kth = logits.topk(top_k).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits / temperature, dim=-1)
+        expected = torch.cat([expected, torch.multinomial(probs, 1, generator=generator)], 1)
+    assert torch.equal(tokens, expected)
+    assert len(set(tokens[0, 5:].tolist())) > 5  # really sampled, not one repeated token

@@ -132,7 +132,7 @@ class GPT(nn.Module):
         alignment lets it see every cached key). Once the context outgrows ``block_size`` the
         window slides and the cache is rebuilt, so outputs match ``use_cache=False`` exactly.
         """
-        if temperature < 0:
+        if not temperature >= 0:  # also refuses NaN
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         generator = None
         if seed is not None:
@@ -158,9 +158,16 @@ def sample(
     """One token id per row of logits (B, vocab) -> (B, 1); temperature 0 takes the argmax."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
+    # Shift each row's maximum to 0 before scaling: with a tiny temperature the others go to
+    # -inf (never inf - inf = NaN), so sampling approaches the argmax. The temperature is kept
+    # at least the dtype's smallest normal number (a Python float casts to the tensor's dtype,
+    # so 1e-300 would become 0 and 0 / 0 NaN); half precision is scaled in float32. The top-k
+    # mask is chosen on the unscaled logits and applied after scaling (-inf / inf is NaN).
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    temperature = max(temperature, torch.finfo(logits.dtype).tiny)
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+        scaled = scaled.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)

@@ -166,13 +166,42 @@ def checkpoint_dir(path: Path) -> Path:
             f"`selfattn train --data FILE --out {path}`"
         )
     if (path / LATEST).is_file():
-        path = path / (path / LATEST).read_text().strip()
+        return _latest_dir(path)
     if not (path / "config.json").is_file():
         raise SelfAttnError(
             f"{path} holds no checkpoint (no LATEST or config.json); pass the --out directory "
             "of `selfattn train`"
         )
     return path
+
+
+def _latest_dir(out_dir: Path) -> Path:
+    """The checkpoint directory that ``out_dir/LATEST`` names; a one-line error if it is gone."""
+    latest = out_dir / LATEST
+    try:
+        name = latest.read_text().strip()
+    except (OSError, ValueError) as error:
+        raise SelfAttnError(f"{latest} is unreadable: {error}") from None
+    target = out_dir / name
+    if name and (target / "config.json").is_file():
+        return target
+    if name and target.is_dir():
+        problem = f"holds no checkpoint (no config.json in {target})"
+    else:
+        problem = f"is missing from {out_dir}"
+    existing = sorted(
+        entry.name
+        for entry in out_dir.iterdir()
+        if entry.name.startswith("step-") and (entry / "config.json").is_file()
+    )
+    fix = (
+        f"write the name of an existing step folder (e.g. {existing[-1]}) into {LATEST}"
+        if existing
+        else f"no step folder is left, so remove {out_dir} and train again"
+    )
+    raise SelfAttnError(
+        f"{latest} points at checkpoint folder {name[:80]!r}, which {problem}; {fix}"
+    )
 
 
 def has_checkpoint(path: Path) -> bool:

@@ -152,7 +152,8 @@ def train(
     save: SaveFn | None = None,
     console: Console | None = None,
 ) -> TrainResult:
-    """Train from ``start_step`` up to ``config.max_iters`` steps.
+    """Train from ``start_step`` up to ``config.max_iters`` steps (none, and no output, when
+    ``start_step`` is already there: the result then has ``step == start_step``).
 
     Evaluates at step 0 (fresh runs), every ``eval_interval`` steps and at the end, calling
     ``save(step, history)`` after each evaluation; ``save`` runs on every rank (it may gather
@@ -169,6 +170,8 @@ def train(
         history,
         tokens_per_step=config.batch_size * config.block_size * distributed.world_size(),
     )
+    if start_step >= config.max_iters:  # resumed at or past the target: no bar, no evaluation
+        return result
     wall_start = time.perf_counter()
     model.train()
     if start_step == 0:
