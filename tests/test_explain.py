@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,11 +18,13 @@ from typer.testing import CliRunner
 from selfattn import explain as explaining
 from selfattn.attention import choose_backend, make_call
 from selfattn.cli import app
+from selfattn.errors import SelfAttnError
 from selfattn.models.loading import load
 
 MONEY = "I went to the bank to deposit money."
 MONEY_2 = "She asked the bank for a loan to buy a house."
 RIVER = "We sat on the bank of the river and watched the water."
+TWO_BANKS = "I sat on the bank, then walked to the bank."
 
 runner = CliRunner()
 
@@ -39,6 +42,11 @@ def explain_json(*args: str) -> dict:
 @pytest.fixture(scope="module")
 def model():
     return load("minilm")
+
+
+@pytest.fixture(scope="module")
+def money_run(model):
+    return model.run(MONEY)
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +133,61 @@ def test_merge_rule_by_hand():
     torch.testing.assert_close(merged, expected, atol=1e-7, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["random", "one-hot", "uniform"])
+def test_entropy_bits_by_hand(kind):
+    # -sum(w log2 w) summed here term by term in Python floats; 0 for one key, log2(S) for
+    # S equal weights. Tolerance 1e-9 bits.
+    s = 7
+    if kind == "random":
+        logits = torch.randn(s, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+        weights = torch.softmax(logits, -1)
+        expected = -sum(w * math.log2(w) for w in weights.tolist())
+    elif kind == "one-hot":
+        weights, expected = torch.zeros(s, dtype=torch.float64), 0.0
+        weights[3] = 1.0
+    else:
+        weights, expected = torch.full((s,), 1 / s, dtype=torch.float64), math.log2(s)
+    assert explaining.entropy_bits(weights) == pytest.approx(expected, abs=1e-9)
+
+
+def fake_run(tokens, word_ids, query: int, rows: dict[tuple[int, int], list[float]]):
+    """A recorded run whose layer/head weights are given: ``rows[(layer, head)]`` is the
+    query token's row; every other row is uniform."""
+    n_layers = 1 + max(layer for layer, _ in rows)
+    n_heads = 1 + max(head for _, head in rows)
+    t = len(tokens)
+    layers = []
+    for layer in range(n_layers):
+        weights = torch.full((n_heads, t, t), 1 / t)
+        for head in range(n_heads):
+            weights[head, query] = torch.tensor(rows[layer, head])
+        layers.append([SimpleNamespace(weights=lambda weights=weights: weights)])
+    captures = SimpleNamespace(n_layers=n_layers, layer=lambda index: layers[index])
+    return SimpleNamespace(tokens=tokens, word_ids=word_ids, captures=captures)
+
+
+def test_choose_head_counts_only_other_content_words():
+    # The query "bank" (token 3, with its piece "##s"). Each decoy head puts most weight on
+    # what the rule leaves out; head (1, 1) puts the most, 0.5, on other content words.
+    tokens = ["[CLS]", "the", "river", "bank", "##s", ",", "flood", "[SEP]"]
+    word_ids = [None, 0, 1, 2, 2, 3, 4, None]
+    run = fake_run(
+        tokens,
+        word_ids,
+        query=3,
+        rows={  #      CLS   the  river bank  ##s   ,   flood  SEP
+            (0, 0): [0.0, 0.0, 0.1, 0.3, 0.5, 0.0, 0.1, 0.0],  # itself: 0.2 left
+            (0, 1): [0.45, 0.0, 0.05, 0.0, 0.0, 0.0, 0.05, 0.45],  # special tokens: 0.1
+            (1, 0): [0.0, 0.45, 0.05, 0.0, 0.0, 0.45, 0.05, 0.0],  # stop word, comma: 0.1
+            (1, 1): [0.1, 0.1, 0.25, 0.1, 0.1, 0.1, 0.25, 0.0],  # river + flood: 0.5
+        },
+    )
+    layer, head, choice = explaining.choose_head(run, query=3)
+    assert (layer, head) == (1, 1)
+    assert "'bank' puts" in choice and "0.50" in choice
+    assert explaining.choose_head(run, query=3, layer=0)[:2] == (0, 0)  # 0.2 beats 0.1
+
+
 def test_scale_and_similarity_experiments_say_sharper_or_flatter():
     no_scaling = explain_json(MONEY, "--word", "bank", "--layer", "0", "--head", "4",
                               "--scale", "1")  # fmt: skip
@@ -147,6 +210,51 @@ def test_head_mean():
     assert sum(data["weights"]) == pytest.approx(1.0, abs=1e-6)
 
 
+@pytest.mark.parametrize("head", ["mean", "2"])
+def test_a_chosen_layer_quotes_the_figure_of_the_map_shown(money_run, head):
+    """With --head given and no --layer, the layer is chosen for that head (or the mean of
+    heads), and the figure quoted is that map's weight on other content words (2 decimals)."""
+    data = explain_json(MONEY, "--word", "bank", "--head", head)
+    bank = data["query"]["index"]
+    others = [i for i in explaining.content_tokens(money_run.tokens, money_run.word_ids)
+              if money_run.word_ids[i] != money_run.word_ids[bank]]  # fmt: skip
+    maps = torch.stack([money_run.attention(layer).double() for layer in range(6)])  # (L,H,T,T)
+    maps = maps.mean(1) if head == "mean" else maps[:, int(head)]
+    on_content = maps[:, bank, others].sum(-1)  # (L,)
+    assert data["layer"] == int(on_content.argmax())
+    assert f"most weight here, {on_content.max():.2f}," in data["choice"]
+    assert data["choice"].endswith("pick another with --layer)")
+
+
+def test_truncate_runs_the_first_tokens_and_says_where_it_cut():
+    text = "the river bank " * 200  # 600 words: over MiniLM's 512 positions
+    data = explain_json(text, "--word", "bank", "--truncate")
+    assert len(data["tokens"]) == 512
+    assert text.startswith(data["text"]) and data["text"].endswith("bank")
+    assert len(data["text"]) < len(text.rstrip())  # the JSON holds the text the model read
+
+    result = invoke("explain", text, "--word", "bank", "--truncate")
+    assert result.exit_code == 0, result.output
+    assert f"({len(data['text']):,} characters, 512 tokens)" in result.stdout
+    note = " ".join(result.stderr.split())
+    assert f"its first {len(data['text']):,} of {len(text):,} characters" in note
+
+    compared = invoke("compare", text, MONEY, "--word", "bank", "--truncate", "--json")
+    assert compared.exit_code == 0, compared.output
+
+
+def test_help_lists_flags_without_a_type_and_paragraphs_on_one_line():
+    import typer
+
+    commands = typer.main.get_command(app).commands
+    for name, command in commands.items():
+        for paragraph in command.help.split("\n\n"):
+            assert "\n" not in paragraph, name  # typer would print the docstring's line breaks
+    shown = " ".join(invoke("explain", "--help").stdout.split())
+    for flag in ("--json", "--words", "--truncate"):
+        assert f"{flag} <bool>" not in shown and flag in shown
+
+
 def test_figures_and_page(tmp_path):
     png, svg, html = tmp_path / "bank.png", tmp_path / "bank.svg", tmp_path / "bank.html"
     result = invoke("explain", MONEY, "--word", "bank", "--png", str(png), "--svg", str(svg),
@@ -166,7 +274,26 @@ def test_view_escapes_user_text(tmp_path):
     assert "<img src=x" not in out.read_text()
 
 
-def test_compare_bank_across_sentences():
+def attended_by_hand(run, word: str, top: int = 3) -> list[tuple[str, float]]:
+    """The words ``word`` weighs most in the last layer's mean of heads: as a key, a word's
+    weight is the sum over its pieces; as a query, the mean over its pieces' rows. The word
+    itself and special tokens are left out. Built from run.attention and run.word_ids only."""
+    weights = run.attention(run.n_layers - 1).mean(0)  # (T, T)
+    pieces = list(run.word_tokens(word))
+    row = weights[pieces].mean(0)
+    words: dict[int, list[int]] = {}
+    for token, word_id in enumerate(run.word_ids):
+        if word_id is not None:
+            words.setdefault(word_id, []).append(token)
+    ranked = [
+        ("".join(run.tokens[i].removeprefix("##") for i in tokens), row[tokens].sum().item())
+        for tokens in words.values()
+        if tokens != pieces
+    ]
+    return sorted(ranked, key=lambda entry: -entry[1])[:top]
+
+
+def test_compare_bank_across_sentences(model):
     result = invoke("compare", MONEY, MONEY_2, RIVER, "--word", "bank", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -176,6 +303,15 @@ def test_compare_bank_across_sentences():
     assert last[0, 1] > last[0, 2]  # two money banks are closer than money and river
     attended = [[entry["word"] for entry in row] for row in data["attended"]]
     assert {"deposit", "money"} & set(attended[0])
+    # The attended words: the last attention layer (5 of 0..5), recomputed here (1e-6).
+    assert data["attended_layer"] == model.run(MONEY).n_layers - 1 == 5
+    for sentence, row in zip([MONEY, MONEY_2, RIVER], data["attended"], strict=True):
+        expected = attended_by_hand(model.run(sentence), "bank")
+        assert [entry["word"] for entry in row] == [word for word, _ in expected]
+        weights = torch.tensor([entry["weight"] for entry in row])
+        torch.testing.assert_close(
+            weights, torch.tensor([weight for _, weight in expected]), atol=1e-6, rtol=0
+        )
     text = invoke("compare", MONEY, RIVER, "--word", "bank").output
     assert "S1 vs S2" in text and "attends to" in text
 
@@ -196,6 +332,15 @@ def test_compare_bank_across_sentences():
         (["explain", "word " * 600], "at most 512"),
         (["compare", MONEY, "--word", "bank"], "at least two sentences"),
         (["compare", MONEY, RIVER, "--word", "money"], "money"),
+        (["compare", MONEY, "banks", "--word", "bank"], "sentence 2 ('banks')"),
+        (["explain", MONEY, "--word", "bank", "--scale", "nan"], "finite"),
+        (["explain", MONEY, "--word", "bank", "--scale", "1e308"], "overflow"),
+        (["explain", MONEY, "--scale", "2"], "one query of one head"),
+        (["explain", MONEY, "--word", "bank", "--head", "mean", "--scale", "2"], "not 'mean'"),
+        (["explain", MONEY, "--png", "/no/such/folder/bank.png"], "does not exist"),
+        (["explain", MONEY, "--html", "."], "is a folder"),
+        (["explain", MONEY, "--svg", "/proc/bank.svg"], "cannot write /proc/bank.svg"),
+        (["view", MONEY, "-o", "/no/such/folder/bank.html"], "does not exist"),
     ],
 )
 def test_user_errors_are_one_line(args, message):
@@ -205,6 +350,54 @@ def test_user_errors_are_one_line(args, message):
     assert len(lines) == 1 and lines[0].startswith("Error:"), result.stderr
     assert message in lines[0]
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("occurrence", [0, 1, -1])
+def test_occurrence_picks_that_word(model, occurrence):
+    run, explanation = explaining.explain_text(
+        model, TWO_BANKS, word="bank", occurrence=occurrence, layer=0, head=0
+    )
+    banks = [i for i, token in enumerate(run.tokens) if token == "bank"]
+    assert len(banks) == 2
+    assert explanation.query == banks[occurrence]
+    torch.testing.assert_close(  # float32, both recomputed by the explicit path: 1e-6
+        explanation.weights, run.attention(0, 0)[banks[occurrence]], atol=1e-6, rtol=0
+    )
+
+
+def test_an_occurrence_past_the_last_is_a_clear_error(model):
+    with pytest.raises(SelfAttnError, match=r"occurrence 2 of the word 'bank' \(it occurs 2") as e:
+        explaining.explain_text(model, TWO_BANKS, word="bank", occurrence=2)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"layer": 0, "head": 4, "scale": 1.0},  # no query
+        {"layer": 0, "head": 4, "similarity": "cosine"},
+        {"query": 5, "layer": 0, "head": "mean", "scale": 1.0},
+        {"query": 5, "head": "mean", "similarity": "cosine"},
+    ],
+    ids=str,
+)
+def test_another_similarity_or_scale_needs_one_query_of_one_head(money_run, options):
+    with pytest.raises(ValueError, match="for one query of one head") as error:
+        explaining.explain(money_run, model_name="minilm", **options)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("scale", [1e308, -1e308])
+def test_a_scale_that_overflows_the_scaled_scores_is_refused(money_run, scale):
+    with pytest.raises(ValueError, match="overflow") as error:
+        explaining.explain(money_run, model_name="minilm", query=5, layer=0, head=4, scale=scale)
+    assert "\n" not in str(error.value)
+    # 1e30 keeps the float32 scaled scores finite: allowed, and the weights still sum to 1.
+    finite = explaining.explain(
+        money_run, model_name="minilm", query=5, layer=0, head=4, scale=1e30
+    )
+    assert torch.isfinite(finite.alternative.scaled).all()
+    assert finite.alternative.weights.sum().item() == pytest.approx(1.0, abs=1e-6)
 
 
 def test_notebook_view_is_the_same_page_in_a_sandboxed_iframe(model):

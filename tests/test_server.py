@@ -5,6 +5,7 @@ error as one line of detail, the same JSON as the command line, and the bounded 
 import asyncio
 import importlib.util
 import json
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -15,10 +16,12 @@ from typer.testing import CliRunner
 
 from selfattn import server
 from selfattn.cli import app as cli_app
+from selfattn.errors import SelfAttnError
 from selfattn.models.loading import load
 
 BANK = "I went to the bank to deposit money."
 RIVER = "We sat on the bank of the river and watched the water."
+TWO_BANKS = "I sat on the bank, then walked to the bank."
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +81,17 @@ def test_explain_equals_the_command_line(client, cli, body, args):
     response = client.post("/api/explain", json={"text": BANK} | body)
     assert response.status_code == 200
     assert response.json() == cli_json("explain", BANK, "--json", *args)
+
+
+@pytest.mark.parametrize("occurrence", [0, 1])
+def test_explain_occurrence_picks_that_word(client, model, occurrence):
+    body = {"text": TWO_BANKS, "word": "bank", "occurrence": occurrence, "layer": 0, "head": 0}
+    response = client.post("/api/explain", json=body)
+    assert response.status_code == 200, response.text
+    tokens = model.run(TWO_BANKS).tokens
+    banks = [i for i, token in enumerate(tokens) if token == "bank"]
+    assert len(banks) == 2
+    assert response.json()["query"] == {"index": banks[occurrence], "token": "bank"}
 
 
 def test_compare_equals_the_command_line(client, cli):
@@ -168,6 +182,7 @@ def detail(response, status: int) -> str:
         ({"text": BANK, "head": 12}, 400, "head 12 is out of range"),
         ({"text": BANK, "index": 11}, 400, "token index 11 is out of range"),
         ({"text": BANK, "word": "bank", "index": 1}, 400, "either a word or a token index"),
+        ({"text": TWO_BANKS, "word": "bank", "occurrence": 2}, 400, "occurrence 2 of the word"),
         ({"text": BANK, "layer": "1"}, 422, "layer: Input should be a valid integer"),
         ({"text": BANK, "layer": 1.5}, 422, "layer"),
         ({"text": BANK, "head": "all"}, 422, "head"),
@@ -310,17 +325,37 @@ async def _always_busy(self, function, *args):
 
 def test_serve_warns_when_listening_beyond_this_machine(cli, monkeypatch):
     served = {}
-    monkeypatch.setattr(
-        server, "serve", lambda model, host, port: served.update(host=host, port=port)
-    )
+    monkeypatch.setattr(server, "listen", lambda host, port: (host, port))
+    monkeypatch.setattr(server, "serve", lambda model, host, sock: served.update(at=sock))
     result = CliRunner().invoke(cli_app, ["serve", "--host", "0.0.0.0", "--port", "8123"])
     assert result.exit_code == 0, result.output
-    assert served == {"host": "0.0.0.0", "port": 8123}
+    assert served == {"at": ("0.0.0.0", 8123)}
     assert "reachable from the network" in result.stderr
 
     result = CliRunner().invoke(cli_app, ["serve"])
-    assert served == {"host": "127.0.0.1", "port": 8000}
+    assert served == {"at": ("127.0.0.1", 8000)}
     assert "network" not in result.stderr
+
+
+def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads(monkeypatch):
+    monkeypatch.setattr(server, "serve", lambda *args: pytest.fail("served on a taken port"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(cli_app, ["serve", "--port", str(port), "--model", "nowhere"])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (
+        f"Error: cannot listen on 127.0.0.1:{port}: Address already in use; pick another --port"
+    )  # the missing model was never reached
+
+
+def test_listen_binds_or_says_why():
+    with server.listen("127.0.0.1", 0) as sock:
+        host, port = sock.getsockname()
+        assert host == "127.0.0.1" and port > 0
+    with pytest.raises(SelfAttnError, match="check --host"):
+        server.listen("host.invalid", 0)
 
 
 def test_serve_refuses_a_missing_model_in_one_line():

@@ -65,7 +65,7 @@ class AttentionTrace:
     scaled: Tensor  # (..., T, S) scores * scale
     masked: Tensor  # (..., T, S) scaled with the mask applied (-inf where not allowed)
     weights: Tensor  # (..., T, S) softmax over keys; rows sum to 1, or 0 if fully masked
-    output: Tensor  # (..., T, Dv) weights @ value
+    output: Tensor  # (..., T, Dv) weights @ value (with dropout_p > 0: the dropped weights)
     scale: float
     similarity: str
 
@@ -439,4 +439,6 @@ def make_call(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if scale is None:
         scale = default_scale(similarity, query.shape[-1])
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale}")
     return AttentionCall(query, key, value, mask, causal, similarity, float(scale), dropout_p)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
@@ -22,6 +24,11 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console()
+
+
+def _flag(name: str, text: str) -> typer.models.OptionInfo:
+    """A boolean flag's option, its help without typer's "<bool>" (it takes no value)."""
+    return typer.Option(name, help=text, metavar="")
 
 
 @app.callback()
@@ -102,7 +109,7 @@ def train(
     data: Annotated[Path, typer.Option(help=TRAIN_HELP["data"])],
     out: Annotated[Path, typer.Option(help=TRAIN_HELP["out"])],
     preset: Annotated[str | None, typer.Option(help=TRAIN_HELP["preset"])] = None,
-    resume: Annotated[bool, typer.Option(help=TRAIN_HELP["resume"])] = False,
+    resume: Annotated[bool, _flag("--resume", TRAIN_HELP["resume"])] = False,
     max_iters: Annotated[int | None, typer.Option(help=TRAIN_HELP["max_iters"])] = None,
     batch_size: Annotated[int | None, typer.Option(help=TRAIN_HELP["batch_size"])] = None,
     block_size: Annotated[int | None, typer.Option(help=TRAIN_HELP["block_size"])] = None,
@@ -170,7 +177,11 @@ def train(
 def generate(
     checkpoint: Annotated[Path, typer.Option(help="A `selfattn train --out` directory.")],
     prompt: Annotated[
-        str, typer.Argument(help="Text to continue, in characters of the training text.")
+        str,
+        typer.Argument(
+            help="Text to continue, in characters of the training text.",
+            show_default="a new line",
+        ),
     ] = "\n",
     max_new_tokens: Annotated[int, typer.Option(min=0, help="Characters to generate.")] = 500,
     temperature: Annotated[
@@ -203,6 +214,8 @@ def generate(
 
 MODEL_HELP = "Model: 'minilm' (all-MiniLM-L6-v2, the default) or a Hugging Face-style folder."
 CHECKPOINT_HELP = "A `selfattn train --out` directory, instead of --model."
+TRUNCATE_HELP = "Cut text longer than the model's positions."
+JSON_HELP = "Print one JSON object with every number."
 EXPLAIN_EPILOG = 'Example: selfattn explain "I went to the bank to deposit money." --word bank'
 
 
@@ -229,6 +242,40 @@ def _user_errors() -> Iterator[None]:
         raise _fail(message[0] if message else type(error).__name__) from None
 
 
+def _check_output(path: Path | None, option: str) -> None:
+    """Fail before any work if ``path`` cannot be written: a folder, or in a missing one."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise _fail(f"{option} {path} is a folder; give a file name", 2)
+    if not path.parent.is_dir():
+        raise _fail(f"{option} {path}: the folder {path.parent} does not exist; create it first", 2)
+
+
+def _write(path: Path, write: Callable[[Path], object], quiet: bool = False) -> None:
+    """Write ``path`` with ``write`` and say so on stderr (unless ``quiet``); a failure
+    (permissions, a full disk) is one line."""
+    try:
+        write(path)
+    except OSError as error:
+        raise _fail(f"cannot write {path}: {error.strerror or error}") from None
+    if not quiet:
+        Console(stderr=True).print(f"wrote {path}")
+
+
+def _save_text(text: str, path: Path) -> None:
+    path.write_text(text, encoding="utf-8")
+
+
+def _note_truncation(run) -> None:
+    """Say on stderr when ``--truncate`` cut the text, and where."""
+    if run.read_text != run.text:
+        Console(stderr=True).print(
+            f"note: the text was cut to the model's {len(run.tokens)} tokens (--truncate): "
+            f"its first {len(run.read_text):,} of {len(run.text):,} characters"
+        )
+
+
 def _parse_head(head: str | None) -> int | str | None:
     if head is None or head == "mean":
         return head
@@ -247,7 +294,9 @@ def explain(
     index: Annotated[
         int | None, typer.Option(help="The token index to explain instead of --word.")
     ] = None,
-    occurrence: Annotated[int, typer.Option(help="Which occurrence of --word (0 = first).")] = 0,
+    occurrence: Annotated[
+        int, typer.Option(help="Which occurrence of --word (0 = first, -1 = last).")
+    ] = 0,
     layer: Annotated[
         int | None, typer.Option(help="Layer (0 = first); default: the most telling one.")
     ] = None,
@@ -257,7 +306,7 @@ def explain(
     model: Annotated[str, typer.Option(help=MODEL_HELP)] = "minilm",
     checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
     words: Annotated[
-        bool, typer.Option("--words", help="Merge word pieces: keys summed, queries averaged.")
+        bool, _flag("--words", "Merge word pieces: keys summed, queries averaged.")
     ] = False,
     similarity: Annotated[
         str | None,
@@ -266,12 +315,8 @@ def explain(
     scale: Annotated[
         float | None, typer.Option(help="Recompute the head with this scale (1 = no scaling).")
     ] = None,
-    truncate: Annotated[
-        bool, typer.Option("--truncate", help="Cut text longer than the model's positions.")
-    ] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print one JSON object with every number.")
-    ] = False,
+    truncate: Annotated[bool, _flag("--truncate", TRUNCATE_HELP)] = False,
+    as_json: Annotated[bool, _flag("--json", JSON_HELP)] = False,
     png: Annotated[Path | None, typer.Option(help="Write the heatmap as a PNG figure.")] = None,
     svg: Annotated[Path | None, typer.Option(help="Write the heatmap as an SVG figure.")] = None,
     html: Annotated[
@@ -296,6 +341,8 @@ def explain(
         if path is not None and path.suffix.lower() != suffix:
             raise _fail(f"--{suffix[1:]} needs a file name ending in {suffix}, got {path}", 2)
     head_choice = _parse_head(head)
+    for path, option in ((png, "--png"), (svg, "--svg"), (html, "--html")):
+        _check_output(path, option)
     with _user_errors():
         network = _load(model, checkpoint)
         run, explanation = explaining.explain_text(
@@ -306,13 +353,12 @@ def explain(
             typer.echo(json.dumps(explanation.to_json()))
         else:
             report.print_explanation(console, explanation)
+        _note_truncation(run)
         for path in (png, svg):
             if path is not None:
-                report.save_heatmap(explanation, path)
-                Console(stderr=True).print(f"wrote {path}")
+                _write(path, partial(report.save_heatmap, explanation))
         if html is not None:
-            html.write_text(report.page(run, explanation), encoding="utf-8")
-            Console(stderr=True).print(f"wrote {html}")
+            _write(html, partial(_save_text, report.page(run, explanation)))
 
 
 @app.command(epilog='Example: selfattn compare "I went to the bank to deposit money." '
@@ -322,9 +368,8 @@ def compare(
     word: Annotated[str, typer.Option(help="The word to follow across the sentences.")],
     model: Annotated[str, typer.Option(help=MODEL_HELP)] = "minilm",
     checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print one JSON object with every number.")
-    ] = False,
+    truncate: Annotated[bool, _flag("--truncate", TRUNCATE_HELP)] = False,
+    as_json: Annotated[bool, _flag("--json", JSON_HELP)] = False,
 ) -> None:
     """Follow one word across sentences: how alike its vectors are, layer by layer.
 
@@ -339,7 +384,8 @@ def compare(
         raise _fail("give at least two sentences to compare", 2)
     with _user_errors():
         network = _load(model, checkpoint)
-        comparison = explaining.compare([network.run(s) for s in sentences], word)
+        runs = [network.run(sentence, truncate=truncate) for sentence in sentences]
+        comparison = explaining.compare(runs, word)
         if as_json:
             typer.echo(json.dumps(comparison.to_json() | {"model": network.name}))
         else:
@@ -352,19 +398,19 @@ def view(
     output: Annotated[Path, typer.Option("-o", "--output", help="The HTML file to write.")],
     model: Annotated[str, typer.Option(help=MODEL_HELP)] = "minilm",
     checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
-    truncate: Annotated[
-        bool, typer.Option("--truncate", help="Cut text longer than the model's positions.")
-    ] = False,
+    truncate: Annotated[bool, _flag("--truncate", TRUNCATE_HELP)] = False,
 ) -> None:
     """Write one self-contained, offline HTML page to explore every layer and head of TEXT."""
     from selfattn import explain as explaining
     from selfattn.viz import report
 
+    _check_output(output, "--output")
     with _user_errors():
         network = _load(model, checkpoint)
         run = network.run(text, truncate=truncate)
         explanation = explaining.explain(run, model_name=network.name)
-        output.write_text(report.page(run, explanation), encoding="utf-8")
+        _note_truncation(run)
+        _write(output, partial(_save_text, report.page(run, explanation)), quiet=True)
     console.print(f"wrote {output} (open it in a browser; it needs no network)")
 
 
@@ -391,9 +437,19 @@ def serve(
             "network, by anyone who can reach this machine (it has no login)"
         )
     with _user_errors():
+        sock = server.listen(host, port)
         network = _load(model, None)
     console.print(f"selfattn explorer on http://{host}:{port}/ ({network.name}; Ctrl+C stops it)")
-    server.serve(network, host=host, port=port)
+    server.serve(network, host, sock)
+
+
+def _one_line_paragraphs(doc: str) -> str:
+    """A docstring with each paragraph on one line: typer's help keeps single line breaks."""
+    return "\n\n".join(" ".join(part.split()) for part in inspect.cleandoc(doc).split("\n\n"))
+
+
+for _command in app.registered_commands:
+    _command.help = _one_line_paragraphs(_command.help or inspect.getdoc(_command.callback))
 
 
 def main() -> None:

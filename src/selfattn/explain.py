@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from selfattn.attention import AttentionTrace
+from selfattn.errors import SelfAttnError
 from selfattn.recording import Recording
 
 STOPWORDS = frozenset(
@@ -36,6 +37,7 @@ class RecordedRun(Protocol):
     """What explaining needs from a model run (``selfattn.models.model.Run`` provides it)."""
 
     text: str
+    read_text: str  # the part of ``text`` the model read (``truncate`` may cut it)
     tokens: list[str]
     word_ids: list[int | None]
     captures: Recording
@@ -172,9 +174,7 @@ def explain(
             )
     choice = "(as asked)"
     if layer is None or head is None:
-        layer, chosen_head, choice = choose_head(run, query, layer)
-        if head is None:
-            head_index = chosen_head
+        layer, head_index, choice = choose_head(run, query, layer, head)
     capture = captures.layer(layer)[0]
     all_weights = capture.weights()  # (H, T, T)
     attention_map = all_weights.mean(0) if head_index is None else all_weights[head_index]
@@ -187,10 +187,18 @@ def explain(
             alternative = query_steps(
                 capture.trace(head_index, similarity=similarity, scale=scale), query
             )
+            if not torch.isfinite(alternative.scaled).all():
+                overflow = f"scale {alternative.scale:g} makes the scaled scores overflow"
+                raise ValueError(f"{overflow}; give a smaller scale")
+    elif similarity is not None or scale is not None:
+        raise ValueError(
+            "another similarity or scale is recomputed for one query of one head: give a "
+            "word (or token index) and a head number, not 'mean'"
+        )
     groups = word_groups(run.tokens, run.word_ids) if words else None
     return Explanation(
         model=model_name,
-        text=run.text,
+        text=run.read_text,
         tokens=list(run.tokens),
         layer=layer,
         head=head_index,
@@ -253,9 +261,11 @@ def content_tokens(tokens: list[str], word_ids: list[int | None]) -> list[int]:
 
 
 def choose_head(
-    run: RecordedRun, query: int | None, layer: int | None = None
-) -> tuple[int, int, str]:
-    """The (layer, head) where the query (or each content token) weighs other content words most."""
+    run: RecordedRun, query: int | None, layer: int | None = None, head: int | str | None = None
+) -> tuple[int, int | None, str]:
+    """The (layer, head) where the query (or each content token) weighs other content words
+    most, with the reason to show; a given ``layer`` or ``head`` (a number, or "mean": the
+    mean of heads, head None) stays as given and the rest is chosen."""
     content = content_tokens(run.tokens, run.word_ids)
     queries = [query] if query is not None else content or list(range(len(run.tokens)))
     word = torch.tensor([-1 if w is None else w for w in run.word_ids])
@@ -267,17 +277,24 @@ def choose_head(
     best = (-1.0, 0, 0)
     for index in layers:
         weights = run.captures.layer(index)[0].weights()[:, queries]  # (H, Q, T)
-        per_head = (weights * other_content).sum(-1).mean(-1)  # (H,)
-        head = int(per_head.argmax())
-        if per_head[head].item() > best[0]:
-            best = (per_head[head].item(), index, head)
-    score, index, head = best
+        if head == HEAD_MEAN:
+            weights = weights.mean(0, keepdim=True)
+        elif head is not None:
+            weights = weights[head : head + 1]
+        per_head = (weights * other_content).sum(-1).mean(-1)  # (H,), or (1,) for a given head
+        best_here = int(per_head.argmax())
+        if per_head[best_here].item() > best[0]:
+            best = (per_head[best_here].item(), index, best_here if head is None else head)
+    score, index, chosen = best
     who = f"'{run.tokens[query]}' puts" if query is not None else "the words put"
+    chosen_flags = "/".join(
+        flag for flag, given in (("--layer", layer), ("--head", head)) if given is None
+    )
     choice = (
         f"(chosen: {who} the most weight here, {score:.2f}, on other content words; "
-        "pick another with --layer/--head)"
+        f"pick another with {chosen_flags})"
     )
-    return index, head, choice
+    return index, None if chosen == HEAD_MEAN else chosen, choice
 
 
 def word_groups(tokens: list[str], word_ids: list[int | None]) -> list[tuple[str, list[int]]]:
@@ -361,9 +378,13 @@ def compare(runs: list[VectorRun], word: str, top: int = 3) -> Comparison:
     leaving out special tokens and the word itself.
     """
     n_layers = runs[0].hidden_states.shape[0]
-    vectors = torch.stack(
-        [torch.stack([run.word_vector(word, layer) for layer in range(n_layers)]) for run in runs]
-    )  # (N, L+1, D)
+    vectors = []
+    for number, run in enumerate(runs, 1):
+        try:
+            vectors.append(torch.stack([run.word_vector(word, layer) for layer in range(n_layers)]))
+        except SelfAttnError as error:
+            raise SelfAttnError(f"sentence {number} ({run.text!r}): {error}") from None
+    vectors = torch.stack(vectors)  # (N, L+1, D)
     unit = torch.nn.functional.normalize(vectors.double(), dim=-1)
     similarity = torch.einsum("ald,bld->lab", unit, unit)  # (L+1, N, N)
     last = n_layers - 2

@@ -29,7 +29,9 @@ Safety, because a browser tab is an untrusted client:
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -92,7 +94,7 @@ class Selection(StrictBody):
     text: Text
     word: str | None = Field(None, description="The word to explain as a query.")
     index: int | None = Field(None, description="The token index to explain instead of word.")
-    occurrence: int = Field(0, ge=0, description="Which occurrence of word (0 = first).")
+    occurrence: int = Field(0, description="Which occurrence of word (0 = first, -1 = last).")
     layer: Layer = None
     head: Head = None
 
@@ -365,9 +367,29 @@ def is_local(host: str) -> bool:
     return host in LOCAL_HOSTS or host == "::1"
 
 
-def serve(model: Model, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve the explorer with uvicorn until interrupted."""
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` for :func:`serve`: a port in use (or an address this
+    machine does not have) is then a one-line error before the model loads."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as error:
+        raise SelfAttnError(f"cannot listen on {host}: {error.strerror}; check --host") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        fix = "pick another --port" if error.errno == errno.EADDRINUSE else "check --host"
+        raise SelfAttnError(f"cannot listen on {host}:{port}: {error.strerror}; {fix}") from None
+    return sock
+
+
+def serve(model: Model, host: str, sock: socket.socket) -> None:
+    """Serve the explorer with uvicorn on ``sock`` (from :func:`listen` on ``host``) until
+    interrupted."""
     import uvicorn
 
     hosts = LOCAL_HOSTS if is_local(host) else ("*",)
-    uvicorn.run(create_app(model, allowed_hosts=hosts), host=host, port=port, log_level="info")
+    config = uvicorn.Config(create_app(model, allowed_hosts=hosts), log_level="info")
+    uvicorn.Server(config).run(sockets=[sock])

@@ -106,6 +106,12 @@ class Run:
         return self.encoding.text
 
     @property
+    def read_text(self) -> str:
+        """The part of :attr:`text` the model read: all of it, unless ``truncate`` cut it."""
+        end = max(end for _, end in self.offsets)
+        return self.text if not self.text[end:].strip() else self.text[:end]
+
+    @property
     def tokens(self) -> list[str]:
         return self.encoding.tokens
 

@@ -47,10 +47,21 @@ def _labels(e: Explanation) -> tuple[list[str], object]:
     return [word for word, _ in e.groups], merge_words(e.attention, [m for _, m in e.groups])
 
 
+HEADLINE_CHARS = 160  # longer texts are cut short in the header (every token is listed below)
+
+
+def _headline(e: Explanation) -> str:
+    """The text for the header: whole, or its start and how long it is."""
+    if len(e.text) <= HEADLINE_CHARS:
+        return e.text
+    start = e.text[:HEADLINE_CHARS].rsplit(" ", 1)[0]
+    return f"{start} … ({len(e.text):,} characters, {len(e.tokens)} tokens)"
+
+
 def print_explanation(console: Console, e: Explanation) -> None:
     """Everything explain shows in the terminal, in the order of the steps."""
     header = Text.assemble(
-        ("model ", "dim"), (e.model, "bold"), ("   text ", "dim"), (e.text, "bold"), "\n",
+        ("model ", "dim"), (e.model, "bold"), ("   text ", "dim"), (_headline(e), "bold"), "\n",
         (_where(e), "bold cyan"), ("   " + e.choice, "dim"),
     )  # fmt: skip
     console.print(Panel(header, title="selfattn explain", expand=False))
