@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from selfattn import attention
-from selfattn.attention import causal_mask
+from selfattn.attention import BACKENDS, causal_mask
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 EXACT_BACKENDS = ("explicit", "sdpa", "auto")
@@ -117,8 +117,8 @@ def test_causal_mask_is_bottom_right_by_hand():
     )
 
 
-@pytest.mark.parametrize("backend", EXACT_BACKENDS)
-@pytest.mark.parametrize("t,s", [(3, 8), (8, 8), (8, 3)])
+@pytest.mark.parametrize("backend", [*EXACT_BACKENDS, "chunked"])
+@pytest.mark.parametrize("t,s", [(1, 5), (2, 5), (3, 8), (8, 8), (8, 3)])
 def test_causal_bottom_right_against_hand_built_mask(backend, t, s):
     q, k, v = qkv((2,), t, s, 4, 4)
     allowed = torch.tensor([[j <= i + (s - t) for j in range(s)] for i in range(t)])
@@ -312,6 +312,56 @@ def test_bad_input_is_a_one_line_error(args, match):
     with pytest.raises(ValueError, match=match) as error:
         attention(q, k, v, **args)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "auto"])
+@pytest.mark.parametrize("scale", [math.nan, math.inf, -math.inf])
+def test_non_finite_scale_is_a_one_line_error(backend, scale):
+    # Refused before any backend runs (triton included, installed or not): NaN weights otherwise.
+    q, k, v = qkv((2,), 3, 4, 5, 2)
+    with pytest.raises(ValueError, match="scale must be a finite number") as error:
+        attention(q, k, v, scale=scale, backend=backend)
+    assert "\n" not in str(error.value)
+
+
+DROPOUT_BACKENDS = ("explicit", "sdpa")
+
+
+@pytest.mark.parametrize("backend", DROPOUT_BACKENDS)
+def test_dropout_zeroes_weights_and_rescales_the_kept_ones(backend):
+    # value = identity, so each output row is its query's weights after dropout: every entry
+    # is either 0 or weight / (1 - p) (float64, 1e-12), and a fixed seed gives the same draw.
+    p = 0.5
+    q, k, _ = qkv((2, 3), 6, 8, 4, 1)
+    eye = torch.eye(8, dtype=torch.float64).expand(2, 3, 8, 8)
+    weights = attention(q, k, eye, backend="explicit")  # no dropout: the weights themselves
+    torch.manual_seed(0)
+    dropped = attention(q, k, eye, dropout_p=p, backend=backend)
+    torch.manual_seed(0)
+    assert torch.equal(attention(q, k, eye, dropout_p=p, backend=backend), dropped)
+    kept = dropped != 0
+    assert 0.3 < kept.double().mean() < 0.7  # 288 Bernoulli(0.5) draws
+    torch.testing.assert_close(dropped[kept], weights[kept] / (1 - p), atol=1e-12, rtol=0)
+    q, k, v = qkv((2, 3), 6, 8, 4, 5)
+    torch.manual_seed(0)
+    output = attention(q, k, v, dropout_p=p, backend=backend)
+    assert (output - attention(q, k, v, backend=backend)).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("backend", DROPOUT_BACKENDS)
+def test_dropout_averages_to_the_output_without_it(backend):
+    # Dropout keeps each weight with probability 1 - p and divides it by 1 - p, so it is
+    # unbiased: the mean of N independent draws is within 5 standard errors of the output
+    # without dropout, a standard error being sqrt(p / (1 - p) * sum_j (w_j v_j)^2 / N).
+    p, n = 0.3, 20_000
+    q, k, v = qkv((), 4, 6, 3, 2)
+    expected, trace = attention(q, k, v, backend="explicit", return_trace=True)
+    torch.manual_seed(1)
+    draws = attention(*(x.expand(n, *x.shape) for x in (q, k, v)), dropout_p=p, backend=backend)
+    spread = (trace.weights.unsqueeze(-1) * v.unsqueeze(-3)).pow(2).sum(-2)  # (T, Dv)
+    standard_error = (p / (1 - p) * spread / n).sqrt()
+    error = (draws.mean(0) - expected).abs()
+    assert torch.all(error <= 5 * standard_error), (error / standard_error).max()
 
 
 @pytest.mark.parametrize("backend", ["explicit", "sdpa", "chunked", "auto"])

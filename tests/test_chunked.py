@@ -133,6 +133,24 @@ def test_lazy_shift_survives_scores_that_jump_between_tiles(steps):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=0, msg=name)
 
 
+@pytest.mark.parametrize("step", [40.0, 60.0, 80.0, 86.0])
+def test_lazy_shift_limit_keeps_float32_finite(step):
+    """float32, key tiles alternating +0 and +step, values x100. A tile at +step is taken
+    lazily against the first tile's shift only while its row sums stay under ``LAZY_LIMIT``;
+    at +86 (2^124 in the kernel's base 2, summed over 8 keys and times values ~100) an
+    unbounded lazy step overflows float32 and gives NaN. Output within 1e-3 absolute
+    (outputs of size ~100, about 1e-5 relative; 5e-4 seen) of a float64 explicit reference."""
+    query, key, value = _inputs(7, 40, 5, torch.float32)
+    value = value * 100
+    bias = _scores_by_tile(40, [0.0, step, 0.0, step, 0.0], dtype=torch.float32)
+    expected = attention(
+        query.double(), key.double(), value.double(), mask=bias.double(), backend="explicit"
+    )
+    actual = _chunked(query, key, value, bias, blocks=(3, 8))
+    assert actual.dtype == torch.float32 and torch.isfinite(actual).all()
+    torch.testing.assert_close(actual.double(), expected, atol=1e-3, rtol=0)
+
+
 def test_rows_that_see_nothing_in_the_first_tiles_find_their_shift_later():
     """Rows whose first key tiles are all masked, then see scores near -500 (exp underflows
     against a shift of 0): the exact update keeps running until every row has seen a key."""
@@ -290,8 +308,9 @@ def test_auto_picks_chunked_above_the_budget_for_masked_calls(monkeypatch):
     assert chosen() == "sdpa"  # no mask: torch's kernel is O(T) memory and faster
     assert chosen(mask, dropout_p=0.1) == "sdpa"
     assert chosen(mask, return_trace=True) == "explicit"
-    output = attention(query, key, value, mask=mask)
-    torch.testing.assert_close(output, attention(query, key, value, backend="explicit"))
+    output = attention(query, key, value, mask=mask)  # chunked; float32, 1e-5 as above
+    expected = attention(query, key, value, backend="explicit")
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=0)
 
 
 MEMORY_SCRIPT = textwrap.dedent(

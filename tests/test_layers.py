@@ -67,9 +67,43 @@ def test_single_head_is_the_formula_of_the_guide():
     assert all(p.bias is None for p in (layer.W_q, layer.W_k, layer.W_v))
 
 
-def test_single_head_output_keeps_input_size_with_other_value_size():
-    layer = SelfAttention(6, d_k=3, d_v=2)
-    assert layer(torch.randn(4, 6)).shape == (4, 6)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"d_k": 3, "d_v": 2},  # an output map W_o brings d_v back to d_model
+        {"bias": True},
+        {"similarity": "cosine"},
+        {"d_k": 3, "d_v": 4, "bias": True, "similarity": "cosine"},
+    ],
+    ids=str,
+)
+def test_single_head_options_follow_the_formula(options):
+    # By hand from the layer's own weights: Q = X W_qᵀ + b_q (K, V alike); cosine normalises
+    # Q and K and scales by sqrt(d_k), dot scales by 1/sqrt(d_k); out = softmax(Q Kᵀ s) V,
+    # then W_o (with b_o) when d_v != d_model. float64, tolerance 1e-12.
+    torch.manual_seed(6)
+    layer = SelfAttention(6, **options).double()
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+
+    def linear(proj, x):
+        return x @ proj.weight.T + (0 if proj.bias is None else proj.bias)
+
+    q, k, v = (linear(proj, x) for proj in (layer.W_q, layer.W_k, layer.W_v))
+    d_k = options.get("d_k", 6)
+    if options.get("similarity") == "cosine":
+        q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+        scale = math.sqrt(d_k)
+    else:
+        scale = 1 / math.sqrt(d_k)
+    expected = torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1) @ v
+    assert (layer.W_o is None) == (options.get("d_v", 6) == 6)
+    if layer.W_o is not None:
+        expected = linear(layer.W_o, expected)
+    output = layer(x)
+    assert output.shape == x.shape
+    torch.testing.assert_close(output, expected, atol=1e-12, rtol=0)
+    has_bias = options.get("bias", False)
+    assert all((proj.bias is not None) == has_bias for proj in (layer.W_q, layer.W_v))
 
 
 def test_single_head_is_trainable_by_backpropagation():
@@ -167,6 +201,42 @@ def test_record_does_not_force_the_slow_path(monkeypatch):
     with record(layer):
         layer(torch.randn(1, 4, 8))
     assert used == [1]
+
+
+def _attention_layer(kind, dropout):
+    torch.manual_seed(7)
+    if kind == "multihead":
+        return MultiHeadAttention(8, 2, dropout=dropout).double()
+    return TransformerBlock(8, 2, 16, norm_first=kind == "block-pre-norm", dropout=dropout).double()
+
+
+@pytest.mark.parametrize("kind", ["multihead", "block-pre-norm", "block-post-norm"])
+def test_attention_dropout_only_in_train_mode(kind):
+    # .train(): the attention module's output on its own input differs from its output without
+    # dropout (weights dropped, the rest scaled by 1/(1-p)); .eval(): the whole layer is
+    # bit-identical to the same weights with dropout 0.
+    layer = _attention_layer(kind, dropout=0.5)
+    twin = _attention_layer(kind, dropout=0.0)
+    twin.load_state_dict(layer.state_dict())
+    attention_module = layer if kind == "multihead" else layer.attention
+    assert attention_module.dropout == 0.5
+    calls = []
+    attention_module.register_forward_hook(
+        lambda module, args, output: calls.append((args, output))
+    )
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+
+    torch.manual_seed(0)
+    layer.train()(x)
+    ((inputs, trained),) = calls
+    attention_module.eval()
+    without_dropout = attention_module(*inputs)
+    assert (trained - without_dropout).abs().max() > 0.1
+
+    layer.eval()
+    assert torch.equal(layer(x), twin.eval()(x))
+    torch.manual_seed(0)
+    assert torch.equal(twin.train()(x), twin.eval()(x))  # dropout 0: train mode changes nothing
 
 
 def test_head_out_of_range_names_the_range():
