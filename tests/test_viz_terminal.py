@@ -1,10 +1,14 @@
 """Terminal views print their labels and numbers (rich, recorded at 120 columns)."""
 
+from itertools import combinations
+
 import pytest
 import torch
 from rich.console import Console
 
 from selfattn import attention
+from selfattn.explain import Comparison
+from selfattn.viz.report import print_comparison
 from selfattn.viz.terminal import bar, heatmap, step_table, weights_bars
 
 TOKENS = ["[CLS]", "i", "went", "to", "the", "bank", "[unused1]", "money", "[SEP]"]
@@ -88,3 +92,21 @@ def test_heatmap_without_colour_draws_block_characters():
     console.print(heatmap(["a", "b"], ["a", "b"], [[1.0, 0.0], [0.25, 0.75]], "map"))
     text = console.export_text()
     assert "█" in text and "░" in text and "rows: queries, columns: keys" in text
+
+
+@pytest.mark.parametrize(("sentences", "width"), [(3, 80), (5, 80), (5, 200)])
+def test_comparison_prints_every_similarity_whole(sentences, width):
+    """Layers as rows while the pairs fit the terminal, else pairs as rows: never a cut cell."""
+    similarity = torch.rand(7, sentences, sentences, generator=torch.Generator().manual_seed(1))
+    texts = [f"sentence {i} with the word" for i in range(sentences)]
+    attended = [[("with", 0.5)] for _ in texts]
+    console = Console(record=True, width=width, color_system=None)
+    print_comparison(console, Comparison("word", texts, similarity, attended, 5), "model")
+    text = console.export_text()
+    assert "…" not in text
+    pairs = list(combinations(range(sentences), 2))
+    for layer in range(7):
+        for a, b in pairs:
+            assert f"{float(similarity[layer, a, b]):.3f}" in text
+    layers_as_rows = len(pairs) * 11 + 9 <= width  # each pair column about 11 wide
+    assert ("S1 vs S2 │" in text) != layers_as_rows  # a pair as a row's label

@@ -7,6 +7,7 @@ from itertools import combinations
 from pathlib import Path
 
 from rich.console import Console, Group
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -162,18 +163,38 @@ def page_data(run: RecordedRun, e: Explanation) -> dict:
     )  # fmt: skip
 
 
-def print_comparison(console: Console, c: Comparison, model: str) -> None:
-    """The word's cosine similarity between sentence pairs, layer by layer, and what it attends."""
+def _similarity_table(c: Comparison, model: str, layers_as_rows: bool) -> Table:
+    """The word's cosine similarity for each layer and sentence pair: layers as rows, or, for
+    many pairs in a narrow terminal, pairs as rows."""
+    pairs = list(combinations(range(len(c.sentences)), 2))
+    cells = [[f"{float(matrix[a, b]):.3f}" for a, b in pairs] for matrix in c.similarity]
+    pair_names = [f"S{a + 1} vs S{b + 1}" for a, b in pairs]
+    layer_names = [str(layer) for layer in range(len(cells))]
+    if layers_as_rows:
+        corner, columns, rows = "layer", pair_names, zip(layer_names, cells, strict=True)
+    else:
+        corner, columns, rows = (
+            "layer:",
+            layer_names,
+            zip(pair_names, zip(*cells, strict=True), strict=True),
+        )
     table = Table(
         title=f"'{c.word}' across sentences ({model}): cosine similarity of its vectors",
         caption="layer 0 = the embedding output; 1.000 = the same direction",
     )
-    table.add_column("layer", justify="right")
-    pairs = list(combinations(range(len(c.sentences)), 2))
-    for a, b in pairs:
-        table.add_column(f"S{a + 1} vs S{b + 1}", justify="right")
-    for layer, matrix in enumerate(c.similarity):
-        table.add_row(str(layer), *(f"{float(matrix[a, b]):.3f}" for a, b in pairs))
+    for name in (corner, *columns):
+        table.add_column(name, justify="right", no_wrap=True)
+    for name, values in rows:
+        table.add_row(name, *values)
+    return table
+
+
+def print_comparison(console: Console, c: Comparison, model: str) -> None:
+    """The word's cosine similarity between sentence pairs, layer by layer, and what it attends."""
+    table = _similarity_table(c, model, layers_as_rows=True)
+    unbounded = console.options.update_width(10_000)
+    if Measurement.get(console, unbounded, table).maximum > console.width:
+        table = _similarity_table(c, model, layers_as_rows=False)
     sentences = Table.grid(padding=(0, 2))
     for i, (sentence, attended) in enumerate(zip(c.sentences, c.attended, strict=True)):
         words = ", ".join(f"{word} {weight:.2f}" for word, weight in attended)
