@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -303,15 +304,63 @@ def test_trace_from_a_fused_backend_is_a_clear_error():
         ({"mask": torch.ones(3, 3, dtype=torch.long)}, "boolean"),
         ({"dtype_k": torch.float32}, "share a dtype"),
         ({"dropout_p": 1.5}, "dropout_p"),
+        ({"q": (3, 0), "k": (3, 0)}, "head dim of 0"),
+        ({"as_list": True}, "must be a torch.Tensor, got list"),
+        ({"mask": [[True] * 3] * 3}, "mask must be a torch.Tensor"),
+        ({"scale": "0.5"}, "scale must be a finite number"),
+        ({"scale": torch.ones(2)}, "scale must be a finite number"),
     ],
 )
 def test_bad_input_is_a_one_line_error(args, match):
-    q = torch.randn(3, 4, dtype=torch.float64)
+    q = torch.randn(*args.pop("q", (3, 4)), dtype=torch.float64)
     k = torch.randn(*args.pop("k", (3, 4)), dtype=args.pop("dtype_k", torch.float64))
     v = torch.randn(*args.pop("v", (3, 2)), dtype=torch.float64)
+    if args.pop("as_list", False):
+        q = q.tolist()
     with pytest.raises(ValueError, match=match) as error:
         attention(q, k, v, **args)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("scale", [0.5, np.float32(0.5), torch.tensor(0.5)])
+def test_scale_is_any_one_number(scale):
+    q, k, v = qkv((2,), 3, 4, 5, 2)
+    torch.testing.assert_close(  # float64, the same computation: 1e-12
+        attention(q, k, v, scale=scale), attention(q, k, v, scale=0.5), atol=1e-12, rtol=0
+    )
+
+
+@pytest.mark.parametrize("backend", [*EXACT_BACKENDS, "chunked"])
+@pytest.mark.parametrize("value", [-1e5, 7e4, torch.finfo(torch.float32).min])
+def test_float16_with_a_float32_mask_beyond_its_range(backend, value):
+    """A float32 mask whose values overflow float16 (Hugging Face masks with finfo.min) is
+    computed in float32, as on the explicit path: no inf - inf, no rows lost. Tolerance: twice
+    the explicit path's own float16 error against float64, plus 1e-3."""
+    q, k, v = qkv((2, 3), 4, 6, 8, 8)
+    mask = torch.zeros(2, 1, 4, 6)
+    mask[0, 0, 1] = value  # a whole row at the value: its softmax is that of the scores
+    mask[1, 0, :, 2] = value  # one key out (or, at 7e4, one key everything)
+    reference = attention(q, k, v, mask=mask.double(), backend="explicit")
+    half = [x.half() for x in (q, k, v)]
+    own = attention(*half, mask=mask, backend="explicit").double()
+    output = attention(*half, mask=mask, backend=backend)
+    assert output.dtype == torch.float16 and torch.isfinite(output).all()
+    bound = 2 * (own - reference).abs().max() + 1e-3
+    assert (output.double() - reference).abs().max() <= bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunked_row_masked_at_finfo_min_is_uniform_as_on_the_explicit_path(dtype):
+    """A finite finfo.min bias (Hugging Face's "masked") times log2(e) must not overflow to
+    -inf: such a row is a plain softmax of equal biases, not an empty row. Tolerance: TOL."""
+    q, k, v = qkv((2, 1), 4, 5, 8, 8, dtype=dtype)
+    mask = torch.zeros(2, 1, 1, 5, dtype=dtype)
+    mask[0] = torch.finfo(dtype).min
+    expected = attention(q, k, v, mask=mask, backend="explicit")
+    torch.testing.assert_close(  # TOL[dtype] absolute
+        attention(q, k, v, mask=mask, backend="chunked"), expected, atol=TOL[dtype], rtol=0
+    )
+    assert expected[0].abs().sum() > 0  # the row is not emptied
 
 
 @pytest.mark.parametrize("backend", [*BACKENDS, "auto"])
@@ -362,6 +411,15 @@ def test_dropout_averages_to_the_output_without_it(backend):
     standard_error = (p / (1 - p) * spread / n).sqrt()
     error = (draws.mean(0) - expected).abs()
     assert torch.all(error <= 5 * standard_error), (error / standard_error).max()
+
+
+@pytest.mark.parametrize("backend", ["explicit", "sdpa", "chunked", "auto"])
+def test_an_empty_batch_gives_an_empty_output(backend):
+    q, k, v = qkv((0, 2), 3, 4, 5, 6, grad=True)
+    output = attention(q, k, v, backend=backend, mask=torch.ones(3, 4, dtype=torch.bool))
+    assert output.shape == (0, 2, 3, 6)
+    output.sum().backward()
+    assert q.grad.shape == q.shape
 
 
 @pytest.mark.parametrize("backend", ["explicit", "sdpa", "chunked", "auto"])

@@ -101,6 +101,15 @@ def test_float_mask_with_minus_infinity(causal):
     assert_matches_reference(*_inputs(33, 64, 16), mask=mask, causal=causal)
 
 
+def test_float_mask_at_finfo_min_is_a_bias_not_a_hole():
+    # Hugging Face masks with finfo(float32).min; times log2(e) it must not become -inf, or a
+    # row masked that way would be emptied where the explicit path makes it uniform.
+    mask = torch.zeros(2, 1, 1, 64)
+    mask[0] = torch.finfo(torch.float32).min
+    mask[1, ..., 10:] = torch.finfo(torch.float32).min
+    assert_matches_reference(*_inputs(33, 64, 16), mask=mask)
+
+
 def test_fully_masked_rows_give_zero_output_and_zero_gradients():
     q, k, v, grad = _inputs(33, 64, 16)
     mask = torch.ones(2, 3, 33, 64, dtype=torch.bool)

@@ -181,12 +181,14 @@ def _sdpa(call: AttentionCall) -> Tensor:
     t, s = query.shape[-2], key.shape[-2]
     lead = query.shape[:-2]
     query, key, value = (_as_4d(x) for x in (query, key, value))
+    bias = None
+    if call.mask is not None and call.mask.dtype != torch.bool:
+        if _overflows(call.mask, query.dtype):  # e.g. -1e5 in float16: run in float32
+            query, key, value = (x.float() for x in (query, key, value))
+        bias = call.mask.to(query.dtype)
 
     is_causal = call.causal and t == s and call.mask is None
     causal_free = call.causal and t == 1  # one query after the cache: it sees every key
-    bias = None
-    if call.mask is not None and call.mask.dtype != torch.bool:
-        bias = call.mask.to(query.dtype)
     allowed = None
     if call.causal and not is_causal and not causal_free:
         allowed = allowed_mask(call)
@@ -216,10 +218,18 @@ def _sdpa(call: AttentionCall) -> Tensor:
         is_causal=is_causal,
         scale=call.scale,
     )
-    output = output.reshape(*lead, t, value.shape[-1])
+    output = output.reshape(*lead, t, value.shape[-1]).to(call.query.dtype)
     if empty_rows is not None and bool(empty_rows.any()):  # padding masks never have them
         output = output.masked_fill(empty_rows, 0.0)
     return output
+
+
+def _overflows(mask: Tensor, dtype: torch.dtype) -> bool:
+    """Whether a float mask has finite values beyond ``dtype``'s range (inf once cast)."""
+    if mask.dtype.itemsize <= dtype.itemsize or not dtype.is_floating_point:
+        return False
+    finite = mask.masked_fill(~torch.isfinite(mask), 0)
+    return bool(finite.abs().amax() > torch.finfo(dtype).max) if finite.numel() else False
 
 
 def _as_4d(x: Tensor) -> Tensor:
@@ -397,6 +407,11 @@ def make_call(
     if similarity not in SIMILARITIES:
         raise ValueError(f"unknown similarity {similarity!r}; choose 'dot' or 'cosine'")
     for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, Tensor):
+            raise ValueError(
+                f"{name} must be a torch.Tensor, got {type(tensor).__name__}; "
+                "convert it with torch.as_tensor"
+            )
         if tensor.dim() < 2:
             raise ValueError(
                 f"{name} must have shape (..., length, dim), got {tuple(tensor.shape)}"
@@ -407,6 +422,11 @@ def make_call(
         raise ValueError(
             f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, "
             f"{value.dtype}; cast them with .to(dtype)"
+        )
+    if not query.device == key.device == value.device:
+        raise ValueError(
+            f"query, key and value must be on one device, got {query.device}, {key.device}, "
+            f"{value.device}; move them with .to(device)"
         )
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(
@@ -421,8 +441,13 @@ def make_call(
             "query, key and value must have the same leading dims, got "
             f"{tuple(query.shape[:-2])}, {tuple(key.shape[:-2])}, {tuple(value.shape[:-2])}"
         )
+    if query.shape[-1] == 0:
+        raise ValueError("query and key have a head dim of 0; attention needs at least 1")
     t, s = query.shape[-2], key.shape[-2]
     if mask is not None:
+        if not isinstance(mask, Tensor):
+            raise ValueError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+        mask = mask.to(query.device)  # a mask made on the CPU serves a GPU call as it is
         target = (*query.shape[:-2], t, s)
         try:
             torch.broadcast_shapes(mask.shape, target)
@@ -437,8 +462,16 @@ def make_call(
         mask = at_least_2d(mask)  # every backend may index the mask's (T, S) dims
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if scale is None:
-        scale = default_scale(similarity, query.shape[-1])
-    elif not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale}")
-    return AttentionCall(query, key, value, mask, causal, similarity, float(scale), dropout_p)
+    scale = default_scale(similarity, query.shape[-1]) if scale is None else _finite(scale)
+    return AttentionCall(query, key, value, mask, causal, similarity, scale, dropout_p)
+
+
+def _finite(scale: object) -> float:
+    """``scale`` as a float (a Python, NumPy or one-element torch number), if finite."""
+    try:
+        number = math.nan if isinstance(scale, str) else float(scale)
+    except (TypeError, ValueError, RuntimeError):
+        number = math.nan
+    if not math.isfinite(number):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    return number

@@ -86,14 +86,15 @@ def chunked_attention(
     """
     lead, t, dv = query.shape[:-2], query.shape[-2], value.shape[-1]
     if block_q is None:
-        block_q = max(16, min(MAX_BLOCK_Q, TILE_ELEMENTS // (math.prod(lead) * block_k)))
+        per_query = max(1, math.prod(lead)) * block_k  # a tile of every head (batch 0: none)
+        block_q = max(16, min(MAX_BLOCK_Q, TILE_ELEMENTS // per_query))
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
     compute = torch.float32 if query.dtype in REDUCED_PRECISION else query.dtype
     masks = _Masks(lead, at_least_2d(allowed), causal, has_bias=bias is not None)
     # (N, T, D), (N, S, D), (N, S, Dv) with N = prod(lead): one batched matmul per tile.
     flat = [x.to(compute).reshape(math.prod(lead), *x.shape[-2:]) for x in (query, key, value)]
-    bias = at_least_2d(bias)
+    bias = bias_within_range(at_least_2d(bias), compute, masks.unit)
     output = _ChunkedAttention.apply(*flat, bias, masks, scale, block_q, block_k)
     return output.reshape(*lead, t, dv).to(query.dtype)
 
@@ -164,6 +165,18 @@ class _Masks:
             query_pos = torch.arange(rows.start, rows.stop, device=scaled.device).unsqueeze(-1)
             key_pos = torch.arange(cols.start, cols.stop, device=scaled.device)
             scaled.masked_fill_(key_pos > query_pos + offset, -math.inf)
+
+
+def bias_within_range(bias: Tensor | None, compute: torch.dtype, unit: float) -> Tensor | None:
+    """The bias with finite values below half of ``finfo(compute).min / unit`` raised to that
+    floor, so that ``bias · unit`` (and a score added) stays finite: a row masked with Hugging
+    Face's ``finfo.min`` is then uniform as on the explicit path, not empty. -inf stays -inf;
+    gradients pass unchanged."""
+    if bias is None:
+        return None
+    floor = torch.finfo(compute).min / (2 * unit)
+    raise_by = torch.where(torch.isfinite(bias) & (bias < floor), floor - bias, 0.0)
+    return bias + raise_by.detach()
 
 
 class _ChunkedAttention(torch.autograd.Function):

@@ -59,7 +59,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
+from selfattn.kernels.chunked import LOG2E, bias_within_range
+
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -1078,6 +1079,8 @@ def _kernel_mask(
     if mask is None:
         return None, inner, MASK_NONE
     outer = math.prod(lead[:-1])
+    if mask.dtype != torch.bool:  # the kernels add it in base 2, in float32
+        mask = bias_within_range(mask.to(device), torch.float32, LOG2E)
     view = mask.to(device).expand(*lead, t, s).reshape(outer, inner, t, s)
     if mask.dtype == torch.bool:
         return view.view(torch.uint8), inner, MASK_BOOL
