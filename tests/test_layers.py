@@ -53,6 +53,56 @@ def test_multihead_cross_attention_matches_torch():
 def test_from_torch_refuses_what_it_cannot_copy():
     with pytest.raises(ValueError, match="kdim"):
         MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, kdim=4, vdim=4))
+    with pytest.raises(ValueError, match="add_bias_kv=True"):
+        MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, add_bias_kv=True))
+    with pytest.raises(ValueError, match="add_zero_attn=True"):  # it would change the outputs
+        MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, add_zero_attn=True))
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: MultiHeadAttention(8, 2, dropout=1.5), r"dropout must be in \[0, 1\), got 1.5"),
+        (lambda: MultiHeadAttention(8, 2, dropout=-0.1), r"dropout must be in \[0, 1\)"),
+        (lambda: MultiHeadAttention(8, 2, similarity="cos"), "unknown similarity 'cos'.*cosine"),
+        (lambda: SelfAttention(8, similarity="cos"), "unknown similarity 'cos'"),
+        (lambda: MultiHeadAttention(10, 0), "n_heads must be >= 1, got 10 and 0"),
+        (lambda: MultiHeadAttention(10, 3), r"divisible by n_heads \(3\)"),
+        (lambda: SelfAttention(8, d_k=0), "d_k and d_v must be >= 1, got 8, 0, 8"),
+        (lambda: SelfAttention(8, d_v=-2), "d_k and d_v must be >= 1, got 8, 8, -2"),
+        (lambda: TransformerBlock(8, 2, 16, norm_first=True, dropout=1.0), "dropout must be"),
+    ],
+)
+def test_bad_constructor_options_fail_at_construction(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ((4, 8), r"shape \(batch, length, d_model\), got \(4, 8\); add .* x\.unsqueeze\(0\)"),
+        ((1, 2, 4, 8), r"got \(1, 2, 4, 8\); reshape it to \(batch, length, d_model\)"),
+        ((1, 4, 6), "x has last dim 6 but this layer has d_model=8"),
+    ],
+)
+def test_multihead_input_of_the_wrong_shape_gets_one_line(shape, message):
+    with pytest.raises(ValueError, match=message):
+        MultiHeadAttention(8, 2)(torch.randn(shape))
+
+
+def test_wrong_context_and_single_head_inputs_get_one_line():
+    layer = MultiHeadAttention(8, 2)
+    with pytest.raises(ValueError, match="context has last dim 4 but this layer has d_model=8"):
+        layer(torch.randn(1, 3, 8), torch.randn(1, 5, 4))
+    with pytest.raises(ValueError, match=r"context must have shape .*context\.unsqueeze\(0\)"):
+        layer(torch.randn(1, 3, 8), torch.randn(5, 8))
+    single = SelfAttention(8)
+    assert single(torch.randn(4, 8)).shape == (4, 8)  # one unbatched sequence is fine here
+    with pytest.raises(ValueError, match="x has last dim 6 but this layer has d_model=8"):
+        single(torch.randn(2, 4, 6))
+    with pytest.raises(ValueError, match=r"\(\.\.\., length, d_model\), got \(8,\)"):
+        single(torch.randn(8))
 
 
 def test_single_head_is_the_formula_of_the_guide():
@@ -138,6 +188,17 @@ def test_odd_model_size_and_too_long_input():
     assert SinusoidalPositions(10, 7).table.shape == (10, 7)
     with pytest.raises(ValueError, match="longer than the model's 10 positions"):
         LearnedPositions(10, 4)(torch.zeros(1, 11, 4))
+
+
+@pytest.mark.parametrize("positions", [SinusoidalPositions(10, 8), LearnedPositions(10, 8)])
+def test_positions_refuse_a_negative_or_too_large_offset(positions):
+    x = torch.zeros(1, 3, 8)
+    for offset in (-2, -5):
+        with pytest.raises(ValueError, match=f"offset must be >= 0 .*got {offset}"):
+            positions(x, offset=offset)
+    with pytest.raises(ValueError, match="sequence of 11 tokens is longer than the model's 10"):
+        positions(x, offset=8)
+    assert torch.equal(positions(x, offset=7), positions(torch.zeros(1, 10, 8))[:, 7:])
 
 
 def test_positions_break_permutation_symmetry():
@@ -245,3 +306,20 @@ def test_head_out_of_range_names_the_range():
         layer(torch.randn(1, 4, 8))
     with pytest.raises(IndexError, match=r"heads 0\.\.1"):
         rec[0].weights(head=5)
+
+
+def test_negative_head_and_batch_count_from_the_end():
+    torch.manual_seed(6)
+    layer = MultiHeadAttention(8, 2).eval()
+    with record(layer) as rec:
+        layer(torch.randn(3, 4, 8), mask=torch.rand(3, 1, 4, 4) > 0.3)
+    capture = rec[0]
+    assert torch.equal(capture.weights(head=-1, batch=-1), capture.weights(head=1, batch=2))
+    assert torch.equal(capture.weights(head=-2, batch=-3), capture.weights(head=0, batch=0))
+    assert torch.equal(capture.weights(batch=-2), capture.weights(batch=1))
+    assert torch.equal(capture.trace(-1, -1).output, capture.trace(1, 2).output)
+    for batch in (3, -4):
+        with pytest.raises(IndexError, match=rf"batch {batch} out of range: .* items 0\.\.2"):
+            capture.weights(head=0, batch=batch)
+    with pytest.raises(IndexError, match=r"head -3 out of range: .* heads 0\.\.1"):
+        capture.weights(head=-3)

@@ -238,6 +238,41 @@ def test_run_refuses_what_it_cannot_do(minilm):
         minilm.run("word " * 600)
     with pytest.raises(SelfAttnError, match="decoder"):
         minilm.generate("hello")
+    with pytest.raises(SelfAttnError, match="batch_size must be at least 1, got 0"):
+        minilm.encode(["hello"], batch_size=0)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"dtype": "int8"}, "dtype must be a floating-point torch dtype"),
+        ({"dtype": torch.int64}, "dtype must be a floating-point torch dtype"),
+        ({"device": "tpu9"}, "unknown device 'tpu9'"),
+        pytest.param(
+            {"device": "cuda"}, "sees no CUDA GPU", marks=pytest.mark.skipif(
+                torch.cuda.is_available(), reason="a GPU is there: cuda is a valid device"
+            ),
+        ),
+    ],
+)  # fmt: skip
+def test_load_refuses_a_dtype_or_device_it_cannot_use(options, message):
+    with pytest.raises(SelfAttnError, match=message) as error:
+        selfattn.load("minilm", **options)
+    assert "\n" not in str(error.value)
+
+
+def test_load_takes_a_dtype_by_name():
+    model = selfattn.load("minilm", dtype="bfloat16")
+    assert {parameter.dtype for parameter in model.parameters()} == {torch.bfloat16}
+
+
+def test_negative_head_counts_from_the_end(minilm):
+    run = minilm.run(MONEY_1)
+    assert run.attention(0, -1).shape == (len(run.tokens), len(run.tokens))
+    assert torch.equal(run.attention(0, -1), run.attention(0, run.n_heads - 1))
+    assert torch.equal(run.attention(-1, -12), run.attention(5, 0))
+    with pytest.raises(IndexError, match=r"heads 0\.\.11"):
+        run.attention(0, -13)
 
 
 def test_run_truncates_when_asked(minilm):

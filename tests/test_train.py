@@ -23,7 +23,9 @@ from safetensors.torch import load_file, save_model
 from torch import Tensor, nn
 from typer.testing import CliRunner
 
+import selfattn
 from selfattn.cli import app
+from selfattn.errors import SelfAttnError
 from selfattn.models.gpt import GPT, GPTConfig, sample
 from selfattn.train import (
     RandomBatches,
@@ -32,6 +34,7 @@ from selfattn.train import (
     configure_optimizer,
     get_preset,
     load_checkpoint,
+    load_model,
     save_checkpoint,
     train,
     train_gpt,
@@ -297,6 +300,25 @@ def test_bad_inputs_give_one_clear_line(corpus, trained, tmp_path):
     assert "not in the model's vocabulary" in _error_line(
         ["generate", "--checkpoint", str(trained), "Zebra"]
     )
+
+
+def test_an_unknown_override_lists_the_valid_names(corpus, tmp_path):
+    with pytest.raises(SelfAttnError) as error:
+        train_gpt(corpus, tmp_path / "out", preset="tiny", overrides={"max_iter": 3})
+    message = str(error.value)
+    assert "\n" not in message and "unknown training setting(s) 'max_iter'" in message
+    assert "max_iters" in message and "n_embd" in message and "learning_rate" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_load_points_a_training_folder_to_load_model(trained):
+    step = next(trained.glob("step-*"))
+    for folder in (trained, step):
+        with pytest.raises(SelfAttnError, match="selfattn train` checkpoint") as error:
+            selfattn.load(folder)
+        assert f"selfattn.train.load_model('{folder}')" in str(error.value)
+        assert f"--checkpoint {folder}" in str(error.value)
+        assert load_model(folder).config == load_model(trained).config
 
 
 def test_a_resume_with_nothing_to_do_prints_one_line_and_no_bar(corpus, trained):

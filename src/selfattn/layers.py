@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from selfattn.attention import attention
+from selfattn.attention import SIMILARITIES, attention
 from selfattn.recording import active_recording
 
 
@@ -40,6 +40,12 @@ class AttentionModule(nn.Module):
 
     def __init__(self, similarity: str = "dot", dropout: float = 0.0) -> None:
         super().__init__()
+        if similarity not in SIMILARITIES:
+            raise ValueError(
+                f"unknown similarity {similarity!r}; choose one of {list(SIMILARITIES)}"
+            )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.similarity = similarity
         self.dropout = dropout
         self.backend = "auto"
@@ -80,6 +86,23 @@ def _as_4d(x: Tensor) -> Tensor:
     return x.reshape(-1, *x.shape[-3:])
 
 
+def _check_input(x: Tensor, d_model: int, *, batched: bool, name: str = "x") -> None:
+    """A one-line ValueError for an input the layer cannot take, before any matrix product."""
+    shape, dims = ("(batch, length, d_model)", 3) if batched else ("(..., length, d_model)", 2)
+    if x.dim() < dims or (batched and x.dim() > dims):
+        fix = (
+            f"add the missing leading dim with {name}.unsqueeze(0)"
+            if x.dim() == dims - 1
+            else f"reshape it to {shape}"
+        )
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}; {fix}")
+    if x.shape[-1] != d_model:
+        raise ValueError(
+            f"{name} has last dim {x.shape[-1]} but this layer has d_model={d_model}; "
+            f"pass {name} of shape {shape}"
+        )
+
+
 class SelfAttention(AttentionModule):
     """The single head of the guide: Q = X W_q, K = X W_k, V = X W_v, then attention.
 
@@ -96,8 +119,11 @@ class SelfAttention(AttentionModule):
         similarity: str = "dot",
     ) -> None:
         super().__init__(similarity)
-        d_k = d_k or d_model
-        d_v = d_v or d_model
+        d_k = d_model if d_k is None else d_k
+        d_v = d_model if d_v is None else d_v
+        if min(d_model, d_k, d_v) < 1:
+            raise ValueError(f"d_model, d_k and d_v must be >= 1, got {d_model}, {d_k}, {d_v}")
+        self.d_model = d_model
         self.W_q = nn.Linear(d_model, d_k, bias=bias)
         self.W_k = nn.Linear(d_model, d_k, bias=bias)
         self.W_v = nn.Linear(d_model, d_v, bias=bias)
@@ -105,6 +131,7 @@ class SelfAttention(AttentionModule):
 
     def forward(self, x: Tensor, *, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """x: (..., T, d_model) -> (..., T, d_model)."""
+        _check_input(x, self.d_model, batched=False)
         query = self.W_q(x).unsqueeze(-3)  # (..., 1, T, d_k): one head
         key = self.W_k(x).unsqueeze(-3)
         value = self.W_v(x).unsqueeze(-3)
@@ -124,8 +151,11 @@ class MultiHeadAttention(AttentionModule):
         similarity: str = "dot",
     ) -> None:
         super().__init__(similarity, dropout)
+        if n_heads < 1 or d_model < 1:
+            raise ValueError(f"d_model and n_heads must be >= 1, got {d_model} and {n_heads}")
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        self.d_model = d_model
         self.n_heads = n_heads
         self.W_q = nn.Linear(d_model, d_model, bias=bias)
         self.W_k = nn.Linear(d_model, d_model, bias=bias)
@@ -150,6 +180,9 @@ class MultiHeadAttention(AttentionModule):
         ``mask`` broadcasts to (B, H, T, S), True = may attend. With a ``cache`` the new keys
         and values are appended to the cached ones and causal alignment is bottom-right.
         """
+        _check_input(x, self.d_model, batched=True)
+        if context is not None:
+            _check_input(context, self.d_model, batched=True, name="context")
         context = x if context is None else context
         query = self.split_heads(self.W_q(x))  # (B, H, T, hd)
         key = self.split_heads(self.W_k(context))  # (B, H, S, hd)
@@ -171,6 +204,8 @@ class MultiHeadAttention(AttentionModule):
             raise ValueError("from_torch needs kdim == vdim == embed_dim (one packed in_proj)")
         if source.bias_k is not None:
             raise ValueError("from_torch does not support add_bias_kv=True")
+        if source.add_zero_attn:
+            raise ValueError("from_torch does not support add_zero_attn=True")
         bias = source.in_proj_bias is not None
         layer = cls(source.embed_dim, source.num_heads, bias=bias, dropout=source.dropout)
         d = source.embed_dim
@@ -221,6 +256,11 @@ class LearnedPositions(nn.Module):
 
 
 def _positions(table: Tensor, length: int, offset: int, max_len: int) -> Tensor:
+    if offset < 0:
+        raise ValueError(
+            f"offset must be >= 0 (the position of the first token), got {offset}; "
+            "pass the number of tokens that come before x"
+        )
     if offset + length > max_len:
         raise ValueError(
             f"sequence of {offset + length} tokens is longer than the model's {max_len} "

@@ -48,14 +48,16 @@ class Capture:
     ) -> AttentionTrace:
         """Recompute this call with the explicit path; one head, or all heads if None.
 
+        Negative ``head`` and ``batch`` count from the end, like list indices.
         ``similarity``/``scale`` recompute it as if the model had used another one (an
         experiment: the model itself ran with ``self.similarity`` and ``self.scale``).
         """
-        heads = slice(None) if head is None else slice(head, head + 1)
-        if head is not None and not -self.n_heads <= head < self.n_heads:
-            raise IndexError(
-                f"head {head} out of range: this layer has heads 0..{self.n_heads - 1}"
-            )
+        batch = _in_range(batch, self.query.shape[0], "batch", "this call had batch items")
+        if head is None:
+            heads = slice(None)
+        else:
+            head = _in_range(head, self.n_heads, "head", "this layer has heads")
+            heads = slice(head, head + 1)
         mask = self.mask
         if mask is not None:
             mask = mask.expand(*self.query.shape[:2], *mask.shape[-2:])[batch : batch + 1, heads]
@@ -75,6 +77,13 @@ class Capture:
     def weights(self, head: int | None = None, batch: int = 0) -> Tensor:
         """Attention weights ``(T, S)`` for one head, or ``(H, T, S)`` for all."""
         return self.trace(head, batch).weights
+
+
+def _in_range(index: int, size: int, name: str, what: str) -> int:
+    """``index`` as a non-negative index below ``size``; an IndexError naming the range."""
+    if not -size <= index < size:
+        raise IndexError(f"{name} {index} out of range: {what} 0..{size - 1} (or -{size}..-1)")
+    return index % size
 
 
 def _squeeze_trace(trace: AttentionTrace, one_head: bool) -> AttentionTrace:

@@ -383,10 +383,31 @@ BUILDERS = {"bert": build_bert, "gpt2": build_gpt2}
 # The entry point
 
 
+def placement(
+    dtype: torch.dtype | str, device: torch.device | str
+) -> tuple[torch.dtype, torch.device]:
+    """``dtype`` (a floating torch dtype, or its name: "float16") and ``device``, checked: a
+    one-line error for a dtype that is no float, a device torch does not know or a GPU this
+    PyTorch cannot see."""
+    named = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(named, torch.dtype) or not named.is_floating_point:
+        raise SelfAttnError(
+            f"dtype must be a floating-point torch dtype (torch.float32, torch.float16, "
+            f"torch.bfloat16 or their names), got {dtype!r}"
+        )
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise SelfAttnError(f"unknown device {device!r}; use 'cpu' or 'cuda'") from None
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise SelfAttnError(f"device {device!r}: this PyTorch sees no CUDA GPU; use 'cpu'")
+    return named, where
+
+
 def load(
     name_or_path: str | Path = "minilm",
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
     backend: str = "auto",
 ) -> Model:
@@ -400,8 +421,17 @@ def load(
         backend: the attention backend of every attention module (``"auto"``, ``"sdpa"``,
             ``"explicit"``, ...).
     """
+    dtype, device = placement(dtype, device)
     folder, name = resolve(name_or_path)
+    trained_here = (
+        f"{folder} holds a `selfattn train` checkpoint, not a Hugging Face model; load it with "
+        f"selfattn.train.load_model({str(folder)!r}) (on the command line: --checkpoint {folder})"
+    )
+    if (folder / "LATEST").is_file() or any(folder.glob("step-*/config.json")):
+        raise SelfAttnError(trained_here)
     raw = read_json(folder / "config.json", "config.json")
+    if raw.get("format") == "selfattn-train-checkpoint":  # one step-* folder of such a run
+        raise SelfAttnError(trained_here)
     model_type = raw.get("model_type")
     if model_type not in ARCHITECTURES:
         raise SelfAttnError(

@@ -290,6 +290,8 @@ class Model(nn.Module):
         """
         if self.config.kind != "encoder" or self.sentence is None:
             raise SelfAttnError(f"encode needs an encoder (BERT family); {self.name} is a decoder")
+        if batch_size < 1:
+            raise SelfAttnError(f"batch_size must be at least 1, got {batch_size}")
         texts = [texts] if isinstance(texts, str) else list(texts)
         tokenizer = self._require_tokenizer()
         ids = tokenizer.encode_ids(texts, max_length=self.sentence.max_seq_length)

@@ -48,6 +48,13 @@ class Preset:
 
     def override(self, **changes: object) -> Preset:
         """A copy with some model fields and/or TrainConfig fields replaced (and re-validated)."""
+        valid = (*MODEL_FIELDS, *(item.name for item in dataclasses.fields(TrainConfig)))
+        unknown = [key for key in changes if key not in valid]
+        if unknown:
+            raise SelfAttnError(
+                f"unknown training setting(s) {', '.join(map(repr, unknown))}; "
+                f"valid overrides: {', '.join(valid)}"
+            )
         model = {key: value for key, value in changes.items() if key in MODEL_FIELDS}
         train = {key: value for key, value in changes.items() if key not in MODEL_FIELDS}
         try:
