@@ -337,6 +337,86 @@ def test_gluon_forward_compiles_for_hopper_with_the_softmax_under_pv():
         assert under >= 0.75 * loops * block_n // 2, row
 
 
+class _Launches:
+    """Stands in for a Gluon kernel: records each launch's grid, arguments and options."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **options: self.calls.append((grid, args, options))
+
+
+def _head_blocks(descriptor, tensor, interleaved: bool):
+    """Each (batch, head) block of ``tensor`` (B, H, N, D), read as the kernels address it in
+    the descriptor's matrix: head ``b·H + h`` at rows from ``b·N`` (interleaved) or
+    ``(b·H + h)·N`` and columns from ``h·D`` (interleaved) or 0."""
+    b, h, n, d = tensor.shape
+    matrix = descriptor.base
+    assert matrix.data_ptr() == tensor.data_ptr()  # a view of the caller's storage, no copy
+    assert list(matrix.shape) == descriptor.shape and list(matrix.stride()) == descriptor.strides
+    for head in range(b * h):
+        row = (head // h) * n if interleaved else head * n
+        col = (head % h) * d if interleaved else 0
+        yield tensor[head // h, head % h], matrix[row : row + n, col : col + d]
+
+
+def _assert_addressed(descriptors, tensors, block_rows, interleaved: bool) -> None:
+    """Each descriptor moves blocks of (rows, D) over its tensor's own memory, and each head
+    of the tensor is exactly where the kernels address it (the same memory, not a copy)."""
+    for descriptor, x, rows in zip(descriptors, tensors, block_rows, strict=True):
+        assert descriptor.block_shape == [rows, x.shape[-1]]
+        for block, addressed in _head_blocks(descriptor, x, interleaved):
+            assert (block.data_ptr(), block.shape, block.stride()) == (
+                addressed.data_ptr(), addressed.shape, addressed.stride()
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["heads", "interleaved"])
+def test_gluon_launches_address_every_head_of_either_layout(monkeypatch, interleaved):
+    """The Gluon kernels' host side on CPU tensors (no GPU needed up to the launch): grids,
+    block shapes, and descriptors over the caller's storage whose matrix holds each head
+    where the kernels look for it, for the contiguous and the (B, T, H, D) layouts; outputs
+    and gradients laid out as their inputs."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from selfattn.kernels import hopper_backward, hopper_forward
+
+    b, h, t, s, d = 2, 3, 256, 384, 128
+    made = torch.Generator().manual_seed(5)
+
+    def tensor(n):
+        shape = (b, n, h, d) if interleaved else (b, h, n, d)
+        x = torch.randn(*shape, generator=made).half()
+        return x.transpose(1, 2) if interleaved else x
+
+    q, k, v, grad_out = tensor(t), tensor(s), tensor(s), tensor(t)
+    for config in hopper_forward.CONFIGS:
+        launches = _Launches()
+        kernel = "_pingpong_kernel" if config.pingpong else "_forward_kernel"
+        monkeypatch.setattr(hopper_forward, kernel, launches)
+        out, lse = hopper_forward.hopper_forward(q, k, v, False, 0.1, config)
+        ((grid, args, options),) = launches.calls
+        assert grid == (t // config.rows, b * h) and options["INTERLEAVED"] == interleaved
+        assert out.stride() == q.stride() and lse.shape == (b * h, t)
+        assert args[8] == (h if interleaved else 1)  # heads per row of the matrix
+        m, n = config.block_m, config.block_n
+        _assert_addressed(args[:4], (q, k, v, out), (m, n, n, m), interleaved)
+    grad_key, grad_value = torch.empty_like(k), torch.empty_like(v)
+    for config in hopper_backward.CONFIGS:
+        launches = _Launches()
+        monkeypatch.setattr(hopper_backward, "_backward_kernel", launches)
+        lse, delta = torch.zeros(b * h, t), torch.zeros(b * h, t)
+        grad_query = hopper_backward.hopper_backward(
+            grad_out, q, k, v, lse, delta, grad_key, grad_value, False, 0.1, 0.14, config
+        )
+        ((grid, args, options),) = launches.calls
+        assert grid == (s // config.block_n, b * h) and options["INTERLEAVED"] == interleaved
+        assert grad_query.shape == (b * h, t, d) and grad_query.dtype == torch.float32
+        tensors = (q, k, v, grad_out, grad_key, grad_value)
+        m, n = config.block_m, config.block_n
+        _assert_addressed(args[:6], tensors, (m, n, n, m, n, n), interleaved)
+
+
 def test_gluon_backward_compiles_for_hopper():
     """The Gluon backward (hopper_backward), compiled ahead of time for sm_90 by
     benchmarks/triton_sm90.py at head dims 64 and 128, causal and not, both layouts: it uses
