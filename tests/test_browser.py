@@ -196,3 +196,11 @@ def test_float16_payloads_decode_to_the_same_numbers(browser, tmp_path, monkeypa
     halves = [x.half().float() for x in (q, k, v)]  # what float16 on the wire carries exactly
     assert_row_matches(watched, reference(*halves, 1, 2), 1)
     watched.check_clean()
+
+
+def test_a_narrow_window_does_not_scroll_sideways(browser, tmp_path):
+    path, _ = write_page(tmp_path)
+    watched = Watched(browser, path)
+    watched.page.set_viewport_size({"width": 400, "height": 800})
+    assert watched.page.evaluate("document.documentElement.scrollWidth") <= 400
+    watched.check_clean()

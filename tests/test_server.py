@@ -232,8 +232,8 @@ def test_non_finite_scale_is_refused(client):
 @pytest.mark.parametrize(
     ("body", "status", "words"),
     [
-        ({"sentences": [BANK], "word": "bank"}, 422, "at least 2"),
-        ({"sentences": [BANK] * 5, "word": "bank"}, 422, "at most 4"),
+        ({"sentences": [BANK], "word": "bank"}, 422, "give 2 to 4 sentences to compare"),
+        ({"sentences": [BANK] * 5, "word": "bank"}, 422, "give 2 to 4 sentences to compare"),
         ({"sentences": [BANK, "No such word here."], "word": "bank"}, 400, "bank"),
         ({"sentences": [BANK, RIVER]}, 422, "word: Field required"),
         ({"sentences": BANK, "word": "bank"}, 422, "sentences"),

@@ -238,3 +238,163 @@ def test_errors_show_the_servers_one_line(browser, base_url):
     # the failed request is the only console message: the browser's own "400" line
     assert len(watched.errors) == 1 and "400" in watched.errors[0]
     assert all(url.startswith(base_url + "/") for url in watched.requests)
+
+
+CAT = "The cat sat on the mat."
+ON_SCREEN = """() => {
+    const $ = (selector) => document.querySelector(selector);
+    const view = ['explore', 'compare', 'ablation'].find((v) => !$(`#view-${v}`).hidden);
+    const inputs = [...document.querySelectorAll(`#${view}-form :is(input, textarea, select)`)];
+    const heading = {explore: '#selection', compare: '#compare-result h2',
+                     ablation: '#ablation-result h2'};
+    return {view, address: location.search, inputs: inputs.map((e) => e.value),
+            result: $(heading[view])?.textContent ?? null};
+}"""
+
+
+def on_screen(page) -> dict:
+    """The open view, its address and inputs, and its result's heading, once no request is on."""
+    page.wait_for_function("() => !document.querySelector('[aria-busy]')", timeout=30_000)
+    return page.evaluate(ON_SCREEN)
+
+
+def test_back_and_forward_show_each_step_again(browser, base_url):
+    watched = Watched(browser, base_url)
+    page = watched.page
+    page.fill("#explore-text", CAT)
+    page.fill("#explore-word", "cat")
+    page.click("#explore-run")
+    steps = [on_screen(page)]
+    page.click("#tab-compare")
+    steps.append(on_screen(page))
+    page.fill("#compare-word", "bank")
+    page.click("#compare-run")
+    steps.append(on_screen(page))
+    page.click("#tab-ablation")
+    steps.append(on_screen(page))
+    page.fill("#ablation-text", CAT)
+    page.fill("#ablation-word", "cat")
+    page.click("#ablation-run")
+    steps.append(on_screen(page))
+    assert [s["view"] for s in steps] == ["explore", "compare", "compare", "ablation", "ablation"]
+    assert [s["result"] is None for s in steps] == [False, True, False, True, False]
+
+    for move, step in [("back", 3), ("back", 2), ("back", 1), ("forward", 2), ("forward", 3)]:
+        getattr(page, f"go_{move}")()
+        page.wait_for_function("(at) => location.search === at", arg=steps[step]["address"])
+        assert on_screen(page) == steps[step], (move, step)
+    page.click("#tab-explore")  # the explore view kept its result: its tab shows it again
+    assert on_screen(page) == steps[0]
+    watched.check_clean()
+
+
+def test_a_failed_request_clears_the_old_result_and_a_tab_clears_the_error(browser, base_url):
+    watched = Watched(browser, base_url, f"/?text={quote(BANK)}")
+    watched.wait("#app")
+    page = watched.page
+    forms = [
+        ("explore", "#app", lambda: None),
+        ("compare", "#compare-result", lambda: None),  # the bank sentences
+        ("ablation", "#ablation-result", lambda: page.fill("#ablation-text", BANK)),
+    ]
+    for view, result, prepare in forms:
+        page.click(f"#tab-{view}")
+        assert not page.is_visible("#error")  # the last view's error stays with it
+        prepare()
+        page.fill(f"#{view}-word", "bank")
+        page.click(f"#{view}-run")
+        watched.wait(result)
+        page.fill(f"#{view}-word", "river")
+        page.click(f"#{view}-run")
+        page.wait_for_selector(f"{result}[data-ready='error']", state="attached")
+        assert "river" in page.text_content("#error")
+        assert page.eval_on_selector(result, "(e) => e.childElementCount") == 0, view
+    page.click("#tab-explore")
+    page.keyboard.press("ArrowRight")  # the cleared explorer's keys went with it
+    assert "index=" not in page.url
+
+
+def test_a_narrow_window_does_not_scroll_sideways(browser, base_url):
+    watched = Watched(browser, base_url)
+    page = watched.page
+    page.set_viewport_size({"width": 400, "height": 800})
+    four = (BANK, RIVER, "The bank raised its rates.", "She sat on the river bank.")
+    sentences = "&".join(f"s={quote(s)}" for s in four)
+    addresses = [
+        ("#app", f"/?text={quote(BANK)}&word=bank"),
+        ("#compare-result", f"/?view=compare&{sentences}&word=bank"),
+        ("#ablation-result", f"/?view=ablation&text={quote(BANK)}&word=bank&scale=1"),
+    ]
+    for result, address in addresses:
+        watched.open(address)
+        watched.wait(result)
+        assert page.evaluate("document.documentElement.scrollWidth") <= 400, address
+    bars = page.eval_on_selector_all(".bar-track", "(bars) => bars.map((b) => b.clientWidth)")
+    assert min(bars) >= 40  # the table scrolls instead of squeezing its bars to nothing
+    watched.check_clean()
+
+
+@pytest.mark.parametrize("width", [1400, 400])
+def test_the_map_tip_shows_whole_inside_the_window(browser, base_url, width):
+    from io import BytesIO
+
+    from PIL import Image
+
+    watched = Watched(browser, base_url)
+    page = watched.page
+    page.set_viewport_size({"width": width, "height": 800})
+    watched.open(f"/?text={quote(BANK)}&word=bank")
+    watched.wait("#app")
+    page.eval_on_selector("#heatmap", "(e) => e.scrollIntoView()")
+    # 11 tokens: 44 px cells after an 84 px margin; hover the rightmost key the scroll box shows
+    box = page.eval_on_selector(".map-scroll", "(e) => e.getBoundingClientRect().toJSON()")
+    key = min(10, int((box["width"] - 84) // 44) - 1)
+    page.mouse.move(box["x"] + 84 + 44 * key + 22, box["y"] + 84 + 44 * 2 + 22)
+    assert page.text_content("#map-tip").startswith(f"query 2 “went” → key {key} ")
+    tip = page.eval_on_selector("#map-tip", "(e) => e.getBoundingClientRect().toJSON()")
+    assert tip["left"] >= 0 and tip["right"] <= width and tip["top"] >= 0 and tip["bottom"] <= 800
+    # drawn whole: the tip's dark ground at its right edge, not clipped by the scroll box
+    shot = page.screenshot(clip={"x": tip["right"] - 4, "y": tip["top"] + tip["height"] / 2,
+                                 "width": 1, "height": 1})  # fmt: skip
+    assert Image.open(BytesIO(shot)).convert("RGB").getpixel((0, 0)) == (15, 23, 42)
+    watched.check_clean()
+
+
+def test_more_sentences_than_the_limit_are_said_to_be_left_out(browser, base_url):
+    five = (BANK, RIVER, "The bank raised its rates.", "She sat on the river bank.", CAT)
+    sentences = "&".join(f"s={quote(s)}" for s in five)
+    watched = Watched(browser, base_url, f"/?view=compare&{sentences}&word=bank")
+    watched.wait("#compare-result")
+    page = watched.page
+    assert page.text_content("#compare-notice") == (
+        "The explorer compares at most 4 sentences: 1 more left out."
+    )
+    assert page.locator(".compare-sentence").count() == 4
+    assert page.locator("#compare-attended li").count() == 4
+    page.click("#compare-bank")
+    assert not page.is_visible("#compare-notice")
+    watched.check_clean()
+
+
+def test_wording_of_equal_entropies_sentence_counts_and_the_text_limit(browser, base_url):
+    same = f"/?view=ablation&text={quote(BANK)}&word=bank&similarity=dot"  # the model's own way
+    watched = Watched(browser, base_url, same)
+    watched.wait("#ablation-result")
+    page = watched.page
+    verdict = page.text_content("#ablation-verdict")
+    assert verdict == "recomputed weights are as spread as the model's"
+
+    page.click("#tab-explore")
+    page.fill("#explore-text", "x" * (server.MAX_CHARS + 500))  # cut at the limit, and said so
+    assert len(page.input_value("#explore-text")) == server.MAX_CHARS
+    assert page.text_content("#explore-text-limit").startswith("2,000 characters at most")
+    page.fill("#explore-text", BANK)
+    assert not page.is_visible("#explore-text-limit")
+
+    page.click("#tab-compare")
+    page.click(".sentence-row:nth-child(2) .remove")  # stays: two rows at least
+    page.fill(".sentence-row:nth-child(2) .compare-sentence", "")
+    page.fill("#compare-word", "bank")
+    page.click("#compare-run")
+    page.wait_for_selector("#compare-result[data-ready='error']", state="attached")
+    assert page.text_content("#error") == "give 2 to 4 sentences to compare"

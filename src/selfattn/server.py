@@ -319,6 +319,13 @@ def _one_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+# (field, Pydantic's error type) -> what to send instead, where Pydantic's message is unclear
+PLAIN_DETAILS = {
+    ("sentences", kind): f"give 2 to {MAX_SENTENCES} sentences to compare"
+    for kind in ("too_short", "too_long")
+}
+
+
 def _validation_detail(error: RequestValidationError) -> str:
     """Pydantic's error list as one line: 'layer: Input should be a valid integer'."""
     parts = []
@@ -326,7 +333,8 @@ def _validation_detail(error: RequestValidationError) -> str:
         if item["type"] == "json_invalid":
             return "the request body is not valid JSON"
         where = ".".join(str(part) for part in item["loc"] if part != "body")
-        parts.append(f"{where}: {item['msg']}" if where else item["msg"])
+        plain = PLAIN_DETAILS.get((where, item["type"]))
+        parts.append(plain or (f"{where}: {item['msg']}" if where else item["msg"]))
     return "; ".join(parts) or "invalid request"
 
 

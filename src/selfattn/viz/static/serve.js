@@ -4,8 +4,9 @@
 //   Ablation  POST /api/explain  -> the model's weights next to the head recomputed with
 //                                   another similarity or scale, and their entropies
 // What is on screen lives in the address bar (?view=...&text=...&layer=...&head=...&word=...),
-// so reloading or sharing the address shows the same thing. User text reaches the page
-// through textContent only.
+// so reloading or sharing the address shows the same thing; each run and each tab is a history
+// entry, so Back and Forward show each step again. User text reaches the page through textContent
+// only.
 "use strict";
 
 (() => {
@@ -32,15 +33,21 @@
     }
   }
 
-  function showError(message) {
-    $("error").textContent = message || "";
-    $("error").hidden = !message;
+  /** Show `message` in the element `id`, or hide it when there is none. */
+  function say(id, message) {
+    $(id).textContent = message || "";
+    $(id).hidden = !message;
   }
+  const showError = (message) => say("error", message);
 
-  /** Run `work` for one view: marks `target` busy, shows errors, drops answers overtaken by a newer request. */
-  const tickets = {};
-  async function request(view, target, work) {
+  const RESULTS = { explore: "app", compare: "compare-result", ablation: "ablation-result" }; // view -> its result's element
+  const tickets = {}; // view -> its latest request
+
+  /** Run `work` for one view: marks its result busy, shows errors, drops answers overtaken by a newer request. */
+  async function request(view, work) {
+    const target = $(RESULTS[view]);
     const ticket = (tickets[view] = (tickets[view] || 0) + 1);
+    shown[view] = params();
     target.dataset.ready = "false";
     target.setAttribute("aria-busy", "true");
     showError("");
@@ -51,18 +58,33 @@
       target.dataset.ready = "true";
     } catch (error) {
       if (ticket !== tickets[view]) return;
+      clearResult(view); // no stale result under the error
       target.dataset.ready = "error";
-      showError(error.message);
+      if (view === openView) showError(error.message);
     } finally {
       if (ticket === tickets[view]) target.removeAttribute("aria-busy");
     }
   }
 
+  /** Take a view's result off screen, and drop any answer still on its way. */
+  function clearResult(view) {
+    const target = $(RESULTS[view]);
+    tickets[view] = (tickets[view] || 0) + 1;
+    delete shown[view];
+    window.selfattn.clear(target);
+    target.removeAttribute("aria-busy");
+    delete target.dataset.ready;
+  }
+
   // ---------- the address bar ----------
 
-  const params = () => new URLSearchParams(location.search);
+  // An entry's address names its view and that view's inputs; the view's result is requested again
+  // from them, except in an entry marked idle (a tab opened on a view with no result).
 
-  /** Change some of the address's parameters in place (no reload); null or "" removes one. */
+  const params = () => new URLSearchParams(location.search);
+  const shown = {}; // view -> the parameters of the result it shows: its tab opens them again
+
+  /** Change some of `base`'s parameters in place; null or "" removes one. The address they make. */
   function addressWith(changes, base = params()) {
     for (const [name, value] of Object.entries(changes)) {
       base.delete(name);
@@ -70,9 +92,10 @@
     }
     return `${location.pathname}?${base}`;
   }
-  const updateAddress = (changes) => history.replaceState(null, "", addressWith(changes));
-  /** A new history entry holding exactly `values`: what a submitted form shows. */
-  const navigate = (values) => history.pushState(null, "", addressWith(values, new URLSearchParams()));
+  /** The address of a view and exactly its form's inputs. */
+  const inputsAddress = (view) => addressWith({ view, ...INPUTS[view]() }, new URLSearchParams());
+  /** A new history entry for a submitted form. */
+  const navigate = (view) => history.pushState(null, "", inputsAddress(view));
 
   const intOrNull = (value) => (value === null || value === "" || !/^\d+$/.test(value) ? null : +value);
   const headOf = (value) => (value === "mean" ? "mean" : intOrNull(value));
@@ -80,8 +103,7 @@
   // ---------- Explore ----------
 
   async function explore(fromAddress) {
-    const text = $("explore-text").value;
-    const word = $("explore-word").value.trim();
+    const { text, word } = INPUTS.explore();
     const p = params();
     const body = { text };
     if (word) body.word = word;
@@ -92,9 +114,9 @@
       if (head !== null) body.head = head;
       if (index !== null && !word) body.index = index;
     } else {
-      navigate({ view: "explore", text, word });
+      navigate("explore");
     }
-    await request("explore", $("app"), {
+    await request("explore", {
       fetch: () => api("/api/view", body),
       show: (payload) => {
         if (body.head === "mean") payload.selection.head = "mean"; // the payload names heads by number
@@ -103,7 +125,8 @@
           hash: false,
           onChange: ({ layer, head, query }) => {
             const byWord = query === wordQuery;
-            updateAddress({ layer, head, word: byWord ? body.word : null, index: byWord ? null : query });
+            const address = addressWith({ layer, head, word: byWord ? body.word : null, index: byWord ? null : query }, shown.explore);
+            if (openView === "explore") history.replaceState(null, "", address);
             $("explore-word").value = byWord ? body.word : "";
           },
         });
@@ -138,17 +161,20 @@
     $("compare-add").disabled = rows.length >= limits().max_sentences;
   }
 
+  /** The form's sentences: the first few (the server's limit, said when more are given), at least two. */
   function setSentences(sentences) {
+    const most = limits().max_sentences;
+    const more = sentences.length - most;
     $("compare-sentences").replaceChildren();
-    for (const sentence of sentences) addSentence(sentence);
+    for (const sentence of sentences.slice(0, most)) addSentence(sentence);
     while (sentenceInputs().length < 2) addSentence();
+    say("compare-notice", more > 0 ? `The explorer compares at most ${most} sentences: ${more} more left out.` : "");
   }
 
   async function compare(fromAddress) {
-    const sentences = sentenceInputs().map((input) => input.value).filter((s) => s.trim());
-    const word = $("compare-word").value.trim();
-    if (!fromAddress) navigate({ view: "compare", s: sentences, word });
-    await request("compare", $("compare-result"), {
+    const { s: sentences, word } = INPUTS.compare();
+    if (!fromAddress) navigate("compare");
+    await request("compare", {
       fetch: () => api("/api/compare", { sentences, word }),
       show: showComparison,
     });
@@ -206,7 +232,7 @@
         h("p", { class: "hint" }, `attention: layer ${data.attended_layer}, mean of heads, word pieces merged; the word itself and special tokens left out`),
         h("h3", {}, "cosine similarity of its vectors, layer by layer"),
         h("p", { class: "hint" }, "layer 0 = the embedding output (the same word, only the position differs); 1.000 = the same direction"),
-        table,
+        h("div", { class: "table-scroll" }, table),
       ),
     );
   }
@@ -214,19 +240,12 @@
   // ---------- Similarity & scale ----------
 
   async function ablation(fromAddress) {
-    const body = {
-      text: $("ablation-text").value,
-      word: $("ablation-word").value.trim(),
-      similarity: $("ablation-similarity").value,
-    };
-    const layer = intOrNull($("ablation-layer").value);
-    const head = intOrNull($("ablation-head").value);
-    const scale = $("ablation-scale").value.trim();
+    const { layer, head, scale, ...body } = INPUTS.ablation(); // body: text, word, similarity
     if (layer !== null) body.layer = layer;
     if (head !== null) body.head = head;
     if (scale !== "") body.scale = Number(scale);
-    if (!fromAddress) navigate({ view: "ablation", ...body, layer, head, scale });
-    await request("ablation", $("ablation-result"), {
+    if (!fromAddress) navigate("ablation");
+    await request("ablation", {
       fetch: () => api("/api/explain", body),
       show: showAblation,
     });
@@ -257,7 +276,7 @@
         bar(alt.weights[j], "recomputed"),
       ),
     );
-    const verdict = alt.entropy_bits < own.entropy_bits ? "sharper" : alt.entropy_bits > own.entropy_bits ? "flatter" : "as spread";
+    const verdict = alt.entropy_bits < own.entropy_bits ? "sharper than" : alt.entropy_bits > own.entropy_bits ? "flatter than" : "as spread as";
     const head = data.head === "mean" ? "mean of heads" : `head ${data.head}`;
     $("ablation-result").replaceChildren(
       h(
@@ -267,7 +286,7 @@
         h("p", { class: "hint" }, data.choice),
         entropyLine("ablation-entropy-model", "the model:", own),
         entropyLine("ablation-entropy-recomputed", "recomputed:", alt),
-        h("p", { id: "ablation-verdict", class: "verdict" }, `recomputed weights are ${verdict} than the model's`),
+        h("p", { id: "ablation-verdict", class: "verdict" }, `recomputed weights are ${verdict} the model's`),
         h(
           "div",
           { class: "steps-scroll" },
@@ -287,8 +306,49 @@
   let info = null; // GET /api/models
   const limits = () => info.limits;
   const VIEWS = { explore, compare, ablation };
+  let openView = null; // the view on screen
+
+  /** Each view's form, as address parameters. */
+  const INPUTS = {
+    explore: () => ({ text: $("explore-text").value, word: $("explore-word").value.trim() }),
+    compare: () => ({ s: sentenceInputs().map((input) => input.value).filter((s) => s.trim()), word: $("compare-word").value.trim() }),
+    ablation: () => ({
+      text: $("ablation-text").value,
+      word: $("ablation-word").value.trim(),
+      similarity: $("ablation-similarity").value,
+      layer: intOrNull($("ablation-layer").value),
+      head: intOrNull($("ablation-head").value),
+      scale: $("ablation-scale").value.trim(),
+    }),
+  };
+
+  /** Each view's form, filled from address parameters `p`. */
+  const FILL = {
+    explore: (p) => {
+      $("explore-text").value = p.get("text") || "";
+      $("explore-word").value = p.get("word") || "";
+    },
+    compare: (p) => {
+      const sentences = p.getAll("s");
+      setSentences(sentences.length || p.get("view") === "compare" ? sentences : BANK);
+      $("compare-word").value = p.get("word") || "";
+    },
+    ablation: (p) => {
+      const pick = (id, value) => {
+        if ([...$(id).options].some((o) => o.value === value)) $(id).value = value;
+      };
+      $("ablation-text").value = p.get("text") || "";
+      $("ablation-word").value = p.get("word") || "";
+      pick("ablation-layer", p.get("layer") || "");
+      pick("ablation-head", p.get("head") || "");
+      pick("ablation-similarity", p.get("similarity") || "cosine");
+      $("ablation-scale").value = p.get("scale") || "";
+    },
+  };
 
   function showView(view) {
+    openView = view;
+    showError(""); // an error belongs to the view it came from
     for (const name of Object.keys(VIEWS)) {
       $(`view-${name}`).hidden = name !== view;
       $(`tab-${name}`).classList.toggle("active", name === view);
@@ -299,38 +359,47 @@
   function describeModel() {
     const model = info.models[0];
     $("model-info").textContent = `${model.name} · ${model.kind} · ${model.layers} layers × ${model.heads} heads · up to ${model.max_positions} tokens`;
-    for (const id of ["explore-text", "ablation-text"]) $(id).maxLength = limits().max_chars;
+    for (const id of ["explore-text", "ablation-text"]) limitText(id);
     for (let l = 0; l < model.layers; l++) $("ablation-layer").append(h("option", { value: String(l) }, `layer ${l}`));
     for (let i = 0; i < model.heads; i++) $("ablation-head").append(h("option", { value: String(i) }, `head ${i}`));
   }
 
-  /** Fill the forms from the address, and run the view it names when it has what it needs. */
-  function fromAddress() {
+  /** The server's limit on a text; the browser cuts a longer paste there without a word, so say so. */
+  function limitText(id) {
+    const most = limits().max_chars;
+    $(id).maxLength = most;
+    $(id).addEventListener("input", () => {
+      const full = $(id).value.length >= most;
+      say(`${id}-limit`, full ? `${most.toLocaleString("en")} characters at most: the rest of a longer text is left out.` : "");
+    });
+  }
+
+  /**
+   * Show the address's view: its form from the address, and its result requested again when the
+   * address has what it needs (none in an idle entry). The first load fills every view's form (a
+   * shared text or word carries over); Back and Forward leave the other views as they are.
+   */
+  function fromAddress(first) {
     const p = params();
     const view = VIEWS[p.get("view")] ? p.get("view") : "explore";
-    const text = p.get("text") || "";
-    $("explore-text").value = $("ablation-text").value = text;
-    $("explore-word").value = $("ablation-word").value = p.get("word") || "";
-    $("compare-word").value = p.get("word") || "";
-    setSentences(p.getAll("s").length ? p.getAll("s") : view === "compare" ? [] : BANK);
-    const pick = (id, value) => {
-      if ([...$(id).options].some((o) => o.value === value)) $(id).value = value;
-    };
-    pick("ablation-layer", p.get("layer") || "");
-    pick("ablation-head", p.get("head") || "");
-    pick("ablation-similarity", p.get("similarity") || "cosine");
-    $("ablation-scale").value = p.get("scale") || "";
+    for (const name of first ? Object.keys(VIEWS) : [view]) FILL[name](p);
     showView(view);
-    const ready = { explore: text, compare: p.getAll("s").length >= 2 && p.get("word"), ablation: text && p.get("word") };
-    if (ready[view]) VIEWS[view](true);
+    const ready = { explore: p.get("text"), compare: p.getAll("s").length >= 2 && p.get("word"), ablation: p.get("text") && p.get("word") };
+    if (ready[view] && !history.state?.idle) VIEWS[view](true);
+    else clearResult(view);
+  }
+
+  /** A tab: a new history entry with what its view shows, or its form's inputs alone (idle) when it shows no result. */
+  function openTab(view) {
+    if (view === openView) return;
+    if (shown[view]) history.pushState(null, "", addressWith({}, shown[view]));
+    else history.pushState({ idle: true }, "", inputsAddress(view));
+    showView(view);
   }
 
   function start() {
     for (const name of Object.keys(VIEWS)) {
-      $(`tab-${name}`).addEventListener("click", () => {
-        showView(name);
-        updateAddress({ view: name });
-      });
+      $(`tab-${name}`).addEventListener("click", () => openTab(name));
       $(`${name}-form`).addEventListener("submit", (event) => {
         event.preventDefault();
         VIEWS[name](false);
@@ -341,12 +410,12 @@
       setSentences(BANK);
       $("compare-word").value = "bank";
     });
-    window.addEventListener("popstate", fromAddress);
+    window.addEventListener("popstate", () => fromAddress(false));
     api("/api/models")
       .then((data) => {
         info = data;
         describeModel();
-        fromAddress();
+        fromAddress(true);
         document.body.dataset.ready = "true";
       })
       .catch((error) => showError(`cannot reach the explorer's server: ${error.message}`));

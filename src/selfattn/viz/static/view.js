@@ -158,7 +158,13 @@
 
   // ---------- the app ----------
 
-  let previous = null; // the last render's window/document listeners, removed on re-render
+  let previous = null; // the last render's root and its window/document listeners (an AbortController)
+
+  /** Empty `root`, removing the window/document listeners of the render() shown there. */
+  function clear(root) {
+    if (previous?.root === root) previous.listeners.abort();
+    root.replaceChildren();
+  }
 
   /**
    * Build the explorer for one payload inside `root` (replacing what was there).
@@ -167,9 +173,9 @@
    */
   function render(payload, root = document.getElementById("app"), options = {}) {
     const { hash = true, onChange = null } = options;
-    previous?.abort();
-    previous = new AbortController();
-    const { signal } = previous;
+    previous?.listeners.abort();
+    previous = { root, listeners: new AbortController() };
+    const { signal } = previous.listeners;
     const model = {
       ...payload,
       query: decodeTensor(payload.query, payload.dtype),
@@ -622,8 +628,7 @@
       if (!at) return;
       const [i, j] = at;
       ui.tip.textContent = `query ${i} “${model.tokens[i]}” → key ${j} “${model.tokens[j]}”: ${fmt(current().weights[i][j])}`;
-      ui.tip.style.left = `${event.offsetX + 14}px`;
-      ui.tip.style.top = `${event.offsetY + 14}px`;
+      placeTip(ui.tip, event);
     });
     ui.map.addEventListener("mouseleave", () => (ui.tip.hidden = true));
     ui.map.addEventListener("click", (event) => {
@@ -632,8 +637,18 @@
     });
   }
 
-  // h and fmt are shared with the live explorer (serve.js), which loads after this file.
-  window.selfattn = { render, h, fmt };
+  /** The tip next to the pointer, on whichever side keeps it inside the window (it is fixed: the map's
+   *  scroll box does not clip it). */
+  function placeTip(tip, event) {
+    const gap = 14;
+    const { clientWidth, clientHeight } = document.documentElement;
+    const side = (at, size, room) => Math.max(0, at + gap + size <= room ? at + gap : at - gap - size);
+    tip.style.left = `${side(event.clientX, tip.offsetWidth, clientWidth)}px`;
+    tip.style.top = `${side(event.clientY, tip.offsetHeight, clientHeight)}px`;
+  }
+
+  // clear, h and fmt are shared with the live explorer (serve.js), which loads after this file.
+  window.selfattn = { render, clear, h, fmt };
   const embedded = document.getElementById("selfattn-payload");
   if (embedded && embedded.textContent.trim()) render(JSON.parse(embedded.textContent));
 })();
