@@ -202,5 +202,7 @@ def test_a_narrow_window_does_not_scroll_sideways(browser, tmp_path):
     path, _ = write_page(tmp_path)
     watched = Watched(browser, path)
     watched.page.set_viewport_size({"width": 400, "height": 800})
+    watched.page.reload()  # laid out narrow from the start, as on a phone
+    watched.page.wait_for_selector("#app[data-ready='true']", timeout=30_000)
     assert watched.page.evaluate("document.documentElement.scrollWidth") <= 400
     watched.check_clean()
