@@ -350,12 +350,14 @@ def test_float16_with_a_float32_mask_beyond_its_range(backend, value):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_chunked_row_masked_at_finfo_min_is_uniform_as_on_the_explicit_path(dtype):
-    """A finite finfo.min bias (Hugging Face's "masked") times log2(e) must not overflow to
-    -inf: such a row is a plain softmax of equal biases, not an empty row. Tolerance: TOL."""
+def test_chunked_biases_at_the_float_limits_as_on_the_explicit_path(dtype):
+    """A finite bias at finfo.min (Hugging Face's "masked") or finfo.max times log2(e) must
+    not overflow: a row all at finfo.min is a plain softmax of equal biases, not an empty
+    row, and a key at finfo.max takes all of its row's weight, not NaN. Tolerance: TOL."""
     q, k, v = qkv((2, 1), 4, 5, 8, 8, dtype=dtype)
     mask = torch.zeros(2, 1, 1, 5, dtype=dtype)
     mask[0] = torch.finfo(dtype).min
+    mask[1, ..., 3] = torch.finfo(dtype).max
     expected = attention(q, k, v, mask=mask, backend="explicit")
     torch.testing.assert_close(  # TOL[dtype] absolute
         attention(q, k, v, mask=mask, backend="chunked"), expected, atol=TOL[dtype], rtol=0

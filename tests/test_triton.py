@@ -101,12 +101,14 @@ def test_float_mask_with_minus_infinity(causal):
     assert_matches_reference(*_inputs(33, 64, 16), mask=mask, causal=causal)
 
 
-def test_float_mask_at_finfo_min_is_a_bias_not_a_hole():
+def test_float_mask_at_the_float_limits_is_a_bias_not_a_hole():
     # Hugging Face masks with finfo(float32).min; times log2(e) it must not become -inf, or a
-    # row masked that way would be emptied where the explicit path makes it uniform.
+    # row masked that way would be emptied where the explicit path makes it uniform; a key at
+    # finfo.max takes its rows' weight (inf would make them NaN).
     mask = torch.zeros(2, 1, 1, 64)
     mask[0] = torch.finfo(torch.float32).min
     mask[1, ..., 10:] = torch.finfo(torch.float32).min
+    mask[1, ..., 5] = torch.finfo(torch.float32).max
     assert_matches_reference(*_inputs(33, 64, 16), mask=mask)
 
 

@@ -94,7 +94,7 @@ def chunked_attention(
     masks = _Masks(lead, at_least_2d(allowed), causal, has_bias=bias is not None)
     # (N, T, D), (N, S, D), (N, S, Dv) with N = prod(lead): one batched matmul per tile.
     flat = [x.to(compute).reshape(math.prod(lead), *x.shape[-2:]) for x in (query, key, value)]
-    bias = bias_within_range(at_least_2d(bias), compute, masks.unit)
+    bias = finite_bias(at_least_2d(bias), torch.finfo(compute).max / (2 * masks.unit))
     output = _ChunkedAttention.apply(*flat, bias, masks, scale, block_q, block_k)
     return output.reshape(*lead, t, dv).to(query.dtype)
 
@@ -167,16 +167,15 @@ class _Masks:
             scaled.masked_fill_(key_pos > query_pos + offset, -math.inf)
 
 
-def bias_within_range(bias: Tensor | None, compute: torch.dtype, unit: float) -> Tensor | None:
-    """The bias with finite values below half of ``finfo(compute).min / unit`` raised to that
-    floor, so that ``bias · unit`` (and a score added) stays finite: a row masked with Hugging
-    Face's ``finfo.min`` is then uniform as on the explicit path, not empty. -inf stays -inf;
-    gradients pass unchanged."""
+def finite_bias(bias: Tensor | None, limit: float) -> Tensor | None:
+    """The bias with its finite values clamped to [-limit, limit], ``limit`` being half the
+    largest number a backend computes in over what it multiplies the bias by, so that its
+    arithmetic stays finite: a row masked with Hugging Face's ``finfo.min`` then weighs its
+    keys as the explicit path does, not emptied or NaN. ±inf stay; gradients pass unchanged."""
     if bias is None:
         return None
-    floor = torch.finfo(compute).min / (2 * unit)
-    raise_by = torch.where(torch.isfinite(bias) & (bias < floor), floor - bias, 0.0)
-    return bias + raise_by.detach()
+    moved = torch.where(torch.isfinite(bias), bias.clamp(-limit, limit) - bias, 0.0)
+    return bias + moved.detach()
 
 
 class _ChunkedAttention(torch.autograd.Function):

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from selfattn.kernels.chunked import LOG2E, bias_within_range
+from selfattn.kernels.chunked import LOG2E, finite_bias
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -1080,7 +1080,7 @@ def _kernel_mask(
         return None, inner, MASK_NONE
     outer = math.prod(lead[:-1])
     if mask.dtype != torch.bool:  # the kernels add it in base 2, in float32
-        mask = bias_within_range(mask.to(device), torch.float32, LOG2E)
+        mask = finite_bias(mask.to(device), torch.finfo(torch.float32).max / (2 * LOG2E))
     view = mask.to(device).expand(*lead, t, s).reshape(outer, inner, t, s)
     if mask.dtype == torch.bool:
         return view.view(torch.uint8), inner, MASK_BOOL
