@@ -197,7 +197,7 @@ def _latest_dir(out_dir: Path) -> Path:
     fix = (
         f"write the name of an existing step folder (e.g. {existing[-1]}) into {LATEST}"
         if existing
-        else f"no step folder is left, so remove {out_dir} and train again"
+        else "no step folder is left: train again with another --out"
     )
     raise SelfAttnError(
         f"{latest} points at checkpoint folder {name[:80]!r}, which {problem}; {fix}"
