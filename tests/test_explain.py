@@ -251,8 +251,10 @@ def test_help_lists_flags_without_a_type_and_paragraphs_on_one_line():
         for paragraph in command.help.split("\n\n"):
             assert "\n" not in paragraph, name  # typer would print the docstring's line breaks
     shown = " ".join(invoke("explain", "--help").stdout.split())
-    for flag in ("--json", "--words", "--truncate"):
+    for flag in ("--json", "--words", "--truncate", "--help"):
         assert f"{flag} <bool>" not in shown and flag in shown
+    top = " ".join(invoke("--help").stdout.split())
+    assert "--help <bool>" not in top and "--help" in top
 
 
 def test_figures_and_page(tmp_path):

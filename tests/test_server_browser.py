@@ -314,6 +314,35 @@ def test_a_failed_request_clears_the_old_result_and_a_tab_clears_the_error(brows
     assert "index=" not in page.url
 
 
+def test_an_error_that_comes_back_while_another_view_is_open_shows_on_return(browser, base_url):
+    watched = Watched(browser, base_url)
+    page = watched.page
+    held = []  # the explore request, answered only once the compare view is open
+    page.route("**/api/view", lambda route: held.append(route))
+    page.fill("#explore-text", BANK)
+    page.fill("#explore-word", "river")
+    page.click("#explore-run")
+    for _ in range(600):
+        if held:
+            break
+        page.wait_for_timeout(50)
+    page.click("#tab-compare")
+    held[0].continue_()  # the server answers 400: no "river" in the text
+    page.wait_for_selector("#app[data-ready='error']", state="attached")
+    assert not page.is_visible("#error")  # not the compare view's error
+    page.click("#tab-explore")
+    assert page.is_visible("#error") and "river" in page.text_content("#error")
+    page.click("#tab-compare")
+    assert not page.is_visible("#error")
+    page.click("#tab-explore")
+    page.unroute("**/api/view")
+    page.fill("#explore-word", "")
+    page.click("#explore-run")
+    watched.wait("#app")
+    assert not page.is_visible("#error")
+    assert len(watched.errors) == 1 and "400" in watched.errors[0]
+
+
 def test_a_narrow_window_does_not_scroll_sideways(browser, base_url):
     watched = Watched(browser, base_url)
     page = watched.page

@@ -17,7 +17,27 @@ from selfattn.errors import SelfAttnError
 from selfattn.examples import CIAO_TOKENS, ciao_trace
 from selfattn.viz.terminal import matrix_table
 
+
+class _HelpWithoutType:
+    """Shows ``--help`` without typer's "<bool>": like the flags, it takes no value."""
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+class _Group(_HelpWithoutType, typer.core.TyperGroup):
+    pass
+
+
+class _Command(_HelpWithoutType, typer.core.TyperCommand):
+    pass
+
+
 app = typer.Typer(
+    cls=_Group,
     help="Self-attention, step by step: explain it on real models, view it, run it, train it.",
     no_args_is_help=True,
     add_completion=False,
@@ -450,6 +470,7 @@ def _one_line_paragraphs(doc: str) -> str:
 
 for _command in app.registered_commands:
     _command.help = _one_line_paragraphs(_command.help or inspect.getdoc(_command.callback))
+    _command.cls = _Command
 
 
 def main() -> None:

@@ -42,6 +42,7 @@
 
   const RESULTS = { explore: "app", compare: "compare-result", ablation: "ablation-result" }; // view -> its result's element
   const tickets = {}; // view -> its latest request
+  const failures = {}; // view -> the error its latest request ended in, shown again when its tab opens
 
   /** Run `work` for one view: marks its result busy, shows errors, drops answers overtaken by a newer request. */
   async function request(view, work) {
@@ -50,6 +51,7 @@
     shown[view] = params();
     target.dataset.ready = "false";
     target.setAttribute("aria-busy", "true");
+    delete failures[view];
     showError("");
     try {
       const data = await work.fetch();
@@ -59,6 +61,7 @@
     } catch (error) {
       if (ticket !== tickets[view]) return;
       clearResult(view); // no stale result under the error
+      failures[view] = error.message;
       target.dataset.ready = "error";
       if (view === openView) showError(error.message);
     } finally {
@@ -71,6 +74,8 @@
     const target = $(RESULTS[view]);
     tickets[view] = (tickets[view] || 0) + 1;
     delete shown[view];
+    delete failures[view];
+    if (view === openView) showError("");
     window.selfattn.clear(target);
     target.removeAttribute("aria-busy");
     delete target.dataset.ready;
@@ -348,7 +353,7 @@
 
   function showView(view) {
     openView = view;
-    showError(""); // an error belongs to the view it came from
+    showError(failures[view]); // an error belongs to the view it came from
     for (const name of Object.keys(VIEWS)) {
       $(`view-${name}`).hidden = name !== view;
       $(`tab-${name}`).classList.toggle("active", name === view);
