@@ -3,8 +3,10 @@
 Starts ``python -m selfattn serve --port <free>`` on 127.0.0.1, warms it up, then sends
 ``--requests`` requests from ``--clients`` concurrent clients (httpx), a mix of the API's
 calls (explain, explain with a recomputed head, view, compare), all under one overall timeout.
-Reports errors, latency percentiles, requests per second and the server's resident memory
-before and after the burst (from /proc: Linux only), as a markdown table.
+A "busy" answer (503) is retried after its Retry-After, as the page does, at most ``RETRIES``
+times. Reports errors, busy answers, latency percentiles (retries included), answered requests
+per second and the server's resident memory before and after the burst (from /proc: Linux
+only), as a markdown table.
 
     python benchmarks/serve_load.py                          # 200 requests, 8 clients
     python benchmarks/serve_load.py --requests 40 --clients 4
@@ -35,6 +37,7 @@ CALLS = [  # (label, path, body), sent in turn
     ("compare", "/api/compare", {"sentences": [BANK, RIVER], "word": "bank"}),
 ]
 START_TIMEOUT = 90.0  # seconds for the server to load the model and answer
+RETRIES = 3  # on 503 "busy", after the server's Retry-After (as serve.js does)
 
 
 @dataclass
@@ -44,6 +47,7 @@ class Result:
     seconds: float  # wall time of the burst
     latencies: dict[str, list[float]] = field(default_factory=dict)  # label -> seconds
     errors: Counter[str] = field(default_factory=Counter)  # "503 /api/view" -> count
+    busy: int = 0  # 503 answers that were retried
     rss_before: int = 0  # bytes, after the warm-up
     rss_after: int = 0
     rss_peak: int = 0  # the process's high-water mark
@@ -89,6 +93,18 @@ def start_server(port: int) -> subprocess.Popen:
     raise RuntimeError(f"selfattn serve did not answer within {START_TIMEOUT:.0f} s")
 
 
+async def post(http: httpx.AsyncClient, path: str, body: dict, result: Result) -> httpx.Response:
+    """POST ``body``; a 503 "busy" is retried after its Retry-After, at most RETRIES times."""
+    response = await http.post(path, json=body)
+    for _ in range(RETRIES):
+        if response.status_code != 503:
+            break
+        result.busy += 1
+        await asyncio.sleep(float(response.headers.get("retry-after", 1)))
+        response = await http.post(path, json=body)
+    return response
+
+
 async def burst(base: str, requests: int, clients: int, result: Result) -> None:
     """``requests`` calls from ``clients`` concurrent connections, each taking the next call."""
     jobs = iter(range(requests))
@@ -99,7 +115,7 @@ async def burst(base: str, requests: int, clients: int, result: Result) -> None:
                 label, path, body = CALLS[n % len(CALLS)]
                 start = time.perf_counter()
                 try:
-                    response = await http.post(path, json=body)
+                    response = await post(http, path, body, result)
                     response.raise_for_status()
                     response.json()
                 except httpx.HTTPStatusError as error:
@@ -121,7 +137,7 @@ def measure(requests: int = 200, clients: int = 8, timeout: float = 300.0) -> Re
     try:
         warm = Result(len(CALLS) * clients, clients, 0.0)
         asyncio.run(asyncio.wait_for(burst(base, warm.requests, clients, warm), timeout))
-        result = Result(requests, clients, 0.0, errors=Counter(warm.errors))
+        result = Result(requests, clients, 0.0, errors=Counter(warm.errors), busy=warm.busy)
         result.rss_before = memory(process.pid)[0]
         start = time.perf_counter()
         asyncio.run(asyncio.wait_for(burst(base, requests, clients, result), timeout))
@@ -149,13 +165,17 @@ def table(result: Result) -> str:
     ]
     rows = [*sorted(result.latencies.items()), ("all", result.all_latencies)]
     for label, values in rows:
+        if not values:  # every request failed
+            continue
         p50, p90, p99, top = (1000 * percentile(values, q) for q in (50, 90, 99, 100))
         lines.append(f"| {label} | {len(values)} | {p50:.0f} | {p90:.0f} | {p99:.0f} | {top:.0f} |")
     errors = ", ".join(f"{k}: {v}" for k, v in result.errors.items()) or "none"
+    answered = len(result.all_latencies)
     lines += [
         "",
         f"{result.requests} requests from {result.clients} clients in {result.seconds:.1f} s: "
-        f"**{result.requests / result.seconds:.1f} requests/s**; errors: {errors}.",
+        f"**{answered / result.seconds:.1f} answered/s**; errors: {errors}; "
+        f"busy answers retried: {result.busy}.",
         f"Server RSS: {result.rss_before / mib:.0f} MiB after the warm-up, "
         f"{result.rss_after / mib:.0f} MiB after the burst "
         f"({(result.rss_after - result.rss_before) / mib:+.0f} MiB); "
@@ -170,6 +190,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the burst")
     args = parser.parse_args()
+    if min(args.requests, args.clients) < 1 or args.timeout <= 0:
+        parser.error("--requests and --clients must be at least 1, --timeout above 0")
     result = measure(args.requests, args.clients, args.timeout)
     print(table(result))
     if result.errors:

@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
@@ -22,6 +23,7 @@ from selfattn.models.loading import load
 BANK = "I went to the bank to deposit money."
 RIVER = "We sat on the bank of the river and watched the water."
 TWO_BANKS = "I sat on the bank, then walked to the bank."
+NOT_JSON = "the request body is not valid JSON; send one JSON object"
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +150,15 @@ def test_page_and_assets_come_from_the_package_under_a_strict_policy(client):
     assert client.get("/static/nothing.js").status_code == 404
 
 
+@pytest.mark.parametrize("path", ["/", "/static/serve.js", "/api/models"])
+def test_head_answers_as_get_does_without_a_body(client, path):
+    got, head = client.get(path), client.head(path)
+    assert head.status_code == 200, head.text
+    assert head.content == b""
+    for name in ("content-type", "content-length", "content-security-policy"):
+        assert head.headers[name] == got.headers[name]
+
+
 def test_openapi_is_served_and_the_cdn_docs_are_not(client):
     schema = client.get("/openapi.json").json()
     assert {"/api/explain", "/api/view", "/api/compare", "/api/models"} <= set(schema["paths"])
@@ -155,9 +166,24 @@ def test_openapi_is_served_and_the_cdn_docs_are_not(client):
     assert client.get("/redoc").status_code == 404
 
 
-def test_only_local_host_names_are_answered(client):
-    assert client.get("/api/models", headers={"host": "localhost:8000"}).status_code == 200
-    assert client.get("/api/models", headers={"host": "attacker.example"}).status_code == 400
+@pytest.mark.parametrize("host", ["localhost:8000", "127.0.0.1", "[::1]:8000", "LOCALHOST"])
+def test_local_host_names_are_answered(client, host):
+    assert client.get("/api/models", headers={"host": host}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "host", ["attacker.example", "attacker.example:8000", "localhost.attacker.example", "[::2]"]
+)
+def test_other_host_names_are_refused_in_one_line(client, host):
+    message = detail(client.get("/api/models", headers={"host": host}), 400)
+    assert message.startswith(f"the Host {host!r} is not this machine; open http://127.0.0.1:")
+
+
+def test_a_server_for_the_network_answers_any_host(model):
+    app = server.create_app(model, allowed_hosts=("*",))
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        response = client.get("/api/models", headers={"host": "my-machine.lan:8000"})
+    assert response.status_code == 200
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +211,8 @@ def detail(response, status: int) -> str:
         ({"text": TWO_BANKS, "word": "bank", "occurrence": 2}, 400, "occurrence 2 of the word"),
         ({"text": BANK, "layer": "1"}, 422, "layer: Input should be a valid integer"),
         ({"text": BANK, "layer": 1.5}, 422, "layer"),
-        ({"text": BANK, "head": "all"}, 422, "head"),
+        ({"text": BANK, "head": "all"}, 422, "head: give a head number (0 = first) or 'mean'"),
+        ({"text": BANK, "head": 1.5}, 422, "head: give a head number (0 = first) or 'mean'"),
         ({"text": BANK, "similarity": "euclid"}, 422, "similarity"),
         ({"text": BANK, "scale": "big"}, 422, "scale"),
         ({"text": BANK, "words": "yes"}, 422, "words"),
@@ -194,24 +221,66 @@ def detail(response, status: int) -> str:
         ({"text": BANK, "colour": "red"}, 422, "colour: Extra inputs are not permitted"),
         ({"text": BANK, "model": "/etc/passwd"}, 422, "model: Extra inputs are not permitted"),
         ({"text": BANK, "checkpoint": "../../x"}, 422, "checkpoint: Extra inputs"),
-        ({"text": "x" * (server.MAX_CHARS + 1)}, 413, "2,001 characters"),
-        ({"text": "! " * 600}, 413, "602 tokens; all-MiniLM-L6-v2 takes at most 512"),
+        ({"text": BANK, "word": "b" * 2001}, 422, "word: String should have at most 2000"),
+        ({"text": BANK, "odd\nname": 1}, 422, "odd\\nname: Extra inputs are not permitted"),
+        ({"text": "x" * (server.MAX_CHARS + 1)}, 413, "2,001 characters; the explorer takes"),
+        ({"text": "! " * 600}, 413, "602 tokens; all-MiniLM-L6-v2 takes at most 512: shorten it"),
     ],
 )
 def test_explain_errors(client, body, status, words):
     assert words in detail(client.post("/api/explain", json=body), status)
 
 
-def test_body_must_be_a_json_object(client):
-    bad = client.post(
-        "/api/explain", content="{not json", headers={"content-type": "application/json"}
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (b"{not json", NOT_JSON),
+        (b'{"text": "\xff\xfe"}', NOT_JSON),  # not UTF-8
+        (b'{"x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", NOT_JSON),  # too deep to parse
+        (b"", "the request body is empty; send a JSON object"),
+        (b"null", "the request body must be a JSON object"),
+        (json.dumps([BANK]).encode(), "the request body must be a JSON object"),
+        (b"42", "the request body must be a JSON object"),
+    ],
+)
+def test_body_must_be_a_json_object(client, content, words):
+    response = client.post(
+        "/api/explain", content=content, headers={"content-type": "application/json"}
     )
-    assert detail(bad, 422) == "the request body is not valid JSON"
-    assert "valid dictionary" in detail(client.post("/api/explain", json=[BANK]), 422)
-    as_form = client.post(
-        "/api/explain", content=json.dumps({"text": BANK}), headers={"content-type": "text/plain"}
-    )
-    assert as_form.status_code == 422  # a cross-site form cannot post JSON
+    assert detail(response, 422).startswith(words)
+
+
+@pytest.mark.parametrize(
+    "media", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None]
+)
+def test_body_must_be_sent_as_json(client, media):
+    headers = {"content-type": media} if media else {}
+    response = client.post("/api/explain", content=json.dumps({"text": BANK}), headers=headers)
+    message = detail(response, 415)  # a cross-site form cannot post JSON
+    assert message.endswith("send JSON with Content-Type: application/json")
+
+
+def test_json_with_a_charset_is_taken(client):
+    headers = {"content-type": "application/json; charset=utf-8"}
+    response = client.post("/api/explain", content=json.dumps({"text": BANK}), headers=headers)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "words"),
+    [
+        ("GET", "/nope", 404, "nothing at /nope; the page is / and the API is GET /api/models"),
+        ("POST", "/api/nope", 404, "POST /api/explain"),
+        ("GET", "/api/explain", 405, "GET is not allowed on /api/explain; use POST"),
+        ("OPTIONS", "/api/view", 405, "OPTIONS is not allowed on /api/view; use POST"),
+        ("POST", "/api/models", 405, "POST is not allowed on /api/models; use GET"),
+        ("DELETE", "/", 405, "DELETE is not allowed on /; use GET or HEAD"),
+        ("GET", "/static/nothing.js", 404, "no file 'nothing.js'; the page's files are"),
+    ],
+)
+def test_wrong_paths_and_methods_say_what_there_is(client, method, path, status, words):
+    body = {"json": {"text": BANK}} if method == "POST" else {}
+    assert words in detail(client.request(method, path, **body), status)
 
 
 def test_bodies_must_declare_a_bounded_size(client):
@@ -239,6 +308,7 @@ def test_non_finite_scale_is_refused(client):
         ({"sentences": BANK, "word": "bank"}, 422, "sentences"),
         ({"sentences": [BANK, "y" * 2001], "word": "bank"}, 413, "characters"),
         ({"sentences": [BANK, RIVER], "word": "bank", "model": "gpt2"}, 422, "model"),
+        ({"sentences": [BANK, RIVER], "word": "b" * 2001}, 422, "word: String should have at most"),
     ],
 )
 def test_compare_errors(client, body, status, words):
@@ -369,13 +439,38 @@ def test_serve_refuses_a_missing_model_in_one_line():
 # under load: the benchmark's own client, bounded
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_a_burst_of_requests_has_no_errors_and_steady_memory():
+@pytest.fixture(scope="module")
+def bench():
     path = Path(__file__).parents[1] / "benchmarks" / "serve_load.py"
     spec = importlib.util.spec_from_file_location("serve_load", path)
-    bench = sys.modules["serve_load"] = importlib.util.module_from_spec(spec)  # for dataclasses
-    spec.loader.exec_module(bench)
+    module = sys.modules["serve_load"] = importlib.util.module_from_spec(spec)  # for dataclasses
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmark_retries_busy_answers_as_the_page_does(bench):
+    answers = iter([503, 503, 200])
+
+    def reply(_request):
+        return httpx.Response(next(answers), headers={"retry-after": "0"}, json={})
+
+    async def main():
+        result = bench.Result(1, 1, 0.0)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(reply)) as http:
+            response = await bench.post(http, "http://127.0.0.1/api/view", {}, result)
+        return response.status_code, result.busy
+
+    assert asyncio.run(main()) == (200, 2)
+
+
+def test_the_benchmark_reports_a_burst_where_every_request_failed(bench):
+    result = bench.Result(5, 1, 1.0, errors=bench.Counter({"503 /api/view": 5}))
+    assert "0.0 answered/s**; errors: 503 /api/view: 5" in bench.table(result)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_burst_of_requests_has_no_errors_and_steady_memory(bench):
     result = bench.measure(requests=40, clients=4, timeout=60.0)
     assert result.errors == {}, result.errors
     assert result.rss_after - result.rss_before < 200 * 2**20

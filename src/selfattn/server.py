@@ -9,11 +9,12 @@ same script.
 
 Safety, because a browser tab is an untrusted client:
 
-- Bound to 127.0.0.1 by default, and only ``Host: 127.0.0.1``/``localhost`` is answered then,
-  so a web page cannot reach the API through DNS rebinding.
-- Bodies are JSON objects with typed, known fields only (unknown fields are refused) and of
-  a declared size under ``MAX_BODY`` (411/413, before they are read); texts are limited in
-  characters (413) and in the model's positions (413) before any work starts.
+- Bound to 127.0.0.1 by default, and only ``Host: 127.0.0.1``/``localhost``/``[::1]`` is
+  answered then, so a web page cannot reach the API through DNS rebinding.
+- Bodies are JSON objects (``Content-Type: application/json``, else 415) with typed, known
+  fields only (unknown fields are refused) and of a declared size under ``MAX_BODY`` (411/413,
+  before they are read); texts are limited in characters (413) and in the model's positions
+  (413) before any work starts.
 - Model runs happen on a small thread pool under ``torch.inference_mode()``; at most
   ``workers + queue`` requests are admitted, the rest get 503 "busy" at once, so a burst
   waits in a bounded queue instead of piling up memory.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import re
 import socket
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -44,7 +46,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.exceptions import HTTPException
 
 from selfattn import explain as explaining
 from selfattn.errors import SelfAttnError
@@ -56,7 +58,9 @@ MAX_SENTENCES = 4
 MAX_BODY = 256 * 2**10  # bytes: 4 texts at the limit, every character \u-escaped, fit
 WORKERS = 2  # model runs at once (the CPU has few cores; more only queue inside torch)
 QUEUE = 8  # requests admitted beyond the running ones; the next get 503
-LOCAL_HOSTS = ("127.0.0.1", "localhost")
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]")  # names in a Host header (IPv6 in brackets)
+HOST_HEADER = re.compile(r"(?P<name>\[[0-9a-f:.]+\]|[^:\[\]]+)(?::\d+)?", re.IGNORECASE)
+API = ("GET /api/models", "POST /api/view", "POST /api/compare", "POST /api/explain")
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
@@ -92,7 +96,9 @@ class Selection(StrictBody):
     """A text and, optionally, what to look at in it (as `selfattn explain` takes them)."""
 
     text: Text
-    word: str | None = Field(None, description="The word to explain as a query.")
+    word: str | None = Field(
+        None, max_length=MAX_CHARS, description="The word to explain as a query."
+    )
     index: int | None = Field(None, description="The token index to explain instead of word.")
     occurrence: int = Field(0, description="Which occurrence of word (0 = first, -1 = last).")
     layer: Layer = None
@@ -115,7 +121,7 @@ class CompareRequest(StrictBody):
     """`selfattn compare --json`'s arguments."""
 
     sentences: list[str] = Field(min_length=2, max_length=MAX_SENTENCES)
-    word: str = Field(description="The word to follow across the sentences.")
+    word: str = Field(max_length=MAX_CHARS, description="The word to follow across the sentences.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,23 +178,51 @@ def check_size(model: Model, text: str) -> None:
     """413 for a text over the character limit or the model's positions, before any run."""
     if len(text) > MAX_CHARS:
         raise TooLarge(
-            f"the text is {len(text):,} characters; the explorer takes at most {MAX_CHARS:,}"
+            f"the text is {len(text):,} characters; the explorer takes at most {MAX_CHARS:,}: "
+            "shorten it"
         )
     limit = model.config.max_positions
     if model.tokenizer is not None and (count := model.tokenizer.count(text)) > limit:
-        raise TooLarge(f"the text is {count:,} tokens; {model.name} takes at most {limit:,}")
+        raise TooLarge(
+            f"the text is {count:,} tokens; {model.name} takes at most {limit:,}: shorten it"
+        )
+
+
+def error_reply(status: int, detail: str, **headers: str) -> JSONResponse:
+    """The explorer's every error: a status and one line of ``detail`` (a line break in what
+    the client sent, such as a field's name, is shown as ``\\n``)."""
+    one_line = "\\n".join(detail.splitlines())
+    return JSONResponse({"detail": one_line}, status_code=status, headers=headers or None)
+
+
+def _refuse_host(request: Request, allowed: tuple[str, ...]) -> JSONResponse | None:
+    """400 for a Host header naming another machine (DNS rebinding), before anything else."""
+    if "*" in allowed:
+        return None
+    header = request.headers.get("host", "")
+    match = HOST_HEADER.fullmatch(header)
+    if match and match["name"].lower() in allowed:
+        return None
+    names = ", ".join(f"http://{name}:<port>/" for name in allowed)
+    return error_reply(400, f"the Host {header!r} is not this machine; open {names}")
 
 
 def _refuse_body(request: Request) -> JSONResponse | None:
-    """411/413 for a POST body of unknown size or over MAX_BODY, before it is read."""
+    """411/413/415 for a POST body of unknown size, over MAX_BODY or not JSON, before it is read."""
     if request.method != "POST":
         return None
     length = request.headers.get("content-length", "")
     if not length.isdigit():
-        return JSONResponse({"detail": "send the body with a Content-Length"}, status_code=411)
+        return error_reply(411, "send the body with a Content-Length")
     if int(length) > MAX_BODY:
-        detail = f"the body is {int(length):,} bytes; the explorer takes at most {MAX_BODY:,}"
-        return JSONResponse({"detail": detail}, status_code=413)
+        return error_reply(
+            413, f"the body is {int(length):,} bytes; the explorer takes at most {MAX_BODY:,}"
+        )
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        return error_reply(
+            415, f"the body is {media or 'untyped'}; send JSON with Content-Type: application/json"
+        )
     return None
 
 
@@ -221,14 +255,14 @@ def create_app(
         redoc_url=None,
         lifespan=lambda _app: _closing(pool),
     )
-    app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
     _add_error_handlers(app)
     static = {name: (files("selfattn.viz") / "static" / name).read_bytes() for name in STATIC}
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        """Refuse bodies of unknown or excessive size; every answer gets the security headers."""
-        refused = _refuse_body(request)
+        """Refuse other hosts and bodies of unknown size, too large or not JSON; every answer
+        gets the security headers."""
+        refused = _refuse_host(request, allowed_hosts) or _refuse_body(request)
         response = refused if refused is not None else await call_next(request)
         response.headers["Content-Security-Policy"] = CSP
         response.headers["X-Content-Type-Options"] = "nosniff"
@@ -236,14 +270,14 @@ def create_app(
         response.headers["Cache-Control"] = "no-store"
         return response
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     def index() -> Response:
         return Response(static["serve.html"], media_type=STATIC["serve.html"])
 
-    @app.get("/static/{name}", include_in_schema=False)
+    @app.api_route("/static/{name}", methods=["GET", "HEAD"], include_in_schema=False)
     def asset(name: str) -> Response:
         if name not in STATIC:
-            return JSONResponse({"detail": f"no file {name!r}"}, status_code=404)
+            return error_reply(404, f"no file {name!r}; the page's files are {', '.join(STATIC)}")
         return Response(static[name], media_type=STATIC[name])
 
     @app.get("/api/models")
@@ -262,6 +296,9 @@ def create_app(
             ],
             "limits": {"max_chars": MAX_CHARS, "max_sentences": MAX_SENTENCES},
         }
+
+    # HEAD as well, out of the schema (one operation per route there)
+    app.add_api_route("/api/models", models, methods=["HEAD"], include_in_schema=False)
 
     @app.post("/api/explain")
     async def explain(body: ExplainRequest) -> Response:
@@ -314,16 +351,25 @@ def _compare(model: Model, body: CompareRequest) -> Response:
 # Errors: one line of detail, never a traceback
 
 
-def _one_line(error: BaseException) -> str:
+def _one_line(error: BaseException | str) -> str:
     lines = str(error).strip().splitlines()
     return lines[0] if lines else type(error).__name__
 
 
+NOT_JSON = "the request body is not valid JSON; send one JSON object, in UTF-8"
+FIELDS = "its fields are in /openapi.json"
+HEAD_CHOICE = "head: give a head number (0 = first) or 'mean'"
+SENTENCE_COUNT = f"give 2 to {MAX_SENTENCES} sentences to compare"
 # (field, Pydantic's error type) -> what to send instead, where Pydantic's message is unclear
 PLAIN_DETAILS = {
-    ("sentences", kind): f"give 2 to {MAX_SENTENCES} sentences to compare"
-    for kind in ("too_short", "too_long")
+    ("sentences", "too_short"): SENTENCE_COUNT,
+    ("sentences", "too_long"): SENTENCE_COUNT,
+    ("head.int", "int_type"): HEAD_CHOICE,
+    ("head.literal['mean']", "literal_error"): HEAD_CHOICE,
+    ("", "missing"): f"the request body is empty; send a JSON object ({FIELDS})",
+    ("", "model_attributes_type"): f"the request body must be a JSON object ({FIELDS})",
 }
+FASTAPI_PARSE_ERROR = "There was an error parsing the body"  # FastAPI's 400 for undecodable JSON
 
 
 def _validation_detail(error: RequestValidationError) -> str:
@@ -331,31 +377,46 @@ def _validation_detail(error: RequestValidationError) -> str:
     parts = []
     for item in error.errors():
         if item["type"] == "json_invalid":
-            return "the request body is not valid JSON"
+            return NOT_JSON
         where = ".".join(str(part) for part in item["loc"] if part != "body")
         plain = PLAIN_DETAILS.get((where, item["type"]))
         parts.append(plain or (f"{where}: {item['msg']}" if where else item["msg"]))
-    return "; ".join(parts) or "invalid request"
+    return "; ".join(dict.fromkeys(parts)) or "invalid request"
+
+
+def _http_detail(request: Request, error: HTTPException) -> tuple[int, str]:
+    """Starlette's and FastAPI's own errors (no such path or method, undecodable body): the
+    status, and what to do instead."""
+    path = request.url.path
+    if error.status_code == 404:
+        return 404, f"nothing at {path}; the page is / and the API is {', '.join(API)}"
+    if error.status_code == 405:
+        allowed = " or ".join(sorted(error.headers["Allow"].split(", ")))
+        return 405, f"{request.method} is not allowed on {path}; use {allowed}"
+    if error.detail == FASTAPI_PARSE_ERROR:
+        return 422, NOT_JSON  # as for any other body that is not JSON
+    return error.status_code, _one_line(error.detail)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    def reply(status: int, detail: str, **headers: str) -> JSONResponse:
-        return JSONResponse({"detail": detail}, status_code=status, headers=headers or None)
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        return error_reply(*_http_detail(request, error), **(error.headers or {}))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
-        return reply(422, _validation_detail(error))
+        return error_reply(422, _validation_detail(error))
 
     @app.exception_handler(TooLarge)
     async def too_large(_request: Request, error: TooLarge) -> JSONResponse:
-        return reply(413, _one_line(error))
+        return error_reply(413, _one_line(error))
 
     @app.exception_handler(Busy)
     async def busy(_request: Request, _error: Busy) -> JSONResponse:
-        return reply(503, "the explorer is busy; retry in a moment", **{"Retry-After": "1"})
+        return error_reply(503, "the explorer is busy; retry in a moment", **{"Retry-After": "1"})
 
     async def user_error(_request: Request, error: Exception) -> JSONResponse:
-        return reply(400, _one_line(error))
+        return error_reply(400, _one_line(error))
 
     for kind in (SelfAttnError, ValueError, IndexError):
         app.add_exception_handler(kind, user_error)
@@ -363,7 +424,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal(_request: Request, _error: Exception) -> JSONResponse:
         # Starlette re-raises the error after this reply, so the server's log has the traceback.
-        return reply(500, "internal error; the server's log has the details")
+        return error_reply(500, "internal error; the server's log has the details")
 
 
 # ---------------------------------------------------------------------------------------------
