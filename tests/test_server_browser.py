@@ -343,6 +343,18 @@ def test_an_error_that_comes_back_while_another_view_is_open_shows_on_return(bro
     assert len(watched.errors) == 1 and "400" in watched.errors[0]
 
 
+def test_a_server_that_does_not_answer_is_said_so(browser, base_url):
+    watched = Watched(browser, base_url)
+    page = watched.page
+    page.route("**/api/view", lambda route: route.abort())  # as when the server has stopped
+    page.fill("#explore-text", BANK)
+    page.click("#explore-run")
+    page.wait_for_selector("#app[data-ready='error']", state="attached")
+    assert page.text_content("#error") == (
+        "cannot reach the explorer's server: is `selfattn serve` still running?"
+    )
+
+
 def test_a_narrow_window_does_not_scroll_sideways(browser, base_url):
     watched = Watched(browser, base_url)
     page = watched.page

@@ -22,7 +22,9 @@
   async function api(path, body) {
     const init = body === undefined ? {} : { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) };
     for (let attempt = 0; ; attempt++) {
-      const response = await fetch(path, init);
+      const response = await fetch(path, init).catch(() => {
+        throw new Error("cannot reach the explorer's server: is `selfattn serve` still running?");
+      });
       if (response.status === 503 && attempt < RETRIES) {
         await new Promise((done) => setTimeout(done, 1000 * (+response.headers.get("Retry-After") || 1)));
         continue;
@@ -423,7 +425,7 @@
         fromAddress(true);
         document.body.dataset.ready = "true";
       })
-      .catch((error) => showError(`cannot reach the explorer's server: ${error.message}`));
+      .catch((error) => showError(error.message));
   }
 
   start();
