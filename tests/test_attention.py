@@ -466,3 +466,29 @@ def test_masks_of_one_dim_or_none_broadcast_like_the_reference(backend, kind, sh
     expected = attention(q, k, v, mask=mask, causal=False, backend="explicit")
     actual = attention(q, k, v, mask=mask, backend=backend)
     torch.testing.assert_close(actual, expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["explicit", "sdpa", "chunked", "auto"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_a_mask_cannot_enlarge_the_batch(backend, kind):
+    """A mask with more batch items than the inputs (3 against 1) would broadcast the output to
+    3 items on the explicit path and crash the others: one line, on every backend."""
+    q, k, v = qkv((1,), 5, 6, 4, 3)
+    mask = torch.ones(3, 5, 6, dtype=torch.bool if kind == "bool" else q.dtype)
+    with pytest.raises(ValueError, match=r"mask of shape \(3, 5, 6\) does not broadcast") as error:
+        attention(q, k, v, mask=mask, backend=backend)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("backend", ["explicit", "sdpa", "chunked", "auto"])
+@pytest.mark.parametrize(("t", "s"), [(0, 4), (3, 0)])
+def test_no_queries_or_keys_with_three_leading_dims(backend, t, s):
+    # Before: torch's kernel, fed (B, H, T, D) views, could not infer B for 5-D inputs with
+    # T or S = 0 ("cannot reshape tensor of 0 elements"); now it gives what the others give:
+    # an empty output, or exactly 0 where there are no keys.
+    q, k, v = qkv((2, 2, 3), t, s, 4, 5, grad=True)
+    mask = torch.ones(2, 1, 1, t, s, dtype=torch.bool)
+    output = attention(q, k, v, mask=mask, causal=True, backend=backend)
+    assert output.shape == (2, 2, 3, t, 5) and torch.all(output == 0)
+    output.sum().backward()
+    assert torch.all(q.grad == 0)

@@ -50,6 +50,21 @@ def test_multihead_cross_attention_matches_torch():
     torch.testing.assert_close(ours(x, context), expected, atol=1e-12, rtol=0)
 
 
+def test_from_torch_keeps_the_source_mode_and_device():
+    # An eval-mode source with dropout: the copy is in eval mode too, so its outputs equal
+    # torch's (float64, 1e-12) instead of dropping weights; a source on another device (meta
+    # stands in for a GPU here) gives a copy there, not on the CPU.
+    torch.manual_seed(2)
+    reference = nn.MultiheadAttention(12, 3, dropout=0.5, batch_first=True).double().eval()
+    ours = MultiHeadAttention.from_torch(reference)
+    assert not ours.training and ours.dropout == 0.5
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    torch.testing.assert_close(ours(x), reference(x, x, x)[0], atol=1e-12, rtol=0)
+    assert MultiHeadAttention.from_torch(reference.train()).training
+    on_meta = MultiHeadAttention.from_torch(nn.MultiheadAttention(12, 3, device="meta"))
+    assert {p.device.type for p in on_meta.parameters()} == {"meta"}
+
+
 def test_from_torch_refuses_what_it_cannot_copy():
     with pytest.raises(ValueError, match="kdim"):
         MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, kdim=4, vdim=4))
@@ -103,6 +118,79 @@ def test_wrong_context_and_single_head_inputs_get_one_line():
         single(torch.randn(2, 4, 6))
     with pytest.raises(ValueError, match=r"\(\.\.\., length, d_model\), got \(8,\)"):
         single(torch.randn(8))
+
+
+@pytest.mark.parametrize(
+    ("build", "call", "message"),
+    [
+        (
+            lambda: MultiHeadAttention(8, 2),
+            lambda layer: layer(torch.randn(1, 3, 8).double()),
+            r"x is torch\.float64 but this layer's weights are torch\.float32; convert: "
+            r"x\.to\(torch\.float32\) or layer\.to\(torch\.float64\)",
+        ),
+        (
+            lambda: MultiHeadAttention(8, 2),
+            lambda layer: layer(torch.ones(1, 3, 8).long()),
+            r"x is torch\.int64 but .*; convert: x\.to\(torch\.float32\)$",
+        ),
+        (
+            lambda: MultiHeadAttention(8, 2),
+            lambda layer: layer(torch.randn(1, 3, 8), torch.randn(1, 5, 8).half()),
+            r"context is torch\.float16 but this layer's weights are torch\.float32",
+        ),
+        (
+            lambda: MultiHeadAttention(8, 2),
+            lambda layer: layer(torch.randn(2, 3, 8), torch.randn(3, 5, 8)),
+            "context has batch size 3 but x has 2; pass one context sequence per sequence of x",
+        ),
+        (
+            lambda: SelfAttention(8).double(),
+            lambda layer: layer(torch.randn(3, 8)),
+            r"x is torch\.float32 but this layer's weights are torch\.float64",
+        ),
+        (
+            lambda: TransformerBlock(8, 2, 16, norm_first=True),
+            lambda layer: layer(torch.randn(1, 3, 8).double()),
+            r"x is torch\.float64 but this layer's weights are torch\.float32",
+        ),
+    ],
+    ids=["x-float64", "x-int64", "context-float16", "context-batch", "single-head", "block"],
+)
+def test_input_of_another_dtype_or_batch_gets_one_line(build, call, message):
+    # Before: torch's "mat1 and mat2 must have the same dtype" (or LayerNorm's, or a view error)
+    # from inside the layer.
+    with pytest.raises(ValueError, match=message) as error:
+        call(build())
+    assert "\n" not in str(error.value)
+
+
+def test_input_of_another_dtype_is_taken_under_autocast():
+    layer = MultiHeadAttention(8, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(torch.randn(1, 3, 8).bfloat16()).dtype == torch.bfloat16
+
+
+def test_single_head_takes_a_mask_per_sequence():
+    # A mask (B, T, T) in x's terms, as for the formula by hand (True = may attend; float64,
+    # 1e-12); before, the layer's own head axis met the mask's batch axis: a RuntimeError,
+    # or a silently wrong shape when the batch was 1. Recorded weights match too, also for a
+    # 4-D x with a 4-D mask.
+    torch.manual_seed(8)
+    layer = SelfAttention(6, d_k=4).double()
+    x = torch.randn(2, 3, 5, 6, dtype=torch.float64)
+    mask = torch.rand(2, 3, 5, 5) > 0.4
+    mask[..., 0] = True
+    q, k, v = x @ layer.W_q.weight.T, x @ layer.W_k.weight.T, x @ layer.W_v.weight.T
+    scaled = (q @ k.transpose(-2, -1) / math.sqrt(4)).masked_fill(~mask, -math.inf)
+    weights = torch.softmax(scaled, dim=-1)
+    torch.testing.assert_close(layer(x[0], mask=mask[0]), (weights @ v)[0], atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        layer(x[:1, 0], mask=mask[:1, 0]), (weights @ v)[:1, 0], atol=1e-12, rtol=0
+    )
+    with record(layer) as rec:
+        torch.testing.assert_close(layer(x, mask=mask), weights @ v, atol=1e-12, rtol=0)
+    torch.testing.assert_close(rec[0].weights(head=0, batch=4), weights[1, 1], atol=1e-12, rtol=0)
 
 
 def test_single_head_is_the_formula_of_the_guide():
@@ -298,6 +386,14 @@ def test_attention_dropout_only_in_train_mode(kind):
     assert torch.equal(layer(x), twin.eval()(x))
     torch.manual_seed(0)
     assert torch.equal(twin.train()(x), twin.eval()(x))  # dropout 0: train mode changes nothing
+
+
+def test_record_takes_an_empty_sequence():
+    # Before: recording a length-0 input failed ("cannot reshape tensor of 0 elements").
+    layer = MultiHeadAttention(8, 2)
+    with record(layer) as rec:
+        assert layer(torch.randn(2, 0, 8)).shape == (2, 0, 8)
+    assert rec[0].weights(batch=1).shape == (2, 0, 0)
 
 
 def test_head_out_of_range_names_the_range():

@@ -199,3 +199,60 @@ def test_uninstalled_default_model(monkeypatch):
 
 def test_unknown_backend(tmp_path):
     refused(write(tmp_path, BERT, bert_tensors()), "unknown attention backend", backend="fast")
+
+
+@pytest.mark.parametrize(
+    ("inputs", "match"),
+    [
+        (
+            {"input_ids": torch.tensor([1, 2])},
+            r"input_ids must have shape \(batch, length\), got \(2,\); add the batch dim",
+        ),
+        (
+            {"input_ids": torch.tensor([[1.0, 2.0]])},
+            r"input_ids must hold integers .* torch\.float32",
+        ),
+        (
+            {"input_ids": torch.tensor([[1, 50]])},
+            r"input_ids must lie in 0\.\.49, got values from 1 to 50",
+        ),
+        (
+            {"input_ids": torch.tensor([[-1, 2]])},
+            r"input_ids must lie in 0\.\.49, got values from -1 to 2",
+        ),
+        (
+            {"attention_mask": torch.ones(2, 3)},
+            r"attention_mask must have input_ids' shape \(2, 4\), got \(2, 3\)",
+        ),
+        (
+            {"token_type_ids": torch.zeros(2, 5, dtype=torch.long)},
+            r"token_type_ids must have input_ids' shape",
+        ),
+        ({"token_type_ids": torch.full((2, 4), 2)}, r"token_type_ids must lie in 0\.\.1"),
+    ],
+    ids=[
+        "one-dim",
+        "float",
+        "beyond-vocab",
+        "negative",
+        "mask-shape",
+        "types-shape",
+        "types-range",
+    ],
+)
+def test_token_inputs_the_model_cannot_take_get_one_line(tmp_path, inputs, match):
+    # Before: a view error naming (batch, length, d_model), "index out of range in self", or
+    # the embedding's dtype error, from inside the network.
+    model = load(write(tmp_path, BERT, bert_tensors()))
+    inputs = {"input_ids": torch.tensor([[1, 2, 3, 4]] * 2), **inputs}
+    with pytest.raises(SelfAttnError, match=match) as error:
+        model(**inputs)
+    assert "\n" not in str(error.value)
+
+
+def test_a_decoder_checks_its_token_inputs_too(tmp_path):
+    tensors = checkpoint_tensors(gpt2_rules(2), GPT(gpt2_config(GPT2)))
+    model = load(write(tmp_path, GPT2, tensors))
+    assert model(torch.tensor([[0, 59]]), torch.tensor([[1, 1]])).logits.shape == (1, 2, 60)
+    with pytest.raises(SelfAttnError, match=r"input_ids must lie in 0\.\.59"):
+        model(torch.tensor([[0, 60]]))

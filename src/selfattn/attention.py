@@ -180,7 +180,7 @@ def _sdpa(call: AttentionCall) -> Tensor:
     value = call.value
     t, s = query.shape[-2], key.shape[-2]
     lead = query.shape[:-2]
-    query, key, value = (_as_4d(x) for x in (query, key, value))
+    query, key, value = (as_4d(x) for x in (query, key, value))
     bias = None
     if call.mask is not None and call.mask.dtype != torch.bool:
         if _overflows(call.mask, query.dtype):  # e.g. -1e5 in float16: run in float32
@@ -207,7 +207,7 @@ def _sdpa(call: AttentionCall) -> Tensor:
         empty_rows = bias_empty if empty_rows is None else empty_rows | bias_empty
     attn_mask = _combine(allowed, bias)
     if attn_mask is not None and len(lead) > 2:
-        attn_mask = attn_mask.expand(*lead, t, s).reshape(-1, lead[-1], t, s)
+        attn_mask = as_4d(attn_mask.expand(*lead, t, s))
 
     output = F.scaled_dot_product_attention(
         query,
@@ -232,10 +232,10 @@ def _overflows(mask: Tensor, dtype: torch.dtype) -> bool:
     return bool(finite.abs().amax() > torch.finfo(dtype).max) if finite.numel() else False
 
 
-def _as_4d(x: Tensor) -> Tensor:
+def as_4d(x: Tensor) -> Tensor:
     """(..., N, D) as (B, H, N, D): missing axes added, extra leading axes folded into B."""
-    if x.dim() > 4:
-        return x.reshape(-1, *x.shape[-3:])
+    if x.dim() > 4:  # B counted, not -1: reshape cannot infer it when N or D is 0
+        return x.reshape(math.prod(x.shape[:-3]), *x.shape[-3:])
     return x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
 
 
@@ -449,14 +449,12 @@ def make_call(
             raise ValueError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
         mask = mask.to(query.device)  # a mask made on the CPU serves a GPU call as it is
         target = (*query.shape[:-2], t, s)
-        try:
-            torch.broadcast_shapes(mask.shape, target)
-        except RuntimeError:
-            raise ValueError(
-                f"mask of shape {tuple(mask.shape)} does not broadcast to (..., T, S) = {target}"
-            ) from None
         if mask.dim() > len(target):
             raise ValueError(f"mask has more dims ({mask.dim()}) than the scores ({len(target)})")
+        if not _broadcasts_to(mask.shape, target):
+            raise ValueError(
+                f"mask of shape {tuple(mask.shape)} does not broadcast to (..., T, S) = {target}"
+            )
         if mask.dtype != torch.bool and not mask.is_floating_point():
             raise ValueError(f"mask must be boolean (True = may attend) or float, got {mask.dtype}")
         mask = at_least_2d(mask)  # every backend may index the mask's (T, S) dims
@@ -464,6 +462,14 @@ def make_call(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     scale = default_scale(similarity, query.shape[-1]) if scale is None else _finite(scale)
     return AttentionCall(query, key, value, mask, causal, similarity, scale, dropout_p)
+
+
+def _broadcasts_to(shape: torch.Size, target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` expands to ``target`` (a mask may not enlarge the scores' lead dims)."""
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
 
 
 def _finite(scale: object) -> float:

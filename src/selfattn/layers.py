@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from selfattn.attention import SIMILARITIES, attention
+from selfattn.attention import SIMILARITIES, as_4d, attention
 from selfattn.recording import active_recording
 
 
@@ -67,27 +67,32 @@ class AttentionModule(nn.Module):
         if recording is not None:
             recording.add(
                 self,
-                query=_as_4d(query),
-                key=_as_4d(key),
-                value=_as_4d(value),
-                mask=mask,
+                query=as_4d(query),
+                key=as_4d(key),
+                value=as_4d(value),
+                mask=_mask_as_4d(mask, query),
                 causal=causal,
                 similarity=self.similarity,
                 scale=None,
-                output=_as_4d(output),
+                output=as_4d(output),
             )
         return output
 
 
-def _as_4d(x: Tensor) -> Tensor:
-    """(…, H, T, D) as (B, H, T, D); a missing head or batch axis becomes size 1."""
-    while x.dim() < 4:
-        x = x.unsqueeze(0)
-    return x.reshape(-1, *x.shape[-3:])
+def _mask_as_4d(mask: Tensor | None, query: Tensor) -> Tensor | None:
+    """A mask of more than 4 dims with query's leading dims folded as :func:`as_4d` folds them."""
+    if mask is None or mask.dim() <= 4:
+        return mask
+    return as_4d(mask.expand(*query.shape[:-2], *mask.shape[-2:]))
 
 
-def _check_input(x: Tensor, d_model: int, *, batched: bool, name: str = "x") -> None:
-    """A one-line ValueError for an input the layer cannot take, before any matrix product."""
+def _check_input(x: Tensor, weight: Tensor, *, batched: bool, name: str = "x") -> None:
+    """A one-line ValueError for an input the layer cannot take, before any matrix product.
+
+    ``weight`` is the layer's first projection, ``(out, d_model)``: ``x`` needs its last dim,
+    dtype (unless autocast is on) and device.
+    """
+    d_model = weight.shape[-1]
     shape, dims = ("(batch, length, d_model)", 3) if batched else ("(..., length, d_model)", 2)
     if x.dim() < dims or (batched and x.dim() > dims):
         fix = (
@@ -100,6 +105,17 @@ def _check_input(x: Tensor, d_model: int, *, batched: bool, name: str = "x") -> 
         raise ValueError(
             f"{name} has last dim {x.shape[-1]} but this layer has d_model={d_model}; "
             f"pass {name} of shape {shape}"
+        )
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        fix = f"{name}.to({weight.dtype})"
+        fix += f" or layer.to({x.dtype})" if x.is_floating_point() else ""
+        raise ValueError(
+            f"{name} is {x.dtype} but this layer's weights are {weight.dtype}; convert: {fix}"
+        )
+    if x.device != weight.device:
+        raise ValueError(
+            f"{name} is on {x.device} but this layer is on {weight.device}; move one: "
+            f"{name}.to('{weight.device}') or layer.to('{x.device}')"
         )
 
 
@@ -130,11 +146,13 @@ class SelfAttention(AttentionModule):
         self.W_o = nn.Linear(d_v, d_model, bias=bias) if d_v != d_model else None
 
     def forward(self, x: Tensor, *, mask: Tensor | None = None, causal: bool = False) -> Tensor:
-        """x: (..., T, d_model) -> (..., T, d_model)."""
-        _check_input(x, self.d_model, batched=False)
+        """x: (..., T, d_model) -> (..., T, d_model); ``mask`` broadcasts to (..., T, T)."""
+        _check_input(x, self.W_q.weight, batched=False)
         query = self.W_q(x).unsqueeze(-3)  # (..., 1, T, d_k): one head
         key = self.W_k(x).unsqueeze(-3)
         value = self.W_v(x).unsqueeze(-3)
+        if isinstance(mask, Tensor) and mask.dim() > 2:
+            mask = mask.unsqueeze(-3)  # (..., 1, T, T): the head axis, as for query
         output = self.attend(query, key, value, mask, causal).squeeze(-3)  # (..., T, d_v)
         return output if self.W_o is None else self.W_o(output)
 
@@ -180,9 +198,14 @@ class MultiHeadAttention(AttentionModule):
         ``mask`` broadcasts to (B, H, T, S), True = may attend. With a ``cache`` the new keys
         and values are appended to the cached ones and causal alignment is bottom-right.
         """
-        _check_input(x, self.d_model, batched=True)
+        _check_input(x, self.W_q.weight, batched=True)
         if context is not None:
-            _check_input(context, self.d_model, batched=True, name="context")
+            _check_input(context, self.W_k.weight, batched=True, name="context")
+            if context.shape[0] != x.shape[0]:
+                raise ValueError(
+                    f"context has batch size {context.shape[0]} but x has {x.shape[0]}; "
+                    "pass one context sequence per sequence of x"
+                )
         context = x if context is None else context
         query = self.split_heads(self.W_q(x))  # (B, H, T, hd)
         key = self.split_heads(self.W_k(context))  # (B, H, S, hd)
@@ -197,8 +220,9 @@ class MultiHeadAttention(AttentionModule):
     def from_torch(cls, source: nn.MultiheadAttention) -> MultiHeadAttention:
         """The same layer with the weights of a ``torch.nn.MultiheadAttention``.
 
-        Mind the mask polarity: torch's boolean ``attn_mask`` marks what may *not* be attended;
-        ours marks what may.
+        The copy has the source's device, dtype and train/eval mode. Mind the mask polarity:
+        torch's boolean ``attn_mask`` marks what may *not* be attended; ours marks what may.
+        Ours takes ``(B, T, D)`` inputs whatever the source's ``batch_first``.
         """
         if not source._qkv_same_embed_dim:
             raise ValueError("from_torch needs kdim == vdim == embed_dim (one packed in_proj)")
@@ -208,6 +232,7 @@ class MultiHeadAttention(AttentionModule):
             raise ValueError("from_torch does not support add_zero_attn=True")
         bias = source.in_proj_bias is not None
         layer = cls(source.embed_dim, source.num_heads, bias=bias, dropout=source.dropout)
+        layer.to(source.in_proj_weight.device, source.in_proj_weight.dtype)
         d = source.embed_dim
         with torch.no_grad():
             for i, proj in enumerate((layer.W_q, layer.W_k, layer.W_v)):
@@ -217,7 +242,7 @@ class MultiHeadAttention(AttentionModule):
             layer.W_o.weight.copy_(source.out_proj.weight)
             if bias:
                 layer.W_o.bias.copy_(source.out_proj.bias)
-        return layer.to(source.in_proj_weight.dtype)
+        return layer.train(source.training)
 
 
 class SinusoidalPositions(nn.Module):
@@ -329,6 +354,8 @@ class TransformerBlock(nn.Module):
         causal: bool = False,
         cache: KVCache | None = None,
     ) -> Tensor:
+        """x: (B, T, d_model) -> (B, T, d_model); ``mask`` broadcasts to (B, H, T, S)."""
+        _check_input(x, self.attention.W_q.weight, batched=True)
         if self.norm_first:
             x = x + self.dropout(
                 self.attention(self.norm1(x), mask=mask, causal=causal, cache=cache)

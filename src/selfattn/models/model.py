@@ -86,6 +86,34 @@ def pool(hidden: Tensor, mask: Tensor, pooling: str) -> Tensor:
     return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
 
 
+def _check_ids(name: str, ids: Tensor, limit: int) -> None:
+    """A one-line error unless ``ids`` is an integer tensor (batch, length) of values < limit."""
+    if not isinstance(ids, Tensor):
+        raise SelfAttnError(f"{name} must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.dim() != 2:
+        fix = "reshape it to (batch, length)"
+        fix = f"add the batch dim with {name}.unsqueeze(0)" if ids.dim() == 1 else fix
+        raise SelfAttnError(
+            f"{name} must have shape (batch, length), got {tuple(ids.shape)}; {fix}"
+        )
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise SelfAttnError(f"{name} must hold integers (token ids), got {ids.dtype}; use .long()")
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < limit:
+        raise SelfAttnError(
+            f"{name} must lie in 0..{limit - 1}, got values from {int(ids.min())} to "
+            f"{int(ids.max())}; use the model's own tokenizer"
+        )
+
+
+def _check_like_ids(name: str, tensor: Tensor, input_ids: Tensor) -> None:
+    """A one-line error unless ``tensor`` is a tensor of input_ids' shape (batch, length)."""
+    if not isinstance(tensor, Tensor) or tensor.shape != input_ids.shape:
+        got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+        raise SelfAttnError(
+            f"{name} must have input_ids' shape {tuple(input_ids.shape)}, got {got}"
+        )
+
+
 @dataclass(frozen=True)
 class Run:
     """One text through the model: tokens, words, hidden states and the recorded attention.
@@ -241,11 +269,23 @@ class Model(nn.Module):
         Encoders give ``last_hidden_state`` and ``hidden_states``; decoders ``logits`` and
         ``hidden_states`` (the last before the final layer norm).
         """
+        self._check_inputs(input_ids, attention_mask, token_type_ids)
         if self.config.kind == "decoder":
-            if token_type_ids is not None:
-                raise SelfAttnError("token_type_ids are for encoders; a decoder takes none")
             return self.network(input_ids, attention_mask=attention_mask)
         return self.network(input_ids, attention_mask, token_type_ids)
+
+    def _check_inputs(
+        self, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None
+    ) -> None:
+        """One-line errors for token inputs the network cannot take, before any lookup."""
+        if self.config.kind == "decoder" and token_type_ids is not None:
+            raise SelfAttnError("token_type_ids are for encoders; a decoder takes none")
+        _check_ids("input_ids", input_ids, self.config.vocab_size)
+        if attention_mask is not None:
+            _check_like_ids("attention_mask", attention_mask, input_ids)
+        if token_type_ids is not None:
+            _check_like_ids("token_type_ids", token_type_ids, input_ids)
+            _check_ids("token_type_ids", token_type_ids, self.network.config.type_vocab_size)
 
     def set_backend(self, backend: str) -> None:
         """Run every attention module on ``backend`` (``"auto"``, ``"sdpa"``, ``"explicit"``...)."""
