@@ -234,6 +234,9 @@ def test_run_refuses_what_it_cannot_do(minilm):
         run.token_index("bank", occurrence=1)
     with pytest.raises(SelfAttnError, match="empty"):
         minilm.run("   \n")
+    for invisible in ("\u0000", "\u200b\u200b", "\x07 \u200b"):  # the tokenizer drops them all
+        with pytest.raises(SelfAttnError, match="reads nothing in the text"):
+            minilm.run(invisible)
     with pytest.raises(SelfAttnError, match="truncate=True"):
         minilm.run("word " * 600)
     with pytest.raises(SelfAttnError, match="decoder"):

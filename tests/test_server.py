@@ -202,6 +202,7 @@ def detail(response, status: int) -> str:
     [
         ({"text": ""}, 400, "empty"),
         ({"text": "   "}, 400, "empty"),
+        ({"text": "\u200b"}, 400, "reads nothing in the text"),
         ({"text": BANK, "word": "river"}, 400, "river"),
         ({"text": BANK, "layer": 6}, 400, "layer 6 is out of range"),
         ({"text": BANK, "layer": -1}, 400, "layer -1 is out of range"),

@@ -307,6 +307,11 @@ class Model(nn.Module):
                 "shorten it or pass truncate=True (--truncate on the command line)"
             )
         encoding = tokenizer.encode(text, max_length=limit if truncate else None)
+        if all(word is None for word in encoding.word_ids):
+            raise SelfAttnError(
+                f"{self.name} reads nothing in the text (only control or invisible characters); "
+                "pass a sentence to run"
+            )
         input_ids = torch.tensor([encoding.ids], device=self.device)
         with torch.no_grad(), record(self.network) as recording:
             output = self(input_ids)
