@@ -9,14 +9,18 @@ sums differs).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import safetensors.torch
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_model
@@ -24,10 +28,11 @@ from torch import Tensor, nn
 from typer.testing import CliRunner
 
 import selfattn
-from selfattn.cli import app
+from selfattn.cli import TRAIN_HELP, app
 from selfattn.errors import SelfAttnError
 from selfattn.models.gpt import GPT, GPTConfig, sample
 from selfattn.train import (
+    PRESETS,
     RandomBatches,
     TextData,
     TrainConfig,
@@ -40,6 +45,7 @@ from selfattn.train import (
     train_gpt,
 )
 from selfattn.train import checkpoint as checkpoint_module
+from selfattn.train import run as run_module
 
 CORPUS = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
@@ -347,6 +353,169 @@ def test_a_latest_file_naming_a_missing_folder_says_so(trained, tmp_path):
         line = _error_line(args)
         assert f"{out / 'LATEST'} points at checkpoint folder 'garbage'" in line, line
         assert "is missing" in line and step_dir in line and "no LATEST" not in line, line
+
+
+def test_an_unusable_out_data_or_device_fails_before_training(corpus, tmp_path):
+    """--out a file (or under one), --data a folder, --device cuda without CUDA: one line
+    before any step (an --out file used to fail with a traceback after the whole run)."""
+    afile = tmp_path / "afile"
+    afile.write_text("notes")
+    base = ["train", "--data", str(corpus), "--preset", "tiny", "--max-iters", "2"]
+    assert f"--out {afile} is a file" in _error_line([*base, "--out", str(afile)])
+    line = _error_line([*base, "--out", str(afile / "sub")])
+    assert f"cannot create the --out folder {afile / 'sub'}" in line
+    line = _error_line(["train", "--data", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert f"data file {tmp_path} is a folder" in line
+    assert f"checkpoint {afile} is a file" in _error_line(
+        ["generate", "--checkpoint", str(afile), "All:"]
+    )
+    assert afile.read_text() == "notes"
+    if not torch.cuda.is_available():
+        line = _error_line([*base, "--out", str(tmp_path / "o"), "--device", "cuda"])
+        assert "no CUDA device is available" in line
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--lr", "inf"), ("--min-lr", "nan"), ("--grad-clip", "nan"), ("--weight-decay", "inf")],
+)
+def test_non_finite_settings_are_refused(corpus, tmp_path, flag, value):
+    """inf/nan settings used to train silently to a NaN loss."""
+    args = ["train", "--data", str(corpus), "--out", str(tmp_path / "o"), "--preset", "tiny"]
+    line = _error_line([*args, "--max-iters", "2", flag, value])
+    assert "must be a finite number" in line and value in line
+
+
+def test_a_diverging_run_stops_before_overwriting_its_checkpoint(corpus, tmp_path):
+    """Resuming at lr 1e6 makes the loss NaN: one line naming the kept step; the checkpoint
+    of step 6 is untouched (it used to be overwritten by NaN weights)."""
+    out = tmp_path / "out"
+    overrides = {"max_iters": 6, "eval_interval": 3, "eval_iters": 1}
+    train_gpt(corpus, out, preset="tiny", overrides=overrides, device="cpu")
+    args = ["train", "--data", str(corpus), "--out", str(out), "--resume", "--max-iters", "12"]
+    line = _error_line([*args, "--lr", "1e6", "--min-lr", "1"])
+    assert "training diverged" in line and "checkpoint of step 6 is kept" in line, line
+    model, _, _, state = load_checkpoint(out)
+    assert state.step == 6
+    assert all(torch.isfinite(value).all() for value in model.state_dict().values())
+
+
+def test_a_failed_save_is_one_line(corpus, tmp_path, monkeypatch):
+    """A full disk while saving: one line naming the step and the folder, no traceback."""
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(run_module, "save_checkpoint", full)
+    out = tmp_path / "out"
+    args = ["train", "--data", str(corpus), "--out", str(out), "--preset", "tiny"]
+    line = _error_line([*args, "--max-iters", "2"])
+    assert f"cannot write the checkpoint of step 2 in {out}: No space left on device" in line
+
+
+def _damage(trained: Path, tmp_path: Path, name: str, change) -> Path:
+    """A copy of the trained folder whose checkpoint file ``name`` went through ``change``."""
+    out = tmp_path / "damaged"
+    save_checkpoint(out, *load_checkpoint(trained))
+    path = checkpoint_module.checkpoint_dir(out) / name
+    if name.endswith(".json"):
+        data = json.loads(path.read_text())
+        change(data)
+        path.write_text(json.dumps(data))
+    else:
+        path.write_bytes(change(path.read_bytes()))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "problem"),
+    [
+        ("state.json", lambda data: data.pop("history"), "state.json: no 'history' entry"),
+        ("state.json", lambda data: data.update(step="x"), "state.json: the step is 'x'"),
+        ("tokenizer.json", lambda data: data.update(chars="abc"), "tokenizer.json: 3 characters"),
+        ("config.json", lambda data: data["model"].update(n_embd=64), "model.safetensors: size"),
+        ("model.safetensors", lambda data: data[:1000], "model.safetensors: Error while"),
+        ("rng.safetensors", lambda data: b"", "rng.safetensors: "),
+    ],
+)
+def test_a_damaged_checkpoint_names_the_file(trained, corpus, tmp_path, name, change, problem):
+    """generate and resume: one line naming the damaged file (a KeyError, TypeError or
+    IndexError traceback, or torch's 20-line size-mismatch list, before)."""
+    out = _damage(trained, tmp_path, name, change)
+    for args in (
+        ["generate", "--checkpoint", str(out), "All:", "--max-new-tokens", "5"],
+        ["train", "--data", str(corpus), "--out", str(out), "--resume", "--max-iters", "31"],
+    ):
+        line = _error_line(args)
+        assert "is unreadable: " + problem in line and "another --out" in line, line
+
+
+def test_an_optimizer_state_of_another_shape_is_refused(trained, corpus, tmp_path):
+    """AdamW moments of the wrong shape: one line (torch's fused AdamW segfaulted on them).
+    In a subprocess, so that the old crash cannot take pytest down."""
+
+    def shrink(data: bytes) -> bytes:  # the last dimension of each moment to 3 (steps: as is)
+        tensors = safetensors.torch.load(data)
+        shrunk = {
+            key: value[..., :3].contiguous() if value.dim() else value
+            for key, value in tensors.items()
+        }
+        return safetensors.torch.save(shrunk)
+
+    out = _damage(trained, tmp_path, "optimizer.safetensors", shrink)
+    command = [sys.executable, "-m", "selfattn", "train", "--data", str(corpus), "--out",
+               str(out), "--resume", "--max-iters", "31"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result
+    line = result.stderr.strip()
+    assert line.startswith("Error: the optimizer state in the checkpoint") and "\n" not in line
+    assert "exp_avg of parameter 0 has shape" in line, line
+
+
+def test_a_model_folder_of_another_program_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "bert", "hidden_size": 384}')
+    line = _error_line(["generate", "--checkpoint", str(tmp_path), "All:"])
+    assert f"{tmp_path} is not a `selfattn train` checkpoint" in line, line
+
+
+def test_checkpoint_files_are_readable_by_others_like_their_folder(trained):
+    """The step folder is 0o755 on purpose; its weights were 0o600 (safetensors' default)."""
+    folder = checkpoint_module.checkpoint_dir(trained)
+    assert folder.stat().st_mode & 0o777 == 0o755
+    modes = {path.name: path.stat().st_mode & 0o777 for path in folder.iterdir()}
+    assert set(modes.values()) == {0o644}, modes
+
+
+def test_characters_outside_the_vocabulary_are_named_briefly(corpus, trained, tmp_path):
+    """A prompt of 300 unknown characters: the first 20 and a count (it listed all 300); a
+    resume on another text: names that text and the one the checkpoint was trained on."""
+    prompt = "".join(chr(0x4E00 + i) for i in range(300))
+    line = _error_line(["generate", "--checkpoint", str(trained), prompt])
+    assert "not in the model's vocabulary: '一丁" in line and "and 280 more" in line
+    assert len(line) < 200, line
+    other = tmp_path / "other.txt"
+    other.write_text(CORPUS.replace("Citizen", "Bürger"))
+    args = ["train", "--data", str(other), "--out", str(trained), "--resume", "--max-iters", "31"]
+    line = _error_line(args)
+    assert f"{other} has characters that the checkpoint's vocabulary lacks ('gü')" in line
+    assert f"resume with the text it was trained on ({corpus})" in line, line
+
+
+def test_help_lists_every_preset():
+    assert all(name in TRAIN_HELP["preset"] for name in PRESETS)
+
+
+def test_ctrl_c_before_training_prints_on_rank_zero_only(monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(selfattn.train, "train_gpt", interrupted)
+    args = ["train", "--data", "x.txt", "--out", "o"]
+    monkeypatch.setenv("RANK", "1")
+    assert CliRunner().invoke(app, args).output == ""
+    monkeypatch.setenv("RANK", "0")
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 130 and "nothing saved" in result.output
 
 
 @pytest.fixture(scope="module")

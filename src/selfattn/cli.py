@@ -86,8 +86,9 @@ def demo() -> None:
 TRAIN_HELP = {
     "data": "Text file to train on (UTF-8); the first 90% trains, the last 10% is held out.",
     "out": "Directory for checkpoints (safetensors + JSON); `generate --checkpoint` reads it.",
-    "preset": "Model sizes and training settings by name (default shakespeare-char-cpu; "
-    "with --resume, the checkpoint's). Other flags override single settings.",
+    "preset": "Model sizes and training settings by name: shakespeare-char-cpu (the default), "
+    "shakespeare-char (GPU) or tiny; with --resume, the checkpoint's. Other flags override "
+    "single settings.",
     "resume": "Continue the checkpoint in --out up to --max-iters, exactly where it stopped.",
     "max_iters": "Total optimizer steps (counted from the first run when resuming).",
     "batch_size": "Sequences per step and process (global batch = this × processes).",
@@ -100,7 +101,8 @@ TRAIN_HELP = {
     "grad_clip": "Clip the global gradient norm to this (0: no clipping).",
     "eval_interval": "Steps between evaluations on the held-out split (and checkpoints).",
     "eval_iters": "Held-out batches per evaluation.",
-    "log_interval": "Steps between progress-bar updates.",
+    "log_interval": "Steps between progress-bar updates (under torchrun, also between checks "
+    "for Ctrl-C).",
     "seed": "Seed of the initial weights and the batch order (each process offsets it).",
     "n_layer": "Transformer blocks.",
     "n_head": "Attention heads per block.",
@@ -172,7 +174,8 @@ def train(
     except SelfAttnError as error:
         raise _fail(str(error)) from None
     except KeyboardInterrupt:  # before the loop took over Ctrl-C: nothing to save yet
-        console.print("Interrupted before training started; nothing saved.")
+        if _is_main_process():
+            console.print("Interrupted before training started; nothing saved.")
         raise typer.Exit(130) from None
     result = run.result
     if result.interrupted:

@@ -23,8 +23,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import safetensors.torch
 import torch
@@ -41,6 +43,7 @@ from selfattn.train.loop import TrainConfig
 
 FORMAT = "selfattn-train-checkpoint"
 LATEST = "LATEST"
+T = TypeVar("T")  # what a checkpoint file reads as
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ def save_checkpoint(
             {"step": state.step, "history": state.history, "optimizer_param_groups": groups},
         )
         for path in tmp.iterdir():
+            path.chmod(0o644)  # safetensors writes 0o600: readable like the JSON files
             _fsync(path)
         final = out_dir / f"step-{state.step:07d}-{tmp.name.removeprefix('.tmp-')}"
         os.replace(tmp, final)
@@ -128,24 +132,87 @@ def load_checkpoint(
     """The model (eval mode), tokenizer, configs and training state of a checkpoint.
 
     ``path`` is a training output directory (its latest checkpoint is read) or one checkpoint
-    directory. Raises :class:`SelfAttnError` with a one-line message if there is none.
+    directory. Raises :class:`SelfAttnError` with a one-line message naming the file if there is
+    none or one is missing, damaged or does not fit the others.
     """
     directory = checkpoint_dir(path)
-    try:
-        config = RunConfig.from_json(json.loads((directory / "config.json").read_text()))
-        tokenizer = CharTokenizer.load(directory / "tokenizer.json")
-        saved = json.loads((directory / "state.json").read_text())
-        optimizer = _join_optimizer_state(
-            load_file(str(directory / "optimizer.safetensors"), device=str(device)),
-            saved["optimizer_param_groups"],
+    saved_config = _read(directory, "config.json", _read_json)
+    if saved_config.get("format") != FORMAT:
+        raise SelfAttnError(
+            f"{directory} is not a `selfattn train` checkpoint (its config.json is not one of "
+            "ours); pass a folder that `selfattn train --out` wrote"
         )
-        rng = load_file(str(directory / "rng.safetensors"))
-        model = GPT(config.model)
-        safetensors.torch.load_model(model, str(directory / "model.safetensors"))
-    except (OSError, KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as error:
-        raise SelfAttnError(f"checkpoint {directory} is unreadable: {error}") from None
-    state = TrainingState(saved["step"], saved["history"], optimizer, rng)
+    config = _read(directory, "config.json", lambda _: RunConfig.from_json(saved_config))
+    tokenizer = _read(directory, "tokenizer.json", CharTokenizer.load)
+    if tokenizer.vocab_size != config.model.vocab_size:
+        raise _damaged(
+            directory,
+            "tokenizer.json",
+            f"{tokenizer.vocab_size} characters for a vocabulary of {config.model.vocab_size} "
+            "in config.json",
+        )
+    step, history, groups = _read(directory, "state.json", _read_state)
+    optimizer = _read(
+        directory,
+        "optimizer.safetensors",
+        lambda file: _join_optimizer_state(load_file(str(file), device=str(device)), groups),
+    )
+    rng = _read(directory, "rng.safetensors", lambda file: load_file(str(file)))
+    model = GPT(config.model)
+    _read(
+        directory,
+        "model.safetensors",
+        lambda file: safetensors.torch.load_model(model, str(file)),
+    )
+    state = TrainingState(step, history, optimizer, rng)
     return model.to(device).eval(), tokenizer, config, state
+
+
+def _read(directory: Path, name: str, read: Callable[[Path], T]) -> T:
+    """``read(directory / name)``, a one-line error naming the file if it is missing or damaged."""
+    try:
+        return read(directory / name)
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as error:
+        raise _damaged(directory, name, _one_line(error)) from None
+
+
+def _damaged(directory: Path, name: str, problem: str) -> SelfAttnError:
+    return SelfAttnError(
+        f"checkpoint {directory} is unreadable: {name}: {problem}; it was changed or cut short "
+        "after training wrote it: restore it, or train again into another --out"
+    )
+
+
+def _one_line(error: Exception) -> str:
+    """An exception as one line: a missing key by name, a list of problems by its first."""
+    if isinstance(error, KeyError):
+        return f"no {error.args[0]!r} entry"
+    if isinstance(error, FileNotFoundError):
+        return "the file is missing"
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if len(lines) > 2 and lines[0].endswith(":"):  # torch's "Error(s) in loading state_dict"
+        return f"{lines[1]} (and {len(lines) - 2} more)"
+    return " ".join(lines[:2]) or type(error).__name__
+
+
+def _read_json(path: Path) -> dict:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _read_state(path: Path) -> tuple[int, list[dict[str, float]], list[dict]]:
+    """The step, evaluation history and optimizer parameter groups of ``state.json``."""
+    saved = _read_json(path)
+    step, history, groups = saved["step"], saved["history"], saved["optimizer_param_groups"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"the step is {step!r}, not a count of steps")
+    if not isinstance(history, list) or not all(isinstance(item, dict) for item in history):
+        raise ValueError("the history is not a list of evaluations")
+    if not isinstance(groups, list) or not all(isinstance(item, dict) for item in groups):
+        raise ValueError("the optimizer parameter groups are not a list of objects")
+    return step, history, groups
 
 
 def load_model(path: Path, device: torch.device | str = "cpu", backend: str = "auto") -> Model:
@@ -160,6 +227,10 @@ def load_model(path: Path, device: torch.device | str = "cpu", backend: str = "a
 def checkpoint_dir(path: Path) -> Path:
     """The checkpoint directory that ``path`` names (directly or through its LATEST file)."""
     path = Path(path)
+    if path.is_file():
+        raise SelfAttnError(
+            f"checkpoint {path} is a file; pass the folder that `selfattn train --out` wrote"
+        )
     if not path.is_dir():
         raise SelfAttnError(
             f"checkpoint directory {path} does not exist; train one with "

@@ -40,13 +40,20 @@ class CharTokenizer:
         return len(self.chars)
 
     def encode(self, text: str) -> list[int]:
-        unknown = sorted(set(text) - self._ids.keys())
+        unknown = self.unknown_characters(text)
         if unknown:
             raise SelfAttnError(
-                f"characters not in the model's vocabulary: {''.join(unknown)!r}; "
+                f"characters not in the model's vocabulary: {unknown}; "
                 "use only characters of the training text"
             )
         return [self._ids[char] for char in text]
+
+    def unknown_characters(self, text: str, shown: int = 20) -> str:
+        """The characters of ``text`` outside the vocabulary, the first ``shown`` of them quoted
+        ("" if none)."""
+        unknown = sorted(set(text) - self._ids.keys())
+        more = f" and {len(unknown) - shown} more" if len(unknown) > shown else ""
+        return f"{''.join(unknown[:shown])!r}{more}" if unknown else ""
 
     def decode(self, ids: list[int] | Tensor) -> str:
         if isinstance(ids, Tensor):
@@ -111,6 +118,8 @@ class TextData:
 def read_text(path: Path) -> str:
     """The file's text; a one-line error if it is missing, unreadable or empty."""
     path = Path(path)
+    if path.is_dir():
+        raise SelfAttnError(f"data file {path} is a folder; pass a text file with --data")
     if not path.is_file():
         raise SelfAttnError(f"data file {path} does not exist; pass a text file with --data")
     try:

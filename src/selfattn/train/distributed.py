@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from selfattn.errors import SelfAttnError
+
 
 @dataclass(frozen=True)
 class Context:
@@ -36,6 +38,8 @@ def setup(device: str = "auto") -> Context:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SelfAttnError("--device cuda: no CUDA device is available here; use --device cpu")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         chosen = torch.device("cuda", local_rank)

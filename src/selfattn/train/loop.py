@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import Tensor, nn
 
+from selfattn.errors import SelfAttnError
 from selfattn.train import distributed
 
 
@@ -46,6 +47,9 @@ class TrainConfig:
     seed: int = 1337
 
     def __post_init__(self) -> None:
+        for name in ("learning_rate", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         for name in ("max_iters", "batch_size", "block_size", "eval_interval", "eval_iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -203,6 +207,7 @@ def train(
                     "train": torch.stack(step_losses[window:]).mean().item(),
                     "val": evaluate(model, batches, config.eval_iters),
                 }
+                _check_finite(record, saved_step)
                 history.append(record)
                 window = len(step_losses)
                 _report(console if progress is None else progress.console, record)
@@ -245,6 +250,20 @@ def _stop_requested(
     if distributed.world_size() == 1:
         return stop.is_set()
     return step % config.log_interval == 0 and distributed.any_across_ranks(stop.is_set(), device)
+
+
+def _check_finite(record: dict[str, float], saved_step: int) -> None:
+    """Stop a run whose loss is no longer a number, before it overwrites the last checkpoint
+    (the validation loss is averaged across ranks, so every rank stops at the same step)."""
+    if math.isfinite(record["val"]):
+        return
+    if saved_step:
+        fix = f"the checkpoint of step {saved_step} is kept: resume it with a lower --lr"
+    else:
+        fix = "nothing was saved: start again with a lower --lr"
+    raise SelfAttnError(
+        f"training diverged: the validation loss is {record['val']} at step {record['step']}; {fix}"
+    )
 
 
 def _report(console: Console | None, record: dict[str, float]) -> None:

@@ -23,7 +23,7 @@ from selfattn.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from selfattn.train.data import CharTokenizer, RandomBatches, TextData
+from selfattn.train.data import CharTokenizer, RandomBatches, TextData, read_text
 from selfattn.train.loop import TrainResult, configure_optimizer, train
 from selfattn.train.presets import DEFAULT_PRESET, Preset, get_preset
 
@@ -95,7 +95,7 @@ def _train_gpt(
         _, tokenizer, saved, _ = checkpoint
         base = Preset.from_configs(saved.preset, saved.model, saved.train)
         preset = (get_preset(preset_name) if preset_name else base).override(**overrides)
-        data = TextData.from_file(data_path, preset.train.block_size, tokenizer)
+        data = _resumed_data(data_path, preset.train.block_size, tokenizer, saved.data)
     else:
         preset = get_preset(preset_name or DEFAULT_PRESET).override(**overrides)
         data = TextData.from_file(data_path, preset.train.block_size)
@@ -103,6 +103,7 @@ def _train_gpt(
         preset.model_config(data.tokenizer.vocab_size), preset.train, preset.name, str(data_path)
     )
     settings = config.train
+    _make_out_dir(out)
 
     if context.device.type == "cuda":
         torch.set_float32_matmul_precision("high")
@@ -120,7 +121,7 @@ def _train_gpt(
     )
     optimizer = configure_optimizer(model, settings)
     if state is not None:
-        optimizer.load_state_dict(state.optimizer)
+        _load_optimizer_state(optimizer, state.optimizer, out)
         _restore_rng(state.rng, context, batches, console)
 
     def save(step: int, history: list[dict[str, float]]) -> None:
@@ -130,7 +131,13 @@ def _train_gpt(
                 f"rank{r}.{k}": v for r, per_rank in enumerate(states) for k, v in per_rank.items()
             }
             state = TrainingState(step, history, optimizer.state_dict(), rng)
-            save_checkpoint(out, model, data.tokenizer, config, state)
+            try:
+                save_checkpoint(out, model, data.tokenizer, config, state)
+            except OSError as error:
+                raise SelfAttnError(
+                    f"cannot write the checkpoint of step {step} in {out}: "
+                    f"{error.strerror or error}; the previous checkpoint is kept"
+                ) from None
 
     result = train(
         distributed.wrap(model, context),
@@ -143,6 +150,48 @@ def _train_gpt(
         console=console,
     )
     return TrainedRun(model.eval(), data.tokenizer, config, result)
+
+
+def _resumed_data(
+    path: Path, block_size: int, tokenizer: CharTokenizer, trained_on: str
+) -> TextData:
+    """The text of a resumed run in the checkpoint's vocabulary, or why it does not fit."""
+    unknown = tokenizer.unknown_characters(read_text(path))
+    if unknown:
+        raise SelfAttnError(
+            f"{path} has characters that the checkpoint's vocabulary lacks ({unknown}); "
+            f"resume with the text it was trained on ({trained_on})"
+        )
+    return TextData.from_file(path, block_size, tokenizer)
+
+
+def _make_out_dir(out: Path) -> None:
+    """Create the --out folder before any training, or say in one line why it cannot be."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise SelfAttnError(f"--out {out} is a file; give a folder for the checkpoints") from None
+    except OSError as error:
+        raise SelfAttnError(
+            f"cannot create the --out folder {out}: {error.strerror or error}; choose another"
+        ) from None
+
+
+def _load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, out: Path) -> None:
+    """Restore AdamW's moments; refuse ones that do not fit the parameters (torch's fused
+    kernel crashes on them)."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    try:
+        for index, tensors in saved["state"].items():
+            for name, value in tensors.items():
+                if name != "step" and value.shape != params[index].shape:
+                    raise ValueError(f"{name} of parameter {index} has shape {list(value.shape)}")
+        optimizer.load_state_dict(saved)
+    except (IndexError, KeyError, ValueError) as error:
+        raise SelfAttnError(
+            f"the optimizer state in the checkpoint of {out} does not fit the model ({error}); "
+            "its optimizer.safetensors or state.json was changed: train again into another --out"
+        ) from None
 
 
 def _check_same_model(out: Path, saved: GPTConfig, wanted: GPTConfig) -> None:
