@@ -150,6 +150,28 @@ def test_entropy_bits_by_hand(kind):
     assert explaining.entropy_bits(weights) == pytest.approx(expected, abs=1e-9)
 
 
+def test_entropy_of_one_key_prints_as_zero_not_minus_zero():
+    # All weight on one key: -(1 * log2 1) is -0.0, which the report printed as "-0.000".
+    one_hot = torch.tensor([0.0, 1.0, 0.0])
+    assert f"{explaining.entropy_bits(one_hot):.3f}" == "0.000"
+
+
+def test_a_word_split_into_pieces_says_which_piece_is_explained():
+    # MiniLM reads "unbelievably" as un ##bel ##ie ##va ##bly: the steps are one piece's row.
+    result = invoke("explain", "That was unbelievably good.", "--word", "unbelievably",
+                    "--layer", "0", "--head", "0")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    shown = " ".join(result.stdout.split())
+    assert "query 3 'un' (piece 1 of 5 of 'unbelievably'; --words merges them)" in shown
+    merged = invoke("explain", "That was unbelievably good.", "--index", "5", "--words",
+                    "--layer", "0", "--head", "0")  # fmt: skip
+    shown = " ".join(merged.stdout.split())
+    assert "query 5 '##ie' (piece 3 of 5 of 'unbelievably'; merged by word below)" in shown
+    whole = " ".join(invoke("explain", MONEY, "--word", "bank", "--layer", "0", "--head", "4")
+                     .stdout.split())  # fmt: skip
+    assert "query 5 'bank': similarity" in whole
+
+
 def fake_run(tokens, word_ids, query: int, rows: dict[tuple[int, int], list[float]]):
     """A recorded run whose layer/head weights are given: ``rows[(layer, head)]`` is the
     query token's row; every other row is uniform."""
@@ -257,6 +279,14 @@ def test_help_lists_flags_without_a_type_and_paragraphs_on_one_line():
     assert "--help <bool>" not in top and "--help" in top
 
 
+@pytest.mark.parametrize(("command", "argument"), [("explain", "TEXT"), ("view", "TEXT"),
+                                                    ("compare", "SENTENCE")])  # fmt: skip
+def test_usage_names_the_argument_as_the_help_text_does(command, argument):
+    # The help says "one word of TEXT"; the usage line used to show "{text}".
+    usage = invoke(command, "--help").stdout
+    assert f"[OPTIONS] {{{argument}}}" in usage and argument.lower() + "}" not in usage
+
+
 def test_figures_and_page(tmp_path):
     png, svg, html = tmp_path / "bank.png", tmp_path / "bank.svg", tmp_path / "bank.html"
     result = invoke("explain", MONEY, "--word", "bank", "--png", str(png), "--svg", str(svg),
@@ -266,6 +296,17 @@ def test_figures_and_page(tmp_path):
     assert "<svg" in svg.read_text()
     page = html.read_text()
     assert "selfattn-payload" in page and "http://" not in page and "https://" not in page
+
+
+def test_page_of_the_mean_of_heads_opens_on_the_mean(tmp_path):
+    # explain --head mean --html: the page used to open on head 0.
+    page = tmp_path / "mean.html"
+    result = invoke("explain", MONEY, "--word", "bank", "--layer", "2", "--head", "mean",
+                    "--html", str(page))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    text = page.read_text(encoding="utf-8")
+    data = json.loads(text.split('id="selfattn-payload">')[1].split("</script>")[0])
+    assert data["selection"] == {"layer": 2, "head": "mean", "query": 5}
 
 
 def test_view_escapes_user_text(tmp_path):

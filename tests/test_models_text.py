@@ -78,3 +78,24 @@ def test_align_words_without_tokens_for_a_word():
     words, word_ids = align_words("ab cd", [(0, 2)])
     assert [(w.text, w.tokens) for w in words] == [("ab", range(0, 1))]
     assert word_ids == [0]
+
+
+def test_chinese_characters_are_words_as_bert_splits_them(wordpiece):
+    text = "我爱银行 and the bank"
+    encoding = wordpiece.encode(text)
+    assert [w.text for w in encoding.words] == ["我", "爱", "银", "行", "and", "the", "bank"]
+    assert encoding.find("银行") == (2, 4)  # a phrase of two one-character words
+    assert encoding.find("我") == (0, 1)
+    assert encoding.find("bank") == (text.index("bank"), len(text))
+
+
+def test_an_occurrence_cut_off_by_truncation_names_the_ones_read(wordpiece):
+    encoding = wordpiece.encode("bank one bank two three bank", max_length=5)
+    assert encoding.tokens == ["[CLS]", "bank", "one", "bank", "[SEP]"]
+    assert list(encoding.select("bank", occurrence=1)) == [3]
+    with pytest.raises(SelfAttnError, match=r"occurrence -1 of the word 'bank' is at character "
+                       r"24, past the first 13 .* occurrences 0\.\.1 of 3") as error:  # fmt: skip
+        encoding.select("bank", occurrence=-1)
+    assert "span" not in str(error.value)
+    with pytest.raises(SelfAttnError, match="does not occur; put it earlier"):
+        encoding.select("three")

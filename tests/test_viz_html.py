@@ -124,6 +124,7 @@ def test_selection_defaults_and_words_travel():
     assert data["selection"] == {"layer": 1, "head": 2, "query": 0}
     assert data["words"] == [0, 1, 1, 2, None]
     assert payload(query_index=3)["selection"]["query"] == 3
+    assert payload(head="mean")["selection"]["head"] == "mean"  # the page's mean of heads
 
 
 @pytest.mark.parametrize(
@@ -132,6 +133,7 @@ def test_selection_defaults_and_words_travel():
         ({"tokens": TOKENS[:4]}, "4 tokens"),
         ({"layer": 2}, r"layer 2 out of range: the run has layers 0..1"),
         ({"head": -1}, "head -1 out of range"),
+        ({"head": "all"}, "head 'all' out of range: the run has heads 0..2, or 'mean'"),
         ({"query_index": 5}, "query_index 5 out of range"),
         ({"similarity": "euclid"}, "unknown similarity"),
         ({"words": [0]}, "one word index per token"),

@@ -4,6 +4,7 @@ from itertools import combinations
 
 import pytest
 import torch
+from rich.cells import cell_len
 from rich.console import Console
 
 from selfattn import attention
@@ -92,6 +93,19 @@ def test_heatmap_without_colour_draws_block_characters():
     console.print(heatmap(["a", "b"], ["a", "b"], [[1.0, 0.0], [0.25, 0.75]], "map"))
     text = console.export_text()
     assert "█" in text and "░" in text and "rows: queries, columns: keys" in text
+
+
+def test_heatmap_lines_up_wide_cjk_labels():
+    # A CJK character takes two terminal cells: labels are padded by cells, not characters,
+    # so every header and row line has the same width and a key sits above its column.
+    tokens = ["[CLS]", "我", "行", "bank", "银行银行银行银行"]
+    eye = torch.eye(len(tokens)).tolist()
+    lines = render(heatmap(tokens, tokens, eye, "map")).splitlines()
+    grid = lines[1 : 1 + 5 + len(tokens)]  # 5 header lines ("[CLS]"), then a line per row
+    assert {cell_len(line.rstrip("\n")) for line in grid} == {cell_len(grid[-1])}
+    assert "银行银行…" in grid[-1]  # clipped to 10 cells, not 10 characters
+    bank_column = cell_len(grid[0][: grid[0].index("b")])  # in cells, after two wide labels
+    assert grid[5 + 3][bank_column : bank_column + 3] == "███"  # row "bank", key "bank"
 
 
 @pytest.mark.parametrize(("sentences", "width"), [(3, 80), (5, 80), (5, 200)])

@@ -310,7 +310,7 @@ def _parse_head(head: str | None) -> int | str | None:
 
 @app.command(epilog=EXPLAIN_EPILOG)
 def explain(
-    text: Annotated[str, typer.Argument(help="The sentence to look into.")],
+    text: Annotated[str, typer.Argument(metavar="TEXT", help="The sentence to look into.")],
     word: Annotated[
         str | None, typer.Option(help="The word to explain as a query (whole word, any case).")
     ] = None,
@@ -387,7 +387,10 @@ def explain(
 @app.command(epilog='Example: selfattn compare "I went to the bank to deposit money." '
              '"I sat on the bank of the river." --word bank')  # fmt: skip
 def compare(
-    sentences: Annotated[list[str], typer.Argument(help="Two or more sentences with the word.")],
+    sentences: Annotated[
+        list[str],
+        typer.Argument(metavar="SENTENCE", help="Two or more sentences with the word."),
+    ],
     word: Annotated[str, typer.Option(help="The word to follow across the sentences.")],
     model: Annotated[str, typer.Option(help=MODEL_HELP)] = "minilm",
     checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
@@ -417,7 +420,7 @@ def compare(
 
 @app.command()
 def view(
-    text: Annotated[str, typer.Argument(help="The sentence to explore.")],
+    text: Annotated[str, typer.Argument(metavar="TEXT", help="The sentence to explore.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="The HTML file to write.")],
     model: Annotated[str, typer.Option(help=MODEL_HELP)] = "minilm",
     checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,

@@ -85,6 +85,7 @@ class Explanation:
     recorded_output: Tensor | None  # (Dv,) the same output as the model's fast path computed it
     alternative: Steps | None  # the same head with another similarity or scale
     groups: list[tuple[str, list[int]]] | None  # words and their tokens, when merged
+    query_word: tuple[str, list[int]] | None  # the query's word and its tokens (its pieces)
 
     @property
     def weights(self) -> Tensor | None:
@@ -141,7 +142,7 @@ def _list(tensor: Tensor) -> list:
 
 def entropy_bits(weights: Tensor) -> float:
     positive = weights[weights > 0].double()
-    return float(-(positive * positive.log2()).sum())
+    return max(0.0, float(-(positive * positive.log2()).sum()))  # never -0.0 or -1e-17
 
 
 def explain(
@@ -195,7 +196,8 @@ def explain(
             "another similarity or scale is recomputed for one query of one head: give a "
             "word (or token index) and a head number, not 'mean'"
         )
-    groups = word_groups(run.tokens, run.word_ids) if words else None
+    all_groups = word_groups(run.tokens, run.word_ids)
+    query_word = None if query is None else next(g for g in all_groups if query in g[1])
     return Explanation(
         model=model_name,
         text=run.read_text,
@@ -208,7 +210,8 @@ def explain(
         steps=steps,
         recorded_output=recorded,
         alternative=alternative,
-        groups=groups,
+        groups=all_groups if words else None,
+        query_word=query_word,
     )
 
 

@@ -2,9 +2,10 @@
 
 A checkpoint's ``tokenizer.json`` is read with Hugging Face ``tokenizers`` (word-piece for BERT,
 byte-level BPE for GPT-2). Words are found in the text itself, the same way for every
-tokenizer: runs of letters and digits (``don't`` and ``3.50`` stay whole) and single punctuation
-marks. A token belongs to the words its character span overlaps, so a word split into pieces
-(``token`` + ``##izer``) maps to all of them.
+tokenizer: runs of letters and digits (``don't`` and ``3.50`` stay whole), single punctuation
+marks and single Chinese characters (as BERT splits them: ``银行`` is two words). A token
+belongs to the words its character span overlaps, so a word split into pieces (``token`` +
+``##izer``) maps to all of them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from tokenizers import decoders
 
 from selfattn.errors import SelfAttnError
 
-WORD_PATTERN = re.compile(r"\d+(?:[.,]\d+)+|\w+(?:['’]\w+)*|[^\w\s]")
+# CJK ideographs, the ranges BERT's tokenizer splits into one word per character.
+CJK = (
+    "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+    "\U00020000-\U0002a6df\U0002a700-\U0002ceaf\U0002f800-\U0002fa1f"
+)
+LETTERS = rf"[^\W{CJK}]"  # a letter or digit that is not a CJK ideograph
+WORD_PATTERN = re.compile(rf"\d+(?:[.,]\d+)+|[{CJK}]|{LETTERS}+(?:['’]{LETTERS}+)*|[^\w\s]")
 
 Span = tuple[int, int]  # (start, end) character positions, end excluded
 
@@ -48,8 +55,7 @@ class Encoding:
         """Character span of a whole-word, case-insensitive match of ``word`` (or a phrase)."""
         if not word.strip():
             raise SelfAttnError("the word to find is empty; pass a word of the text")
-        pattern = re.compile(rf"(?<!\w){re.escape(word.strip())}(?!\w)", re.IGNORECASE)
-        matches = [match.span() for match in pattern.finditer(self.text)]
+        matches = self._matches(word)
         if occurrence >= len(matches) or occurrence < -len(matches):
             listed = ", ".join(dict.fromkeys(w.text for w in self.words))
             found = f"it occurs {len(matches)} time(s)" if matches else "it is not in the text"
@@ -73,8 +79,33 @@ class Encoding:
     def select(self, word_or_span: str | Span, occurrence: int = 0) -> range:
         """Tokens of a word (whole-word match, case-insensitive) or of a character span."""
         if isinstance(word_or_span, str):
-            return self.tokens_in(self.find(word_or_span, occurrence))
+            span = self.find(word_or_span, occurrence)
+            self._check_read(word_or_span, occurrence, span)
+            return self.tokens_in(span)
         return self.tokens_in(word_or_span)
+
+    def _matches(self, word: str) -> list[Span]:
+        """Spans of every whole-word, case-insensitive match (CJK characters are words)."""
+        pattern = rf"(?<!{LETTERS}){re.escape(word.strip())}(?!{LETTERS})"
+        return [match.span() for match in re.finditer(pattern, self.text, re.IGNORECASE)]
+
+    def _check_read(self, word: str, occurrence: int, span: Span) -> None:
+        """An error naming the occurrences the model read, for one that truncation cut off."""
+        read_end = max(end for _, end in self.offsets)
+        if span[0] < read_end:
+            return
+        matches = self._matches(word)
+        read = sum(start < read_end for start, _ in matches)
+        fix = (
+            f"which hold its occurrences 0..{read - 1} of {len(matches)}; pick one of those"
+            if read
+            else "where it does not occur; put it earlier in the text"
+        )
+        raise SelfAttnError(
+            f"occurrence {occurrence} of the word {word!r} is at character {span[0]:,}, past "
+            f"the first {read_end:,} characters that the model read (the text was truncated), "
+            f"{fix}"
+        )
 
 
 class Tokenizer:

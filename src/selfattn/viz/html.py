@@ -17,7 +17,7 @@ Payload (a JSON object, the input of the page's ``render(payload)``)::
     query, key, value            {"shape": [L, H, T, d], "data": base64}
     thumbnails     {"size": n, "pool": "max", "data": base64 uint8 [L, H, n, n]}, each
                    head's weights max-pooled to n <= 48 and scaled by that head's largest weight
-    selection      {"layer": l, "head": h, "query": i}: what the page shows first
+    selection      {"layer": l, "head": h or "mean", "query": i}: what the page shows first
 
 User text is escaped by construction: the payload sits in a ``<script type="application/json">``
 tag with ``<``, ``>`` and ``&`` written as ``\\u003c``-style escapes, and the script builds the
@@ -79,7 +79,7 @@ def page_payload(
     model_name: str,
     text: str,
     layer: int,
-    head: int,
+    head: int | str,
     query_index: int | None = None,
     words: Sequence[int | None] | None = None,
     causal: bool = False,
@@ -92,7 +92,8 @@ def page_payload(
         scale: multiplies the scores (1/sqrt(d) for dot products).
         similarity: ``"dot"`` or ``"cosine"`` (the page normalises q and k first).
         model_name, text: shown in the header.
-        layer, head, query_index: the first selection (query 0 when None).
+        layer, head, query_index: the first selection (head ``"mean"``: the mean of heads;
+            query 0 when None).
         words: per token, the index of the word it belongs to (None for special tokens);
             the page groups the tokens of one word together.
         causal: bottom-right causal masking, as in :func:`selfattn.attention` (decoders).
@@ -159,9 +160,12 @@ def _check(tokens, q, k, v, similarity, layer, head, query_index, words) -> None
         raise ValueError(f"got {len(tokens)} tokens for tensors of {length} positions")
     if words is not None and len(words) != length:
         raise ValueError(f"words must give one word index per token ({length}), got {len(words)}")
-    for name, index, size in (("layer", layer, n_layers), ("head", head, n_heads)):
-        if not 0 <= index < size:
-            raise ValueError(f"{name} {index} out of range: the run has {name}s 0..{size - 1}")
+    if not 0 <= layer < n_layers:
+        raise ValueError(f"layer {layer} out of range: the run has layers 0..{n_layers - 1}")
+    if head != "mean" and not (isinstance(head, int) and 0 <= head < n_heads):
+        raise ValueError(
+            f"head {head!r} out of range: the run has heads 0..{n_heads - 1}, or 'mean'"
+        )
     if query_index is not None and not 0 <= query_index < length:
         raise ValueError(f"query_index {query_index} out of range: tokens are 0..{length - 1}")
 

@@ -78,8 +78,9 @@ def print_explanation(console: Console, e: Explanation) -> None:
         steps = e.steps
         console.print(
             Text(
-                f"\nquery {e.query} '{labels[e.query]}': similarity ({steps.similarity}) with "
-                f"every key, scaled by {steps.scale:.4g}, softmax to weights",
+                f"\nquery {e.query} '{labels[e.query]}'{_piece_note(e)}: similarity "
+                f"({steps.similarity}) with every key, scaled by {steps.scale:.4g}, softmax "
+                "to weights",
                 style="bold",
             )
         )
@@ -109,6 +110,15 @@ def print_explanation(console: Console, e: Explanation) -> None:
         row = next(i for i, (_, members) in enumerate(e.groups) if e.query in members)
         console.print(weights_bars(labels, matrix[row], f"'{labels[row]}' by word (pieces merged)"))
     console.print(heatmap(labels, labels, matrix, f"attention, {_where(e)}"))
+
+
+def _piece_note(e: Explanation) -> str:
+    """Which piece of its word the query token is, when the tokenizer split the word."""
+    word, members = e.query_word
+    if len(members) == 1:
+        return ""
+    merged = "merged by word below" if e.groups is not None else "--words merges them"
+    return f" (piece {members.index(e.query) + 1} of {len(members)} of '{word}'; {merged})"
 
 
 def _alternative_table(e: Explanation) -> Table:
@@ -156,10 +166,11 @@ def page_data(run: RecordedRun, e: Explanation) -> dict:
     query, key, value = stacked_qkv(run)
     capture = run.captures[0]
     scale = capture.scale or default_scale(capture.similarity, query.shape[-1])
+    head = "mean" if e.head is None else e.head
     return page_payload(
         tokens=e.tokens, query=query, key=key, value=value, scale=scale,
         similarity=capture.similarity, model_name=e.model, text=e.text, layer=e.layer,
-        head=e.head or 0, query_index=e.query, words=run.word_ids, causal=capture.causal,
+        head=head, query_index=e.query, words=run.word_ids, causal=capture.causal,
     )  # fmt: skip
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+from rich.cells import cell_len, set_cell_size
 from rich.color import Color
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.measure import Measurement
@@ -170,7 +171,7 @@ class Heatmap:
 
     def _label_width(self) -> int:
         index_width = len(str(len(self.rows) - 1))
-        return index_width + 1 + max((len(label) for label in self.rows), default=0)
+        return index_width + 1 + max((cell_len(label) for label in self.rows), default=0)
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
         minimum = self._label_width() + 1 + len(self.columns)
@@ -185,7 +186,7 @@ class Heatmap:
         index_width = len(str(len(self.rows) - 1))
         coloured = console.color_system is not None
         for i, (label, values) in enumerate(zip(self.rows, self.matrix, strict=True)):
-            line = Text(f"{i:>{index_width}} {label:<{label_width - index_width - 1}} ")
+            line = Text(f"{i:>{index_width}} {set_cell_size(label, label_width - index_width)}")
             for value in values:
                 line.append(*self._cell(value, cell, coloured))
             yield line
@@ -214,7 +215,7 @@ class Heatmap:
             line = Text(" " * (label_width + 1))
             for label in labels:
                 char = label[depth] if depth < len(label) else " "
-                line.append(char.ljust(cell), style="bold")
+                line.append(_fit(char, cell), style="bold")
             yield line
 
     def _legend(self, label_width: int, coloured: bool) -> Iterable[Text]:
@@ -249,6 +250,12 @@ def heatmap(
 
 
 def _clip(token: str, width: int) -> str:
-    """A token shortened to ``width`` characters (… marks the cut), control characters shown."""
+    """A token shortened to ``width`` terminal cells (… marks the cut), control characters
+    shown; a wide character (CJK) takes two cells."""
     token = token.replace("\n", "⏎").replace("\t", "⇥")
-    return token if len(token) <= width else token[: width - 1] + "…"
+    return token if cell_len(token) <= width else set_cell_size(token, width - 1).rstrip() + "…"
+
+
+def _fit(char: str, cells: int) -> str:
+    """One character padded to ``cells`` terminal cells; "·" for a wide one that cannot fit."""
+    return set_cell_size(char if cell_len(char) <= cells else "·", cells)
