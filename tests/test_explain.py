@@ -384,6 +384,14 @@ def test_compare_bank_across_sentences(model):
         (["explain", MONEY, "--html", "."], "is a folder"),
         (["explain", MONEY, "--svg", "/proc/bank.svg"], "cannot write /proc/bank.svg"),
         (["view", MONEY, "-o", "/no/such/folder/bank.html"], "does not exist"),
+        # usage mistakes, found by typer before the command runs ("root": the test runner's name)
+        (["explain", MONEY, "--bogus"], "No such option: --bogus. See `root explain --help`."),
+        (["explain", MONEY, "--wrd", "bank"], "(Possible options: --word, --words)"),
+        (["explain", MONEY, "--scale", "abc"], "Invalid value for '--scale'"),
+        (["explain"], "Missing argument 'TEXT'"),
+        (["compare", MONEY, RIVER], "Missing option '--word'"),
+        (["explian", MONEY], "Did you mean 'explain'? See `root --help`."),
+        (["generate", "--max-new-tokens", "-1", "x"], "'--max-new-tokens'"),
     ],
 )
 def test_user_errors_are_one_line(args, message):

@@ -406,6 +406,11 @@ def test_serve_warns_when_listening_beyond_this_machine(cli, monkeypatch):
     result = CliRunner().invoke(cli_app, ["serve"])
     assert served == {"at": ("127.0.0.1", 8000)}
     assert "network" not in result.stderr
+    assert "on http://127.0.0.1:8000/ " in result.stdout
+
+    result = CliRunner().invoke(cli_app, ["serve", "--host", "::1"])  # IPv6: in brackets
+    assert served == {"at": ("::1", 8000)}
+    assert "network" not in result.stderr and "on http://[::1]:8000/ " in result.stdout
 
 
 def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads(monkeypatch):

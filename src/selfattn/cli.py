@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 from collections.abc import Callable, Iterator
@@ -17,9 +18,14 @@ from selfattn.errors import SelfAttnError
 from selfattn.examples import CIAO_TOKENS, ciao_trace
 from selfattn.viz.terminal import matrix_table
 
+# The click typer runs on: its own copy (typer._click) in recent typer, click itself before.
+_click = getattr(typer.core, "_click", None) or importlib.import_module("click")
 
-class _HelpWithoutType:
-    """Shows ``--help`` without typer's "<bool>": like the flags, it takes no value."""
+
+class _Plain:
+    """Typer's commands with a plain ``--help`` line (no "<bool>": like the flags, it takes no
+    value) and a usage mistake (unknown option or command, bad value) as one ``Error:`` line
+    instead of a usage box."""
 
     def get_help_option(self, ctx):
         option = super().get_help_option(ctx)
@@ -27,13 +33,33 @@ class _HelpWithoutType:
             option.metavar = ""
         return option
 
+    def make_context(self, *args, **kwargs):
+        with _one_line_usage_errors():
+            return super().make_context(*args, **kwargs)
 
-class _Group(_HelpWithoutType, typer.core.TyperGroup):
+
+class _Group(_Plain, typer.core.TyperGroup):
+    def resolve_command(self, *args, **kwargs):
+        with _one_line_usage_errors():
+            return super().resolve_command(*args, **kwargs)
+
+
+class _Command(_Plain, typer.core.TyperCommand):
     pass
 
 
-class _Command(_HelpWithoutType, typer.core.TyperCommand):
-    pass
+@contextmanager
+def _one_line_usage_errors() -> Iterator[None]:
+    try:
+        yield
+    except _click.exceptions.UsageError as error:
+        if type(error).__name__ == "NoArgsIsHelpError":  # shows the help, not an error
+            raise
+        message = error.format_message().rstrip(".")
+        if error.ctx is not None:
+            end = " " if message.endswith("?") else ". "
+            message += f"{end}See `{error.ctx.command_path} --help`."
+        raise _fail(message, error.exit_code) from None
 
 
 app = typer.Typer(
@@ -465,7 +491,9 @@ def serve(
     with _user_errors():
         sock = server.listen(host, port)
         network = _load(model, None)
-    console.print(f"selfattn explorer on http://{host}:{port}/ ({network.name}; Ctrl+C stops it)")
+    console.print(
+        f"selfattn explorer on {server.url(host, port)} ({network.name}; Ctrl+C stops it)"
+    )
     server.serve(network, host, sock)
 
 

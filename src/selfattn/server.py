@@ -436,6 +436,11 @@ def is_local(host: str) -> bool:
     return host in LOCAL_HOSTS or host == "::1"
 
 
+def url(host: str, port: int) -> str:
+    """The page's address on ``host:port`` (an IPv6 address in brackets)."""
+    return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+
+
 def listen(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` for :func:`serve`: a port in use (or an address this
     machine does not have) is then a one-line error before the model loads."""
