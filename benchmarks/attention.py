@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -107,8 +108,18 @@ def measure(backend: str, t: int, backward: bool, causal: bool, repeats: int, ki
     command += [str(int(causal)), str(repeats), kind]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
-        return {"error": result.stderr.strip().splitlines()[-1]}
+        return {"error": failure(result)}
     return json.loads(result.stdout)
+
+
+def failure(result: subprocess.CompletedProcess) -> str:
+    """Why a case failed: the last line of its stderr, else its exit code (and the signal that
+    killed it, e.g. SIGKILL from the out-of-memory killer, which leaves stderr empty)."""
+    lines = result.stderr.strip().splitlines()
+    if lines:
+        return lines[-1]
+    killed_by = signal.strsignal(-result.returncode) if result.returncode < 0 else None
+    return f"exit code {result.returncode}" + (f" ({killed_by})" if killed_by else "")
 
 
 def gemm_gflops() -> float:

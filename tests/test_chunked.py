@@ -7,10 +7,12 @@ an absolute floor of 1e-3. Small block sizes make tiles that do not divide T or 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -286,6 +288,21 @@ def test_gradcheck_in_float64():
     assert torch.autograd.gradcheck(run, (query, key, value, bias))
 
 
+def test_double_backward_is_refused_by_name():
+    """gradgradcheck (and any create_graph=True backward) names the backend and the way out
+    (it used to fail inside the backward with bmm()'s out=... error)."""
+    query, key, value = (x.requires_grad_() for x in _inputs(5, 6, 3, torch.float64, lead=(2,)))
+
+    def run(q, k, v):
+        return attention(q, k, v, causal=True, backend="chunked")
+
+    with pytest.raises(RuntimeError, match=r"'chunked' has first derivatives only.*'explicit'"):
+        torch.autograd.gradgradcheck(run, (query, key, value))
+    output = run(query, key, value)  # grad_output needs no grad here, query does
+    with pytest.raises(RuntimeError, match="'chunked' has first derivatives only"):
+        torch.autograd.grad(output.sum(), query, create_graph=True)
+
+
 def test_dropout_is_refused():
     query, key, value = _inputs(4, 4, 3, torch.float32)
     with pytest.raises(ValueError, match="'chunked' has no dropout"):
@@ -342,3 +359,17 @@ def test_memory_stays_linear_where_the_weights_would_need_gigabytes():
     )
     extra_mib = int(result.stdout.strip())
     assert extra_mib < 512, f"chunked attention grew the process by {extra_mib} MiB"
+
+
+def test_benchmark_reports_a_case_killed_without_stderr_as_failed(monkeypatch):
+    """benchmarks/attention.py: a case killed silently (out of memory: SIGKILL, no stderr) is a
+    failed cell naming the exit code (it used to raise IndexError and end the whole run)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "attention.py"
+    spec = importlib.util.spec_from_file_location("benchmark_attention", path)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    killed = subprocess.CompletedProcess([], returncode=-9, stdout="", stderr="")
+    monkeypatch.setattr(benchmark.subprocess, "run", lambda *args, **kwargs: killed)
+    result = benchmark.measure("chunked", 512, False, False, 1, "random")
+    assert result == {"error": "exit code -9 (Killed)"}
+    assert benchmark.describe(result, 512, False, False)[0] == "failed: exit code -9 (Killed)"

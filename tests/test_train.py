@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -90,38 +91,110 @@ def test_loss_falls_on_a_tiny_corpus(corpus, tmp_path):
     assert history[-1]["val"] < history[0]["val"] - 1.0, history
 
 
-def test_loop_is_model_agnostic_and_decays_only_matrices():
-    """A bigram table (no GPT) trains through the same loop; biases get no weight decay."""
+class _Bigram(nn.Module):
+    """A bigram table: the loop's smallest model (no GPT). ``train_loss_offset`` is added to the
+    training loss only: inf makes that loss non-finite while weights and gradients stay finite."""
 
-    class Bigram(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.table = nn.Embedding(5, 5)
-            self.bias = nn.Parameter(torch.zeros(5))
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(5, 5)
+        self.bias = nn.Parameter(torch.zeros(5))
+        self.train_loss_offset = 0.0
 
-        def forward(self, x, y):
-            logits = self.table(x) + self.bias
-            return SimpleNamespace(
-                loss=nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-            )
+    def forward(self, x, y):
+        logits = self.table(x) + self.bias
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        return SimpleNamespace(loss=loss + self.train_loss_offset if self.training else loss)
 
-    class Cycle:  # 0 -> 1 -> 2 -> 3 -> 4 -> 0: perfectly predictable
-        def batch(self, split):
-            start = torch.randint(5, (4, 1))
-            x = (start + torch.arange(8)) % 5
-            return x, (x + 1) % 5
 
-    torch.manual_seed(0)
-    model = Bigram()
-    config = TrainConfig(
+class _Cycle:
+    """0 -> 1 -> 2 -> 3 -> 4 -> 0: perfectly predictable; ``at_step[n]()`` runs when the
+    batch of step n (1-based) is drawn."""
+
+    def __init__(self, at_step: dict | None = None) -> None:
+        self.at_step = at_step or {}
+        self.steps = 0
+
+    def batch(self, split):
+        if split == "train":
+            self.steps += 1
+            self.at_step.get(self.steps, lambda: None)()
+        start = torch.randint(5, (4, 1))
+        x = (start + torch.arange(8)) % 5
+        return x, (x + 1) % 5
+
+
+def _cycle_config(**changes) -> TrainConfig:
+    settings = dict(
         max_iters=60, batch_size=4, block_size=8, learning_rate=0.1, min_lr=0.01,
         warmup_iters=5, lr_decay_iters=60, eval_interval=30, eval_iters=2,
     )  # fmt: skip
+    return TrainConfig(**{**settings, **changes})
+
+
+def test_loop_is_model_agnostic_and_decays_only_matrices():
+    """A bigram table (no GPT) trains through the same loop; biases get no weight decay."""
+    torch.manual_seed(0)
+    model = _Bigram()
+    config = _cycle_config()
     optimizer = configure_optimizer(model, config)
     decays = {len(g["params"][0].shape): g["weight_decay"] for g in optimizer.param_groups}
     assert decays == {2: 0.1, 1: 0.0}
-    result = train(model, optimizer, Cycle(), config)
+    result = train(model, optimizer, _Cycle(), config)
     assert result.history[-1]["val"] < 0.2 < result.history[0]["val"]
+
+
+def _poison(model: _Bigram, what: str) -> None:
+    """Make the weights (NaN bias: every later loss and gradient too) or the loss non-finite."""
+    if what == "weights":
+        with torch.no_grad():
+            model.bias.fill_(float("nan"))
+    else:
+        model.train_loss_offset = float("inf")
+
+
+def _interrupt() -> None:
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.parametrize(
+    ("poisoned", "problem"), [("weights", "weights are"), ("loss", "training loss is")]
+)
+def test_ctrl_c_never_saves_non_finite_weights_or_loss(poisoned, problem):
+    """Saves at steps 3 and 6; the weights (or the training loss) turn non-finite at step 8 and
+    Ctrl-C stops there: one line naming the kept step 6, no save of step 8 (the interrupt used
+    to save whatever the weights held over the good checkpoint)."""
+    torch.manual_seed(0)
+    model = _Bigram()
+    config = _cycle_config(max_iters=20, eval_interval=3, eval_iters=1)
+    batches = _Cycle({8: lambda: (_poison(model, poisoned), _interrupt())})
+    saved = []
+    kept = f"the {problem} no longer finite at step 8; the checkpoint of step 6 is kept"
+    with pytest.raises(SelfAttnError, match=re.escape(kept)):
+        train(
+            model, configure_optimizer(model, config), batches, config,
+            save=lambda step, history: saved.append(step),
+        )  # fmt: skip
+    assert saved == [3, 6]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_run_ending_with_a_non_finite_training_loss_is_not_saved():
+    """The training loss turns inf at step 5 while the weights and the validation loss stay
+    finite: the end-of-run save of step 6 is refused, naming step 3's (it used to be saved)."""
+    torch.manual_seed(0)
+    model = _Bigram()
+    config = _cycle_config(max_iters=6, eval_interval=3, eval_iters=1)
+    batches = _Cycle({5: lambda: _poison(model, "loss")})
+    saved = []
+    kept = "the training loss is no longer finite at step 6; the checkpoint of step 3 is kept"
+    with pytest.raises(SelfAttnError, match=re.escape(kept)):
+        train(
+            model, configure_optimizer(model, config), batches, config,
+            save=lambda step, history: saved.append(step),
+        )  # fmt: skip
+    assert saved == [3]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_resume_gives_the_same_losses_as_straight_training(corpus, tmp_path):
@@ -258,6 +331,88 @@ def test_two_process_ddp_matches_one_process_with_the_global_batch(corpus, tmp_p
         torch.testing.assert_close(value, single[key], atol=1e-5, rtol=0, msg=key)
     ddp_val = float((tmp_path / "rank0.val").read_text())
     assert abs(ddp_val - result.history[-1]["val"]) < 1e-5
+
+
+def _ddp_poison_worker(rank: int, port: int, out: Path) -> None:
+    """Rank 1's weights turn NaN after step 4's update (after DDP's gradient average, so rank 0
+    stays finite) while rank 0 gets Ctrl-C: each rank writes what its train() call did."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = _Bigram()
+    config = _cycle_config(max_iters=20, eval_interval=3, eval_iters=1, log_interval=1)
+    optimizer = configure_optimizer(model, config)
+    batches = _Cycle({4: _interrupt} if rank == 0 else {})
+
+    def poison_after_step_four(*_) -> None:
+        if rank == 1 and batches.steps == 4:
+            _poison(model, "weights")
+
+    optimizer.register_step_post_hook(poison_after_step_four)
+    saved = []
+    try:
+        train(
+            nn.parallel.DistributedDataParallel(model), optimizer, batches, config,
+            save=lambda step, history: saved.append(step),
+        )  # fmt: skip
+        outcome = "no error"
+    except SelfAttnError as error:
+        outcome = str(error)
+    finally:
+        torch.distributed.destroy_process_group()
+    (out / f"rank{rank}.txt").write_text(f"{saved} {outcome}")
+
+
+def test_ddp_ranks_agree_to_refuse_a_save_when_one_rank_is_not_finite(tmp_path):
+    """gloo, 2 ranks: NaN weights on rank 1 only, Ctrl-C on rank 0 only: both ranks stop at
+    step 4 and refuse its save with the same line (rank 0 used to save rank 0's weights)."""
+    context = mp.start_processes(
+        _ddp_poison_worker, args=(_free_port(), tmp_path), nprocs=2, join=False,
+        start_method="spawn",
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("DDP workers did not finish within 120 s")
+    kept = (
+        "training diverged: the weights are no longer finite at step 4; the checkpoint of "
+        "step 3 is kept: resume it with a lower --lr"
+    )
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == f"[3] {kept}"
+
+
+UTF8_SCRIPT = """
+import sys
+from pathlib import Path
+from selfattn.train import load_checkpoint, train_gpt
+corpus, out = Path(sys.argv[1]), Path(sys.argv[2])
+train_gpt(corpus, out, preset="tiny", overrides={"max_iters": 2, "eval_iters": 1}, device="cpu")
+print(ascii(load_checkpoint(out)[1].chars))
+"""
+
+
+def test_a_non_ascii_vocabulary_trains_and_loads_under_an_ascii_locale(tmp_path):
+    """LC_ALL=C without UTF-8 mode (the locale's encoding is ASCII): a corpus with è and 日本
+    trains, saves and loads, and the JSON files are UTF-8 (they used to be written in the
+    locale's encoding: UnicodeEncodeError here, other bytes under Latin-1)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(CORPUS.replace("e", "è") + "日本\n", encoding="utf-8")
+    out = tmp_path / "out"
+    locale = {"LANG": "C", "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", UTF8_SCRIPT, str(corpus), str(out)],
+        capture_output=True, text=True, env={**os.environ, **locale}, timeout=120,
+    )  # fmt: skip
+    chars = "".join(sorted(set(corpus.read_text(encoding="utf-8"))))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == ascii(chars)
+    directory = checkpoint_module.checkpoint_dir(out)
+    saved = json.loads((directory / "tokenizer.json").read_bytes().decode("utf-8"))
+    assert saved["chars"] == chars
 
 
 def test_generation_is_reproducible_with_a_seed(trained):

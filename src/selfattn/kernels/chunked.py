@@ -55,6 +55,11 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 BLOCK_K = 1024  # key columns per tile
 MAX_BLOCK_Q = 512  # query rows per tile, fewer when there are many heads
 TILE_ELEMENTS = 2**22  # a score tile of all heads at once: 16 MiB in float32
+FIRST_DERIVATIVES_ONLY = (
+    "backend 'chunked' has first derivatives only (its backward cannot be differentiated: "
+    "no create_graph=True, gradgradcheck or Hessians through it); use backend='explicit' or "
+    "'sdpa' for higher derivatives"
+)
 
 
 def chunked_attention(
@@ -179,7 +184,11 @@ def finite_bias(bias: Tensor | None, limit: float) -> Tensor | None:
 
 
 class _ChunkedAttention(torch.autograd.Function):
-    """Forward saves (query, key, value, bias, output, lse); backward recomputes the weights."""
+    """Forward saves (query, key, value, bias, output, lse); backward recomputes the weights.
+
+    The backward is not itself differentiable (it writes tiles in place): asking it for a graph
+    raises :data:`FIRST_DERIVATIVES_ONLY` instead of silently dropping second-order terms.
+    """
 
     @staticmethod
     def forward(
@@ -203,6 +212,7 @@ class _ChunkedAttention(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, grad_output: Tensor
     ) -> tuple[Tensor | None, ...]:
         query, key, value, bias, output, lse = ctx.saved_tensors
+        _refuse_double_backward(grad_output, query, key, value, bias)
         masks, scale, block_q, block_k = ctx.config
         want_bias_grad = bias is not None and ctx.needs_input_grad[3]
         grads = _backward(
@@ -220,6 +230,13 @@ class _ChunkedAttention(torch.autograd.Function):
             want_bias_grad,
         )
         return (*grads, None, None, None, None)
+
+
+def _refuse_double_backward(*tensors: Tensor | None) -> None:
+    """Raise when autograd records the backward (``create_graph=True``) through a tensor that
+    needs gradients: the tiles below are written in place, so that graph cannot be built."""
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
+        raise RuntimeError(FIRST_DERIVATIVES_ONLY)
 
 
 def _forward(

@@ -115,7 +115,7 @@ def save_checkpoint(
         os.replace(tmp, final)
         _fsync(out_dir)
         pointer = out_dir / f".{LATEST}.tmp"
-        pointer.write_text(final.name + "\n")
+        pointer.write_text(final.name + "\n", encoding="utf-8")
         _fsync(pointer)
         os.replace(pointer, out_dir / LATEST)
         _fsync(out_dir)
@@ -250,7 +250,7 @@ def _latest_dir(out_dir: Path) -> Path:
     """The checkpoint directory that ``out_dir/LATEST`` names; a one-line error if it is gone."""
     latest = out_dir / LATEST
     try:
-        name = latest.read_text().strip()
+        name = latest.read_text(encoding="utf-8").strip()
     except (OSError, ValueError) as error:
         raise SelfAttnError(f"{latest} is unreadable: {error}") from None
     target = out_dir / name
@@ -302,7 +302,7 @@ def _join_optimizer_state(tensors: dict[str, Tensor], groups: list[dict]) -> dic
 
 
 def _write_json(path: Path, data: object) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _fsync(path: Path) -> None:

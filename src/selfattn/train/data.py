@@ -80,11 +80,12 @@ class CharTokenizer:
         return hash(self.chars)
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps({"type": "char", "chars": self.chars}, ensure_ascii=False))
+        text = json.dumps({"type": "char", "chars": self.chars}, ensure_ascii=False)
+        path.write_text(text, encoding="utf-8")
 
     @classmethod
     def load(cls, path: Path) -> CharTokenizer:
-        return cls(json.loads(path.read_text())["chars"])
+        return cls(json.loads(path.read_text(encoding="utf-8"))["chars"])
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,9 @@ def train(
     ``save(step, history)`` after each evaluation; ``save`` runs on every rank (it may gather
     state) and is expected to write on rank 0 only. SIGINT/SIGTERM stop the loop between two
     steps (on every rank at the same step), then ``save`` runs and the result says
-    ``interrupted``. Progress goes to ``console`` (None: no output).
+    ``interrupted``. A non-finite validation loss, training loss or weight raises
+    :class:`SelfAttnError` on every rank instead of saving, so the last checkpoint stays good.
+    Progress goes to ``console`` (None: no output).
     """
     device = next(model.parameters()).device
     history = list(history or [])
@@ -208,6 +210,8 @@ def train(
                     "val": evaluate(model, batches, config.eval_iters),
                 }
                 _check_finite(record, saved_step)
+                if save is not None:
+                    _check_savable(model, step_losses[window:], step, saved_step, device)
                 history.append(record)
                 window = len(step_losses)
                 _report(console if progress is None else progress.console, record)
@@ -215,6 +219,7 @@ def train(
                     save(step, history)
                     saved_step = step
     if result.interrupted and save is not None and saved_step != result.step:
+        _check_savable(model, step_losses[window:], result.step, saved_step, device)
         save(result.step, history)
     result.losses = torch.stack(step_losses).tolist() if step_losses else []
     result.wall_seconds = time.perf_counter() - wall_start
@@ -255,15 +260,30 @@ def _stop_requested(
 def _check_finite(record: dict[str, float], saved_step: int) -> None:
     """Stop a run whose loss is no longer a number, before it overwrites the last checkpoint
     (the validation loss is averaged across ranks, so every rank stops at the same step)."""
-    if math.isfinite(record["val"]):
-        return
+    if not math.isfinite(record["val"]):
+        raise _diverged(f"the validation loss is {record['val']}", record["step"], saved_step)
+
+
+def _check_savable(
+    model: nn.Module, losses: list[Tensor], step: int, saved_step: int, device: torch.device
+) -> None:
+    """Refuse to save weights, or the steps since the last save, that are no longer finite: on
+    every path to ``save`` (evaluation, interrupt, end of run), with all ranks agreeing."""
+    weights_finite = bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
+    losses_finite = not losses or bool(torch.isfinite(torch.stack(losses)).all())
+    checks = {"the weights are": weights_finite, "the training loss is": losses_finite}
+    for what, finite in checks.items():
+        if distributed.any_across_ranks(not finite, device):
+            raise _diverged(f"{what} no longer finite", step, saved_step)
+
+
+def _diverged(problem: str, step: int, saved_step: int) -> SelfAttnError:
+    """The one line for a run that stopped being a number at ``step``, and what was kept."""
     if saved_step:
         fix = f"the checkpoint of step {saved_step} is kept: resume it with a lower --lr"
     else:
         fix = "nothing was saved: start again with a lower --lr"
-    raise SelfAttnError(
-        f"training diverged: the validation loss is {record['val']} at step {record['step']}; {fix}"
-    )
+    return SelfAttnError(f"training diverged: {problem} at step {step}; {fix}")
 
 
 def _report(console: Console | None, record: dict[str, float]) -> None:
