@@ -4,6 +4,11 @@ Tolerances (float32 throughout): hidden states 1e-4 absolute, attention weights 
 pooler output 1e-5, sentence embeddings cosine >= 0.99999 to sentence-transformers'.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -291,3 +296,24 @@ def test_backend_reaches_every_attention_module():
     assert backends == {"explicit"}
     with pytest.raises(SelfAttnError, match="unknown attention backend 'nope'"):
         model.set_backend("nope")
+
+
+SHOW_IN_A_BROWSER = """
+import webbrowser
+import selfattn
+webbrowser.open = lambda url: print(url)
+selfattn.load("minilm").run("Un caf\\u00e9, tr\\u00e8s bien \\u65e5\\u672c").show(word="caf\\u00e9")
+"""
+
+
+def test_show_writes_the_page_in_utf8_whatever_the_locale(tmp_path):
+    """Without IPython, show() opens the page from a file: UTF-8 even in an ASCII locale."""
+    env = {**os.environ, "LANG": "C", "LC_ALL": "C", "PYTHONUTF8": "0",
+           "PYTHONCOERCECLOCALE": "0", "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path)}  # fmt: skip
+    shown = subprocess.run(
+        [sys.executable, "-c", SHOW_IN_A_BROWSER],
+        env=env, capture_output=True, text=True, encoding="utf-8", timeout=120,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    page = Path(shown.stdout.strip().removeprefix("file://")).read_text(encoding="utf-8")
+    assert page.startswith("<iframe srcdoc=") and "日" in page

@@ -224,7 +224,9 @@ class Run:
             import tempfile
             import webbrowser
 
-            with tempfile.NamedTemporaryFile("w", suffix=".html", delete=False) as file:
+            with tempfile.NamedTemporaryFile(
+                "w", encoding="utf-8", suffix=".html", delete=False
+            ) as file:
                 file.write(page)
             webbrowser.open(f"file://{file.name}")
             return
