@@ -31,17 +31,19 @@ def qkv(shape=(L, H, T, D), seed=0):
     return tuple(torch.randn(*shape, generator=g) for _ in range(3))
 
 
-def write_page(tmp_path, similarity="dot", causal=False, **selection) -> tuple[Path, tuple]:
+def write_page(
+    tmp_path, similarity="dot", causal=False, tokens=TOKENS, **selection
+) -> tuple[Path, tuple]:
     q, k, v = qkv()
     data = page_payload(
-        tokens=TOKENS,
+        tokens=tokens,
         query=q,
         key=k,
         value=v,
         scale=default_scale(similarity, D),
         similarity=similarity,
         model_name="random q/k/v",
-        text=" ".join(TOKENS),
+        text=" ".join(tokens),
         layer=selection.get("layer", 1),
         head=selection.get("head", 2),
         query_index=selection.get("query_index"),
@@ -104,6 +106,20 @@ def test_clicking_a_token_shows_its_row_as_python_computes_it(
         watched.page.click(f".token[data-index='{i}']")
         assert watched.page.get_attribute(f".token[data-index='{i}']", "class") == "token selected"
         assert_row_matches(watched, trace, i)
+    watched.check_clean()
+
+
+def test_top_keys_name_a_repeated_token_by_its_index(browser, tmp_path):
+    tokens = ["the", "cat", "sat", "the", "mat", "."]
+    path, _ = write_page(tmp_path, tokens=tokens)
+    watched = Watched(browser, path)
+    watched.page.click(".token[data-index='1']")
+    shown = watched.page.eval_on_selector_all(
+        ".top-keys li", "(items) => items.map((li) => [+li.dataset.key, li.firstChild.textContent])"
+    )
+    assert sorted(key for key, _ in shown) == list(range(T))  # every key of 6 listed
+    for key, name in shown:
+        assert name == (f"{key}:the" if tokens[key] == "the" else tokens[key])
     watched.check_clean()
 
 

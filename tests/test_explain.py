@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +26,7 @@ MONEY = "I went to the bank to deposit money."
 MONEY_2 = "She asked the bank for a loan to buy a house."
 RIVER = "We sat on the bank of the river and watched the water."
 TWO_BANKS = "I sat on the bank, then walked to the bank."
+TWO_RIVERS = "We sat on the river bank and the river was high."  # river: tokens 5 and 9
 
 runner = CliRunner()
 
@@ -172,9 +174,65 @@ def test_a_word_split_into_pieces_says_which_piece_is_explained():
     assert "query 5 'bank': similarity" in whole
 
 
-def fake_run(tokens, word_ids, query: int, rows: dict[tuple[int, int], list[float]]):
-    """A recorded run whose layer/head weights are given: ``rows[(layer, head)]`` is the
-    query token's row; every other row is uniform."""
+def test_top_keys_name_a_repeated_token_by_its_index():
+    # "river" and "the" stand twice: their labels carry the token index; the rest stay plain.
+    tokens = ["[CLS]", "the", "river", "bank", "the", "river", "[SEP]"]
+    weights = torch.tensor([0.05, 0.2, 0.3, 0.05, 0.0, 0.25, 0.15])
+    top = explaining.top_keys(tokens, weights, k=4)
+    assert [key.label for key in top] == ["2:river", "5:river", "1:the", "[SEP]"]
+    assert [key.index for key in top] == [2, 5, 1, 6]
+    assert [key.weight for key in top] == pytest.approx([0.3, 0.25, 0.2, 0.15], abs=1e-7)
+
+
+def test_top_attended_line_tells_repeated_words_apart():
+    args = (TWO_RIVERS, "--word", "bank", "--layer", "0", "--head", "0")
+    data = explain_json(*args)
+    tokens, weights = data["tokens"], torch.tensor(data["weights"])
+    assert tokens.count("river") == 2
+    order = weights.argsort(descending=True)[:5].tolist()
+    assert {5, 9} <= set(order)  # both rivers among the top five: the case to tell apart
+    expected = ", ".join(
+        f"{i}:{tokens[i]} {weights[i]:.2f}" if tokens.count(tokens[i]) > 1
+        else f"{tokens[i]} {weights[i]:.2f}"
+        for i in order
+    )  # fmt: skip
+    result = invoke("explain", *args)
+    assert result.exit_code == 0, result.output
+    assert f"top attended: {expected}" in " ".join(result.stdout.split())
+
+
+def other_content_by_hand(run, rows: list[int]) -> torch.Tensor:
+    """(L, H): the mean over ``rows`` of each head's weight on content tokens of other words
+    (content_tokens gives which tokens carry meaning), from run.attention and run.word_ids."""
+    words = {run.word_ids[i] for i in rows}
+    keys = [i for i in explaining.content_tokens(run.tokens, run.word_ids)
+            if run.word_ids[i] not in words]  # fmt: skip
+    maps = torch.stack([run.attention(layer).double() for layer in range(run.n_layers)])
+    return maps[:, :, rows][..., keys].sum(-1).mean(-1)  # (L, H)
+
+
+@pytest.mark.parametrize("query", [["--word", "unbelievably"], ["--index", "5"]], ids=str)
+def test_the_head_for_a_word_in_pieces_is_chosen_on_the_word_row(model, query):
+    # "unbelievably" is un ##bel ##ie ##va ##bly (tokens 3..7); its row as a query is the mean
+    # of its pieces' rows (as --words defines it), whichever piece --index names. The first
+    # piece alone would pick another head (layer 2, head 8). Figures compared at 2 decimals.
+    text = "That was unbelievably good."
+    run = model.run(text)
+    by_word = other_content_by_hand(run, [3, 4, 5, 6, 7])
+    layer, head = divmod(int(by_word.argmax()), by_word.shape[1])
+    by_first_piece = other_content_by_hand(run, [3])
+    assert divmod(int(by_first_piece.argmax()), by_first_piece.shape[1]) != (layer, head)
+    data = explain_json(text, *query)
+    assert (data["layer"], data["head"]) == (layer, head)
+    assert data["choice"].startswith(
+        f"(chosen: 'unbelievably' (the mean of its 5 pieces' rows) puts the most weight "
+        f"here, {by_word.max():.2f}, on other content words"
+    )
+
+
+def fake_run(tokens, word_ids, query: int | list[int], rows: dict[tuple[int, int], list]):
+    """A recorded run whose layer/head weights are given: ``rows[(layer, head)]`` is the row
+    of the query token(s) (one row for all, or one per token); every other row is uniform."""
     n_layers = 1 + max(layer for layer, _ in rows)
     n_heads = 1 + max(head for _, head in rows)
     t = len(tokens)
@@ -189,14 +247,15 @@ def fake_run(tokens, word_ids, query: int, rows: dict[tuple[int, int], list[floa
 
 
 def test_choose_head_counts_only_other_content_words():
-    # The query "bank" (token 3, with its piece "##s"). Each decoy head puts most weight on
-    # what the rule leaves out; head (1, 1) puts the most, 0.5, on other content words.
+    # The query "banks" (tokens 3, 4: "bank" "##s", both with the row given). Each decoy head
+    # puts most weight on what the rule leaves out; head (1, 1) puts the most, 0.5, on other
+    # content words.
     tokens = ["[CLS]", "the", "river", "bank", "##s", ",", "flood", "[SEP]"]
     word_ids = [None, 0, 1, 2, 2, 3, 4, None]
     run = fake_run(
         tokens,
         word_ids,
-        query=3,
+        query=[3, 4],
         rows={  #      CLS   the  river bank  ##s   ,   flood  SEP
             (0, 0): [0.0, 0.0, 0.1, 0.3, 0.5, 0.0, 0.1, 0.0],  # itself: 0.2 left
             (0, 1): [0.45, 0.0, 0.05, 0.0, 0.0, 0.0, 0.05, 0.45],  # special tokens: 0.1
@@ -206,8 +265,32 @@ def test_choose_head_counts_only_other_content_words():
     )
     layer, head, choice = explaining.choose_head(run, query=3)
     assert (layer, head) == (1, 1)
-    assert "'bank' puts" in choice and "0.50" in choice
+    assert "'banks' (the mean of its 2 pieces' rows) puts" in choice and "0.50" in choice
     assert explaining.choose_head(run, query=3, layer=0)[:2] == (0, 0)  # 0.2 beats 0.1
+
+
+@pytest.mark.parametrize("query", [2, 3], ids=["first piece", "second piece"])
+def test_choose_head_measures_a_word_in_pieces_on_the_mean_of_its_rows(query):
+    # "banks" = "bank" (token 2) + "##s" (token 3). Head 0: 0.9 on river + flood from the
+    # first piece, 0.1 from the second, 0.5 for the word; head 1: 0.6 from both pieces. The
+    # word's row (the mean, as --words defines it) makes head 1 the choice, from either piece.
+    tokens = ["[CLS]", "river", "bank", "##s", "flood", "[SEP]"]
+    run = fake_run(
+        tokens,
+        [None, 0, 1, 1, 2, None],
+        query=[2, 3],
+        rows={  #       CLS  river bank  ##s  flood  SEP
+            (0, 0): [[0.05, 0.45, 0.0, 0.0, 0.45, 0.05],  # first piece: 0.9
+                     [0.45, 0.05, 0.0, 0.0, 0.05, 0.45]],  # second piece: 0.1
+            (0, 1): [0.2, 0.3, 0.0, 0.0, 0.3, 0.2],  # both pieces: 0.6
+        },
+    )  # fmt: skip
+    layer, head, choice = explaining.choose_head(run, query=query)
+    assert (layer, head) == (0, 1)
+    assert (
+        "(chosen: 'banks' (the mean of its 2 pieces' rows) puts the most weight here, 0.60,"
+        in choice
+    )
 
 
 def test_scale_and_similarity_experiments_say_sharper_or_flatter():
@@ -317,12 +400,12 @@ def test_view_escapes_user_text(tmp_path):
     assert "<img src=x" not in out.read_text()
 
 
-def attended_by_hand(run, word: str, top: int = 3) -> list[tuple[str, float]]:
+def attended_by_hand(run, word: str, top: int = 3, occurrence: int = 0):
     """The words ``word`` weighs most in the last layer's mean of heads: as a key, a word's
     weight is the sum over its pieces; as a query, the mean over its pieces' rows. The word
     itself and special tokens are left out. Built from run.attention and run.word_ids only."""
     weights = run.attention(run.n_layers - 1).mean(0)  # (T, T)
-    pieces = list(run.word_tokens(word))
+    pieces = list(run.word_tokens(word, occurrence))
     row = weights[pieces].mean(0)
     words: dict[int, list[int]] = {}
     for token, word_id in enumerate(run.word_ids):
@@ -359,6 +442,53 @@ def test_compare_bank_across_sentences(model):
     assert "S1 vs S2" in text and "attends to" in text
 
 
+def test_compare_names_the_attention_read_in_both_numberings():
+    # The table counts hidden states (0 = embeddings .. 6); "attends to" reads attention
+    # layer 5, the last block's, which explain calls --layer 5 and whose output is layer 6.
+    result = invoke("compare", MONEY, RIVER, "--word", "bank")
+    assert result.exit_code == 0, result.output
+    shown = " ".join(result.stdout.split())
+    assert (
+        "(attends to: attention layer 5 (explain --layer 5), mean of heads; its block's output "
+        "is layer 6 in the table)" in shown
+    )
+    rows = re.findall(r"^│\s+(\d+) │", result.stdout, re.MULTILINE)
+    assert rows == [str(layer) for layer in range(7)]  # the table's rows: layers 0..6
+
+
+@pytest.mark.parametrize("occurrence", [0, 1, -1])
+def test_compare_follows_the_occurrence_asked(model, occurrence):
+    # TWO_BANKS has "bank" twice; each sentence's vector is the chosen occurrence's (cosine
+    # recomputed here from run.word_vector, 1e-6), and so is what it attends to.
+    sentences = [TWO_BANKS, "The bank was closed, so we sat by the bank of the river."]
+    data = json.loads(invoke("compare", *sentences, "--word", "bank", "--occurrence",
+                             str(occurrence), "--json").stdout)  # fmt: skip
+    assert data["occurrence"] == occurrence
+    runs = [model.run(sentence) for sentence in sentences]
+    for layer, entry in enumerate(data["layers"]):
+        a, b = (run.word_vector("bank", layer, occurrence).double() for run in runs)
+        cosine = torch.nn.functional.cosine_similarity(a, b, dim=0)
+        assert entry["cosine"][0][1] == pytest.approx(cosine.item(), abs=1e-6)
+    for run, row in zip(runs, data["attended"], strict=True):
+        expected = attended_by_hand(run, "bank", occurrence=occurrence)
+        assert [entry["word"] for entry in row] == [word for word, _ in expected]
+
+
+def test_compare_tells_a_repeated_attended_word_apart():
+    # In the first sentence the last "bank" weighs the first "bank" (token 5): a word the
+    # sentence holds twice is listed with its token index, in the terminal and the JSON.
+    sentences = ["I went to the bank to deposit money at the bank.", RIVER]
+    args = ("compare", *sentences, "--word", "bank", "--occurrence", "-1")
+    data = json.loads(invoke(*args, "--json").stdout)
+    first = {entry["word"]: entry for entry in data["attended"][0]}
+    assert first["bank"]["index"] == 5
+    assert first["deposit"]["index"] == 7
+    shown = " ".join(invoke(*args).stdout.split())
+    assert f"5:bank {first['bank']['weight']:.2f}" in shown
+    assert f"deposit {first['deposit']['weight']:.2f}" in shown and "7:deposit" not in shown
+    assert "n:word = the word at token n" in shown
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -376,10 +506,15 @@ def test_compare_bank_across_sentences(model):
         (["compare", MONEY, "--word", "bank"], "at least two sentences"),
         (["compare", MONEY, RIVER, "--word", "money"], "money"),
         (["compare", MONEY, "banks", "--word", "bank"], "sentence 2 ('banks')"),
+        (["compare", MONEY, "", "--word", "bank"], "sentence 2 (''): the text is empty"),
+        (["compare", MONEY, RIVER, "--word", "bank", "--occurrence", "1"], "sentence 1 ("),
         (["explain", MONEY, "--word", "bank", "--scale", "nan"], "finite"),
         (["explain", MONEY, "--word", "bank", "--scale", "1e308"], "overflow"),
         (["explain", MONEY, "--scale", "2"], "one query of one head"),
-        (["explain", MONEY, "--word", "bank", "--head", "mean", "--scale", "2"], "not 'mean'"),
+        (
+            ["explain", MONEY, "--word", "bank", "--head", "mean", "--scale", "2"],
+            "instead of 'mean'",
+        ),
         (["explain", MONEY, "--png", "/no/such/folder/bank.png"], "does not exist"),
         (["explain", MONEY, "--html", "."], "is a folder"),
         (["explain", MONEY, "--svg", "/proc/bank.svg"], "cannot write /proc/bank.svg"),
@@ -422,20 +557,29 @@ def test_an_occurrence_past_the_last_is_a_clear_error(model):
     assert "\n" not in str(e.value)
 
 
+NO_QUERY = "give the word to explain (--word) or its token index (--index)"
+NO_HEAD = "give a head number instead of 'mean' (or no head, to have one chosen)"
+
+
 @pytest.mark.parametrize(
-    "options",
+    ("options", "missing"),
     [
-        {"layer": 0, "head": 4, "scale": 1.0},  # no query
-        {"layer": 0, "head": 4, "similarity": "cosine"},
-        {"query": 5, "layer": 0, "head": "mean", "scale": 1.0},
-        {"query": 5, "head": "mean", "similarity": "cosine"},
+        ({"layer": 0, "head": 4, "scale": 1.0}, NO_QUERY),
+        ({"layer": 0, "head": 4, "similarity": "cosine"}, NO_QUERY),
+        ({"scale": 1.0}, NO_QUERY),  # a head left out is chosen: only the query is missing
+        ({"query": 5, "layer": 0, "head": "mean", "scale": 1.0}, NO_HEAD),
+        ({"query": 5, "head": "mean", "similarity": "cosine"}, NO_HEAD),
+        ({"head": "mean", "scale": 1.0}, NO_QUERY + " and a head number instead of 'mean'"),
     ],
     ids=str,
 )
-def test_another_similarity_or_scale_needs_one_query_of_one_head(money_run, options):
+def test_another_similarity_or_scale_names_what_is_missing(money_run, options, missing):
     with pytest.raises(ValueError, match="for one query of one head") as error:
         explaining.explain(money_run, model_name="minilm", **options)
-    assert "\n" not in str(error.value)
+    message = str(error.value)
+    assert "\n" not in message and missing in message
+    if missing == NO_QUERY:
+        assert "head" not in message.split(": ", 1)[1]  # nothing asked of the head
 
 
 @pytest.mark.parametrize("scale", [1e308, -1e308])

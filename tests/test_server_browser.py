@@ -21,6 +21,7 @@ pytestmark = needs_chromium
 
 BANK = "I went to the bank to deposit money."
 RIVER = "We sat on the bank of the river and watched the water."
+RIVER_TWICE = "We sat on the bank of the river and watched the river."
 XSS = "<img src=x onerror=alert(1)>"
 # The page computes in float64 from the float32 q, k, v; the API's explain in float32. Weights
 # and outputs agree to 1e-6 absolute; scores and scaled scores (|x| up to ~30 here, sums of
@@ -148,11 +149,11 @@ def test_compare_view_for_the_bank_sentences(browser, base_url):
     page = watched.page
     page.click("#tab-compare")
     page.fill(".sentence-row:nth-child(1) .compare-sentence", BANK)
-    page.fill(".sentence-row:nth-child(2) .compare-sentence", RIVER)
+    page.fill(".sentence-row:nth-child(2) .compare-sentence", RIVER_TWICE)
     page.fill("#compare-word", "bank")
     page.click("#compare-run")
     watched.wait("#compare-result")
-    expected = api(base_url, "/api/compare", {"sentences": [BANK, RIVER], "word": "bank"})
+    expected = api(base_url, "/api/compare", {"sentences": [BANK, RIVER_TWICE], "word": "bank"})
     cells = page.eval_on_selector_all(
         "#compare-table td[data-pair='0-1']", "(cells) => cells.map((c) => +c.dataset.value)"
     )
@@ -160,11 +161,14 @@ def test_compare_view_for_the_bank_sentences(browser, base_url):
     for i, attended in enumerate(expected["attended"]):
         chips = page.eval_on_selector_all(
             f"#compare-attended li[data-sentence='{i}'] .chip",
-            "(chips) => chips.map((c) => [c.dataset.word, +c.dataset.weight])",
+            "(chips) => chips.map((c) => "
+            "[c.dataset.word, c.firstChild.textContent, +c.dataset.weight])",
         )
-        assert chips == [[a["word"], pytest.approx(a["weight"], abs=TOL)] for a in attended]
+        assert chips == [
+            [a["word"], a["label"], pytest.approx(a["weight"], abs=TOL)] for a in attended
+        ]
+    assert "8:river" in page.text_content("#compare-attended li[data-sentence='1']")  # twice in S2
     assert "deposit" in page.text_content("#compare-attended li[data-sentence='0']")
-    assert "river" in page.text_content("#compare-attended li[data-sentence='1']")
 
     watched.open(page.url.removeprefix(base_url))  # view=compare&s=...&s=...&word=bank
     watched.wait("#compare-result")

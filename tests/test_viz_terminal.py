@@ -8,7 +8,7 @@ from rich.cells import cell_len
 from rich.console import Console
 
 from selfattn import attention
-from selfattn.explain import Comparison
+from selfattn.explain import Attended, Comparison
 from selfattn.viz.report import print_comparison
 from selfattn.viz.terminal import bar, heatmap, step_table, weights_bars
 
@@ -113,7 +113,7 @@ def test_comparison_prints_every_similarity_whole(sentences, width):
     """Layers as rows while the pairs fit the terminal, else pairs as rows: never a cut cell."""
     similarity = torch.rand(7, sentences, sentences, generator=torch.Generator().manual_seed(1))
     texts = [f"sentence {i} with the word" for i in range(sentences)]
-    attended = [[("with", 0.5)] for _ in texts]
+    attended = [[Attended("with", 0.5, 3, repeated=False)] for _ in texts]
     console = Console(record=True, width=width, color_system=None)
     print_comparison(console, Comparison("word", texts, similarity, attended, 5), "model")
     text = console.export_text()
@@ -124,3 +124,31 @@ def test_comparison_prints_every_similarity_whole(sentences, width):
             assert f"{float(similarity[layer, a, b]):.3f}" in text
     layers_as_rows = len(pairs) * 11 + 9 <= width  # each pair column about 11 wide
     assert ("S1 vs S2 │" in text) != layers_as_rows  # a pair as a row's label
+
+
+def compared(attended: list[list[Attended]], occurrence: int = 0) -> str:
+    similarity = torch.ones(7, 2, 2)
+    texts = ["the bank by the bank", "a river bank"]
+    comparison = Comparison("bank", texts, similarity, attended, 5, occurrence)
+    console = Console(record=True, width=200, color_system=None)
+    print_comparison(console, comparison, "model")
+    return " ".join(console.export_text().split())
+
+
+def test_comparison_lists_a_repeated_word_with_its_token_index():
+    repeated = [
+        [Attended("bank", 0.25, 5, repeated=True), Attended("the", 0.15, 1, repeated=True)],
+        [Attended("river", 0.5, 2, repeated=False)],
+    ]
+    text = compared(repeated)
+    assert "attends to: 5:bank 0.25, 1:the 0.15" in text
+    assert "attends to: river 0.50" in text
+    assert "n:word = the word at token n" in text
+    plain = compared([[Attended("river", 0.5, 2, repeated=False)]] * 2)
+    assert "n:word" not in plain and "attends to: river 0.50" in plain
+
+
+def test_comparison_says_which_occurrence_it_follows():
+    attended = [[Attended("river", 0.5, 2, repeated=False)]] * 2
+    assert "'bank' (--occurrence -1) across sentences" in compared(attended, occurrence=-1)
+    assert "'bank' across sentences" in compared(attended)

@@ -418,6 +418,10 @@ def compare(
         typer.Argument(metavar="SENTENCE", help="Two or more sentences with the word."),
     ],
     word: Annotated[str, typer.Option(help="The word to follow across the sentences.")],
+    occurrence: Annotated[
+        int,
+        typer.Option(help="Which occurrence of --word in each sentence (0 = first, -1 = last)."),
+    ] = 0,
     model: Annotated[str, typer.Option(help=MODEL_HELP)] = "minilm",
     checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
     truncate: Annotated[bool, _flag("--truncate", TRUNCATE_HELP)] = False,
@@ -436,8 +440,9 @@ def compare(
         raise _fail("give at least two sentences to compare", 2)
     with _user_errors():
         network = _load(model, checkpoint)
-        runs = [network.run(sentence, truncate=truncate) for sentence in sentences]
-        comparison = explaining.compare(runs, word)
+        comparison = explaining.compare_texts(
+            network, sentences, word, occurrence=occurrence, truncate=truncate
+        )
         if as_json:
             typer.echo(json.dumps(comparison.to_json() | {"model": network.name}))
         else:

@@ -15,6 +15,8 @@ Merging word pieces (``words=True``): a word's weight as a key is the **sum** ov
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -173,6 +175,8 @@ def explain(
             raise ValueError(
                 f"head {head!r} is out of range: this model has heads 0..{n_heads - 1}, or 'mean'"
             )
+    if similarity is not None or scale is not None:
+        _check_experiment(query, head)
     choice = "(as asked)"
     if layer is None or head is None:
         layer, head_index, choice = choose_head(run, query, layer, head)
@@ -191,13 +195,6 @@ def explain(
             if not torch.isfinite(alternative.scaled).all():
                 overflow = f"scale {alternative.scale:g} makes the scaled scores overflow"
                 raise ValueError(f"{overflow}; give a smaller scale")
-    elif similarity is not None or scale is not None:
-        raise ValueError(
-            "another similarity or scale is recomputed for one query of one head: give a "
-            "word (or token index) and a head number, not 'mean'"
-        )
-    all_groups = word_groups(run.tokens, run.word_ids)
-    query_word = None if query is None else next(g for g in all_groups if query in g[1])
     return Explanation(
         model=model_name,
         text=run.read_text,
@@ -210,9 +207,24 @@ def explain(
         steps=steps,
         recorded_output=recorded,
         alternative=alternative,
-        groups=all_groups if words else None,
-        query_word=query_word,
+        groups=word_groups(run.tokens, run.word_ids) if words else None,
+        query_word=None if query is None else word_of(run.tokens, run.word_ids, query),
     )
+
+
+def _check_experiment(query: int | None, head: int | str | None) -> None:
+    """Refuse another similarity or scale without one query of one head, naming what is
+    missing (a head left out is chosen, so only 'mean' is in the way)."""
+    missing = []
+    if query is None:
+        missing.append("the word to explain (--word) or its token index (--index)")
+    if head == HEAD_MEAN:
+        missing.append("a head number instead of 'mean' (or no head, to have one chosen)")
+    if missing:
+        raise ValueError(
+            "another similarity or scale is recomputed for one query of one head: give "
+            + " and ".join(missing)
+        )
 
 
 def explain_text(
@@ -266,11 +278,15 @@ def content_tokens(tokens: list[str], word_ids: list[int | None]) -> list[int]:
 def choose_head(
     run: RecordedRun, query: int | None, layer: int | None = None, head: int | str | None = None
 ) -> tuple[int, int | None, str]:
-    """The (layer, head) where the query (or each content token) weighs other content words
-    most, with the reason to show; a given ``layer`` or ``head`` (a number, or "mean": the
-    mean of heads, head None) stays as given and the rest is chosen."""
+    """The (layer, head) where the query's word (or each content token) weighs other content
+    words most, with the reason to show; a given ``layer`` or ``head`` (a number, or "mean":
+    the mean of heads, head None) stays as given and the rest is chosen.
+
+    A word split into pieces is measured on its row as ``words=True`` defines it: the mean
+    of its pieces' rows.
+    """
     content = content_tokens(run.tokens, run.word_ids)
-    queries = [query] if query is not None else content or list(range(len(run.tokens)))
+    queries, who = _measured_rows(run, query, content)
     word = torch.tensor([-1 if w is None else w for w in run.word_ids])
     other_content = torch.zeros(len(run.tokens), len(run.tokens), dtype=torch.bool)
     other_content[:, content] = True
@@ -289,7 +305,6 @@ def choose_head(
         if per_head[best_here].item() > best[0]:
             best = (per_head[best_here].item(), index, best_here if head is None else head)
     score, index, chosen = best
-    who = f"'{run.tokens[query]}' puts" if query is not None else "the words put"
     chosen_flags = "/".join(
         flag for flag, given in (("--layer", layer), ("--head", head)) if given is None
     )
@@ -298,6 +313,19 @@ def choose_head(
         f"pick another with {chosen_flags})"
     )
     return index, None if chosen == HEAD_MEAN else chosen, choice
+
+
+def _measured_rows(
+    run: RecordedRun, query: int | None, content: list[int]
+) -> tuple[list[int], str]:
+    """The query rows :func:`choose_head` averages, and who they are for its reason: the
+    query's word (all its pieces), or without a query every content token."""
+    if query is None:
+        return content or list(range(len(run.tokens))), "the words put"
+    name, pieces = word_of(run.tokens, run.word_ids, query)
+    if len(pieces) == 1:
+        return pieces, f"'{name}' puts"
+    return pieces, f"'{name}' (the mean of its {len(pieces)} pieces' rows) puts"
 
 
 def word_groups(tokens: list[str], word_ids: list[int | None]) -> list[tuple[str, list[int]]]:
@@ -315,6 +343,11 @@ def word_groups(tokens: list[str], word_ids: list[int | None]) -> list[tuple[str
     return [(_join_pieces([tokens[i] for i in members]), members) for _, members in groups]
 
 
+def word_of(tokens: list[str], word_ids: list[int | None], token: int) -> tuple[str, list[int]]:
+    """The word that ``token`` belongs to, and all its tokens (its pieces)."""
+    return next(group for group in word_groups(tokens, word_ids) if token in group[1])
+
+
 def _join_pieces(pieces: list[str]) -> str:
     return pieces[0].strip() + "".join(piece.removeprefix("##").strip() for piece in pieces[1:])
 
@@ -328,10 +361,28 @@ def merge_words(weights: Tensor, groups: list[list[int]]) -> Tensor:
     return (membership.T @ weights @ membership) / counts[:, None]
 
 
-def top_keys(tokens: list[str], weights: Tensor, k: int = 5) -> list[tuple[str, float]]:
-    """The k most weighted keys of one row, as (token, weight)."""
+@dataclass(frozen=True)
+class Attended:
+    """One key (a token, or a merged word) of a query's row, with the weight it gets."""
+
+    name: str
+    weight: float
+    index: int  # its token index (a word's: its first token's)
+    repeated: bool  # the text has another key of the same name
+
+    @property
+    def label(self) -> str:
+        """The name as listed: "9:river" (token index first) where the name alone is ambiguous."""
+        return f"{self.index}:{self.name}" if self.repeated else self.name
+
+
+def top_keys(tokens: list[str], weights: Tensor, k: int = 5) -> list[Attended]:
+    """The k most weighted keys of one row, most weighted first."""
     values, indices = weights.topk(min(k, weights.shape[-1]))
-    return [(tokens[i], v) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+    return [
+        Attended(tokens[i], weight, i, tokens.count(tokens[i]) > 1)
+        for i, weight in zip(indices.tolist(), values.tolist(), strict=True)
+    ]
 
 
 def stacked_qkv(run: RecordedRun) -> tuple[Tensor, Tensor, Tensor]:
@@ -350,12 +401,14 @@ class Comparison:
     word: str
     sentences: list[str]
     similarity: Tensor  # (L+1, N, N); layer 0 is the embedding output
-    attended: list[list[tuple[str, float]]]  # per sentence: the words it weighs most
-    attended_layer: int
+    attended: list[list[Attended]]  # per sentence: the words it weighs most
+    attended_layer: int  # the attention layer read (0-based, as explain's --layer)
+    occurrence: int = 0  # which occurrence of the word in each sentence (-1: the last)
 
     def to_json(self) -> dict:
         return {
             "word": self.word,
+            "occurrence": self.occurrence,
             "sentences": self.sentences,
             "layers": [
                 {"layer": layer, "cosine": _list(matrix)}
@@ -363,7 +416,11 @@ class Comparison:
             ],
             "attended_layer": self.attended_layer,
             "attended": [
-                [{"word": word, "weight": weight} for word, weight in row] for row in self.attended
+                [
+                    {"word": a.name, "label": a.label, "weight": a.weight, "index": a.index}
+                    for a in row
+                ]
+                for row in self.attended
             ],
         }
 
@@ -374,37 +431,65 @@ class VectorRun(RecordedRun, Protocol):
     def word_tokens(self, word: str, occurrence: int = 0) -> range: ...
 
 
-def compare(runs: list[VectorRun], word: str, top: int = 3) -> Comparison:
+@contextmanager
+def _naming_sentence(number: int, text: str) -> Iterator[None]:
+    """An error about one of the compared sentences says which: "sentence 2 ('banks'): ..."."""
+    try:
+        yield
+    except SelfAttnError as error:
+        raise SelfAttnError(f"sentence {number} ({text!r}): {error}") from None
+
+
+def compare_texts(
+    model: TextModel,
+    sentences: list[str],
+    word: str,
+    *,
+    occurrence: int = 0,
+    truncate: bool = False,
+) -> Comparison:
+    """Run each sentence through ``model`` and compare ``word`` across them (:func:`compare`).
+
+    This is what ``selfattn compare`` calls; an error names the sentence it is about.
+    """
+    runs = []
+    for number, sentence in enumerate(sentences, 1):
+        with _naming_sentence(number, sentence):
+            runs.append(model.run(sentence, truncate=truncate))
+    return compare(runs, word, occurrence=occurrence)  # type: ignore[arg-type]
+
+
+def compare(runs: list[VectorRun], word: str, top: int = 3, occurrence: int = 0) -> Comparison:
     """Cosine similarity of ``word``'s contextual vector between every pair of runs.
 
-    What the word attends to is read in the last layer, mean of heads, merged to words,
-    leaving out special tokens and the word itself.
+    ``occurrence`` picks the word in each run (0 = first, -1 = last). What the word attends
+    to is read in the last attention layer, mean of heads, merged to words, leaving out
+    special tokens and the word itself.
     """
     n_layers = runs[0].hidden_states.shape[0]
     vectors = []
     for number, run in enumerate(runs, 1):
-        try:
-            vectors.append(torch.stack([run.word_vector(word, layer) for layer in range(n_layers)]))
-        except SelfAttnError as error:
-            raise SelfAttnError(f"sentence {number} ({run.text!r}): {error}") from None
+        with _naming_sentence(number, run.text):
+            layers = [run.word_vector(word, layer, occurrence) for layer in range(n_layers)]
+        vectors.append(torch.stack(layers))
     vectors = torch.stack(vectors)  # (N, L+1, D)
     unit = torch.nn.functional.normalize(vectors.double(), dim=-1)
     similarity = torch.einsum("ald,bld->lab", unit, unit)  # (L+1, N, N)
     last = n_layers - 2
-    attended = [attended_words(run, run.word_tokens(word), last, top) for run in runs]
-    return Comparison(word, [run.text for run in runs], similarity, attended, last)
+    attended = [attended_words(run, run.word_tokens(word, occurrence), last, top) for run in runs]
+    texts = [run.text for run in runs]
+    return Comparison(word, texts, similarity, attended, last, occurrence)
 
 
-def attended_words(
-    run: RecordedRun, pieces: range, layer: int, top: int
-) -> list[tuple[str, float]]:
+def attended_words(run: RecordedRun, pieces: range, layer: int, top: int) -> list[Attended]:
     """The words that the word made of ``pieces`` weighs most (mean of heads, merged)."""
     groups = word_groups(run.tokens, run.word_ids)
+    names = [name for name, _ in groups]
     weights = run.captures.layer(layer)[0].weights().mean(0)  # (T, T)
     merged = merge_words(weights, [members for _, members in groups])
     row = next(i for i, (_, members) in enumerate(groups) if pieces.start in members)
     ranked = [
-        (groups[j][0], float(merged[row, j]))
+        Attended(names[j], float(merged[row, j]), groups[j][1][0], names.count(names[j]) > 1)
         for j in merged[row].argsort(descending=True).tolist()
         if j != row and run.word_ids[groups[j][1][0]] is not None
     ]

@@ -58,6 +58,7 @@ MAX_SENTENCES = 4
 MAX_BODY = 256 * 2**10  # bytes: 4 texts at the limit, every character \u-escaped, fit
 WORKERS = 2  # model runs at once (the CPU has few cores; more only queue inside torch)
 QUEUE = 8  # requests admitted beyond the running ones; the next get 503
+OCCURRENCE = "Which occurrence of word (0 = first, -1 = last)."
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]")  # names in a Host header (IPv6 in brackets)
 HOST_HEADER = re.compile(r"(?P<name>\[[0-9a-f:.]+\]|[^:\[\]]+)(?::\d+)?", re.IGNORECASE)
 API = ("GET /api/models", "POST /api/view", "POST /api/compare", "POST /api/explain")
@@ -100,7 +101,7 @@ class Selection(StrictBody):
         None, max_length=MAX_CHARS, description="The word to explain as a query."
     )
     index: int | None = Field(None, description="The token index to explain instead of word.")
-    occurrence: int = Field(0, description="Which occurrence of word (0 = first, -1 = last).")
+    occurrence: int = Field(0, description=OCCURRENCE)
     layer: Layer = None
     head: Head = None
 
@@ -122,6 +123,7 @@ class CompareRequest(StrictBody):
 
     sentences: list[str] = Field(min_length=2, max_length=MAX_SENTENCES)
     word: str = Field(max_length=MAX_CHARS, description="The word to follow across the sentences.")
+    occurrence: int = Field(0, description=OCCURRENCE + " In every sentence.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,7 +345,9 @@ def _view(model: Model, body: Selection) -> Response:
 
 
 def _compare(model: Model, body: CompareRequest) -> Response:
-    comparison = explaining.compare([model.run(s) for s in body.sentences], body.word)
+    comparison = explaining.compare_texts(
+        model, body.sentences, body.word, occurrence=body.occurrence
+    )
     return as_json(comparison.to_json() | {"model": model.name})
 
 

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from selfattn.attention import default_scale
 from selfattn.explain import (
+    Attended,
     Comparison,
     Explanation,
     RecordedRun,
@@ -85,10 +86,9 @@ def print_explanation(console: Console, e: Explanation) -> None:
             )
         )
         console.print(step_table(labels, steps.scores, steps.scaled, steps.weights, steps.scale))
-        top = ", ".join(
-            f"{token} {weight:.2f}" for token, weight in top_keys(labels, steps.weights)
+        console.print(
+            Text.assemble(("top attended: ", "bold"), _listed(top_keys(labels, steps.weights)))
         )
-        console.print(f"[bold]top attended:[/] {top}")
         output = steps.output
         own = float(steps.weights[e.query])
         dims = ", ".join(f"{x:+.3f}" for x in output[:OUTPUT_DIMS].tolist())
@@ -110,6 +110,11 @@ def print_explanation(console: Console, e: Explanation) -> None:
         row = next(i for i, (_, members) in enumerate(e.groups) if e.query in members)
         console.print(weights_bars(labels, matrix[row], f"'{labels[row]}' by word (pieces merged)"))
     console.print(heatmap(labels, labels, matrix, f"attention, {_where(e)}"))
+
+
+def _listed(attended: list[Attended]) -> str:
+    """Attended keys as a line, "deposit 0.68, 9:river 0.07" (an index where a name repeats)."""
+    return ", ".join(f"{key.label} {key.weight:.2f}" for key in attended)
 
 
 def _piece_note(e: Explanation) -> str:
@@ -190,7 +195,7 @@ def _similarity_table(c: Comparison, model: str, layers_as_rows: bool) -> Table:
             zip(pair_names, zip(*cells, strict=True), strict=True),
         )
     table = Table(
-        title=f"'{c.word}' across sentences ({model}): cosine similarity of its vectors",
+        title=f"{_followed(c)} across sentences ({model}): cosine similarity of its vectors",
         caption="layer 0 = the embedding output; 1.000 = the same direction",
     )
     for name in (corner, *columns):
@@ -198,6 +203,11 @@ def _similarity_table(c: Comparison, model: str, layers_as_rows: bool) -> Table:
     for name, values in rows:
         table.add_row(name, *values)
     return table
+
+
+def _followed(c: Comparison) -> str:
+    """The compared word, with the occurrence followed when it is not the first."""
+    return f"'{c.word}'" + (f" (--occurrence {c.occurrence})" if c.occurrence else "")
 
 
 def print_comparison(console: Console, c: Comparison, model: str) -> None:
@@ -208,12 +218,19 @@ def print_comparison(console: Console, c: Comparison, model: str) -> None:
         table = _similarity_table(c, model, layers_as_rows=False)
     sentences = Table.grid(padding=(0, 2))
     for i, (sentence, attended) in enumerate(zip(c.sentences, c.attended, strict=True)):
-        words = ", ".join(f"{word} {weight:.2f}" for word, weight in attended)
-        sentences.add_row(f"S{i + 1}", Text(sentence), Text(f"attends to: {words}", style="cyan"))
-    console.print(
-        Group(
-            sentences,
-            Text(f"(attention: layer {c.attended_layer}, mean of heads)", style="dim"),
-            table,
-        )
+        listed = Text(f"attends to: {_listed(attended)}", style="cyan")
+        sentences.add_row(f"S{i + 1}", Text(sentence), listed)
+    console.print(Group(sentences, Text(_attention_note(c), style="dim"), table))
+
+
+def _attention_note(c: Comparison) -> str:
+    """Which attention "attends to" reads, in explain's terms (--layer counts attention
+    layers from 0) and in the table's (its layer n is the output of the n-th block)."""
+    layer = c.attended_layer
+    note = (
+        f"attends to: attention layer {layer} (explain --layer {layer}), mean of heads; its "
+        f"block's output is layer {layer + 1} in the table"
     )
+    if any(key.repeated for row in c.attended for key in row):
+        note += "; n:word = the word at token n, where a sentence has it more than once"
+    return f"({note})"

@@ -538,11 +538,14 @@
     const head = h("p", { class: "summary-head" }, preview ? "preview: " : "", `query ${i} “`, h("b", {}, model.tokens[i]), "” looks at");
     const list = h("ol", { class: "top-keys" });
     const largest = row[top[0]] || 1;
+    const repeated = (token) => model.tokens.indexOf(token) !== model.tokens.lastIndexOf(token);
     for (const j of top) {
       const bar = h("span", { class: "bar" });
       bar.style.width = `${(row[j] / largest) * 100}%`;
+      const token = model.tokens[j];
+      const name = repeated(token) ? `${j}:${token}` : token; // "9:river" where the text has it twice
       list.append(
-        h("li", { "data-key": String(j), "data-weight": String(row[j]) }, h("span", { class: "tok" }, model.tokens[j]), h("span", { class: "bar-track" }, bar), h("span", { class: "num" }, fmt(row[j], 3))),
+        h("li", { "data-key": String(j), "data-weight": String(row[j]) }, h("span", { class: "tok" }, name), h("span", { class: "bar-track" }, bar), h("span", { class: "num" }, fmt(row[j], 3))),
       );
     }
     const rest = row.filter((w, j) => w > 0 && !top.includes(j)).length;
