@@ -124,6 +124,9 @@ def test_comparison_prints_every_similarity_whole(sentences, width):
             assert f"{float(similarity[layer, a, b]):.3f}" in text
     layers_as_rows = len(pairs) * 11 + 9 <= width  # each pair column about 11 wide
     assert ("S1 vs S2 │" in text) != layers_as_rows  # a pair as a row's label
+    lines = [line.strip() for line in text.splitlines()]  # the title whole, not wrapped
+    assert "'word' across sentences (model): cosine similarity of its vectors" in lines
+    assert "attends to: with 0.50" in lines  # on its own line, under its sentence
 
 
 def compared(attended: list[list[Attended]], occurrence: int = 0) -> str:

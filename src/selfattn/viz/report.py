@@ -179,7 +179,7 @@ def page_data(run: RecordedRun, e: Explanation) -> dict:
     )  # fmt: skip
 
 
-def _similarity_table(c: Comparison, model: str, layers_as_rows: bool) -> Table:
+def _similarity_table(c: Comparison, layers_as_rows: bool) -> Table:
     """The word's cosine similarity for each layer and sentence pair: layers as rows, or, for
     many pairs in a narrow terminal, pairs as rows."""
     pairs = list(combinations(range(len(c.sentences)), 2))
@@ -194,10 +194,7 @@ def _similarity_table(c: Comparison, model: str, layers_as_rows: bool) -> Table:
             layer_names,
             zip(pair_names, zip(*cells, strict=True), strict=True),
         )
-    table = Table(
-        title=f"{_followed(c)} across sentences ({model}): cosine similarity of its vectors",
-        caption="layer 0 = the embedding output; 1.000 = the same direction",
-    )
+    table = Table()
     for name in (corner, *columns):
         table.add_column(name, justify="right", no_wrap=True)
     for name, values in rows:
@@ -212,15 +209,24 @@ def _followed(c: Comparison) -> str:
 
 def print_comparison(console: Console, c: Comparison, model: str) -> None:
     """The word's cosine similarity between sentence pairs, layer by layer, and what it attends."""
-    table = _similarity_table(c, model, layers_as_rows=True)
+    table = _similarity_table(c, layers_as_rows=True)
     unbounded = console.options.update_width(10_000)
     if Measurement.get(console, unbounded, table).maximum > console.width:
-        table = _similarity_table(c, model, layers_as_rows=False)
+        table = _similarity_table(c, layers_as_rows=False)
     sentences = Table.grid(padding=(0, 2))
     for i, (sentence, attended) in enumerate(zip(c.sentences, c.attended, strict=True)):
-        listed = Text(f"attends to: {_listed(attended)}", style="cyan")
-        sentences.add_row(f"S{i + 1}", Text(sentence), listed)
-    console.print(Group(sentences, Text(_attention_note(c), style="dim"), table))
+        sentences.add_row(f"S{i + 1}", Text(sentence))
+        sentences.add_row("", Text(f"attends to: {_listed(attended)}", style="cyan"))
+    title = f"{_followed(c)} across sentences ({model}): cosine similarity of its vectors"
+    console.print(
+        Group(
+            sentences,
+            Text(_attention_note(c), style="dim"),
+            Text(f"\n{title}", style="bold"),
+            table,
+            Text("layer 0 = the embedding output; 1.000 = the same direction", style="dim"),
+        )
+    )
 
 
 def _attention_note(c: Comparison) -> str:
