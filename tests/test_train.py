@@ -301,19 +301,23 @@ class _GlobalBatch:
         return torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])
 
 
-def test_two_process_ddp_matches_one_process_with_the_global_batch(corpus, tmp_path):
-    """gloo DDP, 2 ranks × batch 4: identical ranks; = 1 process × batch 8 within 1e-5."""
-    overrides = {"max_iters": 8, "batch_size": 4, "eval_interval": 8}
+def _run_two_ranks(worker, *args, seconds: float = 120) -> None:
+    """``worker(rank, port, *args)`` on two spawned gloo ranks; fail after ``seconds``."""
     context = mp.start_processes(
-        _ddp_worker, args=(_free_port(), corpus, tmp_path, overrides), nprocs=2, join=False,
-        start_method="spawn",
-    )  # fmt: skip
-    deadline = time.monotonic() + 120
+        worker, args=(_free_port(), *args), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + seconds
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail("DDP workers did not finish within 120 s")
+            pytest.fail(f"DDP workers did not finish within {seconds:.0f} s")
+
+
+def test_two_process_ddp_matches_one_process_with_the_global_batch(corpus, tmp_path):
+    """gloo DDP, 2 ranks × batch 4: identical ranks; = 1 process × batch 8 within 1e-5."""
+    overrides = {"max_iters": 8, "batch_size": 4, "eval_interval": 8}
+    _run_two_ranks(_ddp_worker, corpus, tmp_path, overrides)
     rank0 = load_file(str(tmp_path / "rank0.safetensors"))
     rank1 = load_file(str(tmp_path / "rank1.safetensors"))
     assert all(torch.equal(rank0[key], rank1[key]) for key in rank0)
@@ -367,16 +371,7 @@ def _ddp_poison_worker(rank: int, port: int, out: Path) -> None:
 def test_ddp_ranks_agree_to_refuse_a_save_when_one_rank_is_not_finite(tmp_path):
     """gloo, 2 ranks: NaN weights on rank 1 only, Ctrl-C on rank 0 only: both ranks stop at
     step 4 and refuse its save with the same line (rank 0 used to save rank 0's weights)."""
-    context = mp.start_processes(
-        _ddp_poison_worker, args=(_free_port(), tmp_path), nprocs=2, join=False,
-        start_method="spawn",
-    )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("DDP workers did not finish within 120 s")
+    _run_two_ranks(_ddp_poison_worker, tmp_path)
     kept = (
         "training diverged: the weights are no longer finite at step 4; the checkpoint of "
         "step 3 is kept: resume it with a lower --lr"
