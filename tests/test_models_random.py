@@ -182,6 +182,23 @@ def test_gpt2_run_records_causal_attention(gpt2_folder):
     assert run.hidden_states.shape == (4, len(run.tokens), 40)
 
 
+def test_gpt2_run_attention_equals_hugging_face_eager_attentions(gpt2_folder):
+    """What explain shows of a decoder (Run.attention, recomputed from the recorded q and k),
+    its logits and states equal Hugging Face's eager path within 1e-5: causal rows included."""
+    folder, _ = gpt2_folder
+    model = selfattn.load(folder)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(folder, attn_implementation="eager").eval()
+    run = model.run("I went to the bank.\nCafé crème, 12345!")
+    with torch.no_grad():
+        theirs = hf(
+            torch.tensor([run.token_ids]), output_attentions=True, output_hidden_states=True
+        )
+    for layer, attention in enumerate(theirs.attentions):
+        torch.testing.assert_close(run.attention(layer), attention[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(run.logits, theirs.logits[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(run.hidden_states[1], theirs.hidden_states[1][0], atol=1e-4, rtol=0)
+
+
 def test_bert_name_map_covers_both_state_dicts_with_matching_shapes(bert_folder):
     _, hf = bert_folder
     ours = Bert(BertConfig(97, 48, 3, 4, 71, 40, pooler=True))

@@ -9,6 +9,10 @@ puts the most weight on *other content words* — not itself, not special tokens
 (``[CLS]``, ``[SEP]``), not punctuation, not a short list of English stop words. Without a
 query word, the same measure averaged over every content token.
 
+Masked keys (a decoder's causal mask: query i sees keys 0..i only) get weight exactly 0;
+:attr:`Explanation.masked` says which they are, so that no view mistakes them for keys the
+model weighed and found unimportant.
+
 Merging word pieces (``words=True``): a word's weight as a key is the **sum** over its pieces
 (so rows still sum to 1); a word's row as a query is the **mean** over its pieces' rows.
 """
@@ -88,6 +92,13 @@ class Explanation:
     alternative: Steps | None  # the same head with another similarity or scale
     groups: list[tuple[str, list[int]]] | None  # words and their tokens, when merged
     query_word: tuple[str, list[int]] | None  # the query's word and its tokens (its pieces)
+    causal: bool  # a decoder: each query sees only the keys up to itself
+    masked: Tensor  # (T, S) bool: True where the query may not attend the key (weight 0)
+
+    @property
+    def masked_keys(self) -> list[int]:
+        """The keys the query may not attend (after it, in a decoder); [] without a query."""
+        return [] if self.query is None else self.masked[self.query].nonzero()[:, 0].tolist()
 
     @property
     def weights(self) -> Tensor | None:
@@ -116,6 +127,8 @@ class Explanation:
             "output": _list(steps.output) if steps else None,
             "entropy_bits": steps.entropy if steps else None,
             "attention": _list(self.attention),
+            "causal": self.causal,
+            "masked_keys": None if self.query is None else self.masked_keys,
         }
         if self.alternative is not None:
             alt = self.alternative
@@ -181,7 +194,8 @@ def explain(
     if layer is None or head is None:
         layer, head_index, choice = choose_head(run, query, layer, head)
     capture = captures.layer(layer)[0]
-    all_weights = capture.weights()  # (H, T, T)
+    trace = capture.trace()  # every head: (H, T, T)
+    all_weights = trace.weights
     attention_map = all_weights.mean(0) if head_index is None else all_weights[head_index]
 
     steps = recorded = alternative = None
@@ -209,7 +223,15 @@ def explain(
         alternative=alternative,
         groups=word_groups(run.tokens, run.word_ids) if words else None,
         query_word=None if query is None else word_of(run.tokens, run.word_ids, query),
+        causal=capture.causal,
+        masked=never_attended(trace),
     )
+
+
+def never_attended(trace: AttentionTrace) -> Tensor:
+    """(T, S) bool: the (query, key) pairs that the mask hides in every head (weight 0)."""
+    hidden = torch.isneginf(trace.masked)
+    return hidden.all(0) if hidden.dim() == 3 else hidden
 
 
 def _check_experiment(query: int | None, head: int | str | None) -> None:
@@ -329,18 +351,22 @@ def _measured_rows(
 
 
 def word_groups(tokens: list[str], word_ids: list[int | None]) -> list[tuple[str, list[int]]]:
-    """Each word with its tokens, in order; special tokens stay groups of their own."""
-    groups: list[tuple[str, list[int]]] = []
+    """Each word with its tokens, in order. Tokens of no word (special tokens; whitespace in
+    character-level and byte-level models) stay groups of their own, named as they are."""
+    groups: list[tuple[bool, list[int]]] = []  # (is a word, its tokens)
     seen: dict[int, int] = {}
-    for i, (token, word) in enumerate(zip(tokens, word_ids, strict=True)):
+    for i, word in enumerate(word_ids):
         if word is None:
-            groups.append((token, [i]))
+            groups.append((False, [i]))
         elif word in seen:
             groups[seen[word]][1].append(i)
         else:
             seen[word] = len(groups)
-            groups.append((token, [i]))
-    return [(_join_pieces([tokens[i] for i in members]), members) for _, members in groups]
+            groups.append((True, [i]))
+    return [
+        (_join_pieces([tokens[i] for i in members]) if is_word else tokens[members[0]], members)
+        for is_word, members in groups
+    ]
 
 
 def word_of(tokens: list[str], word_ids: list[int | None], token: int) -> tuple[str, list[int]]:
@@ -377,8 +403,9 @@ class Attended:
 
 
 def top_keys(tokens: list[str], weights: Tensor, k: int = 5) -> list[Attended]:
-    """The k most weighted keys of one row, most weighted first."""
-    values, indices = weights.topk(min(k, weights.shape[-1]))
+    """The k most weighted keys of one row, most weighted first; keys of weight 0 (masked, as
+    the keys after the query in a decoder) are never listed."""
+    values, indices = weights.topk(min(k, int((weights > 0).sum())))
     return [
         Attended(tokens[i], weight, i, tokens.count(tokens[i]) > 1)
         for i, weight in zip(indices.tolist(), values.tolist(), strict=True)
@@ -404,6 +431,7 @@ class Comparison:
     attended: list[list[Attended]]  # per sentence: the words it weighs most
     attended_layer: int  # the attention layer read (0-based, as explain's --layer)
     occurrence: int = 0  # which occurrence of the word in each sentence (-1: the last)
+    causal: bool = False  # a decoder: the word's vectors depend only on the text up to it
 
     def to_json(self) -> dict:
         return {
@@ -415,6 +443,7 @@ class Comparison:
                 for layer, matrix in enumerate(self.similarity)
             ],
             "attended_layer": self.attended_layer,
+            "causal": self.causal,
             "attended": [
                 [
                     {"word": a.name, "label": a.label, "weight": a.weight, "index": a.index}
@@ -478,19 +507,22 @@ def compare(runs: list[VectorRun], word: str, top: int = 3, occurrence: int = 0)
     last = n_layers - 2
     attended = [attended_words(run, run.word_tokens(word, occurrence), last, top) for run in runs]
     texts = [run.text for run in runs]
-    return Comparison(word, texts, similarity, attended, last, occurrence)
+    causal = runs[0].captures[0].causal
+    return Comparison(word, texts, similarity, attended, last, occurrence, causal)
 
 
 def attended_words(run: RecordedRun, pieces: range, layer: int, top: int) -> list[Attended]:
-    """The words that the word made of ``pieces`` weighs most (mean of heads, merged)."""
+    """The words that the word made of ``pieces`` weighs most (mean of heads, merged); words
+    it may not attend (after it, in a decoder) are left out."""
     groups = word_groups(run.tokens, run.word_ids)
     names = [name for name, _ in groups]
-    weights = run.captures.layer(layer)[0].weights().mean(0)  # (T, T)
-    merged = merge_words(weights, [members for _, members in groups])
+    trace = run.captures.layer(layer)[0].trace()
+    merged = merge_words(trace.weights.mean(0), [members for _, members in groups])  # (T, T)
+    seen = ~never_attended(trace)[list(pieces)].all(0)  # (T,) keys some piece may attend
     row = next(i for i, (_, members) in enumerate(groups) if pieces.start in members)
     ranked = [
         Attended(names[j], float(merged[row, j]), groups[j][1][0], names.count(names[j]) > 1)
         for j in merged[row].argsort(descending=True).tolist()
-        if j != row and run.word_ids[groups[j][1][0]] is not None
+        if j != row and run.word_ids[groups[j][1][0]] is not None and seen[groups[j][1]].any()
     ]
     return ranked[:top]

@@ -336,7 +336,10 @@ class Model(nn.Module):
         each batch is padded only to its longest. A single string counts as one text.
         """
         if self.config.kind != "encoder" or self.sentence is None:
-            raise SelfAttnError(f"encode needs an encoder (BERT family); {self.name} is a decoder")
+            raise SelfAttnError(
+                f"encode needs an encoder (BERT family, e.g. 'minilm'); {self.name} is a decoder: "
+                "load an encoder, or take a word's vector with model.run(text).word_vector(word)"
+            )
         if batch_size < 1:
             raise SelfAttnError(f"batch_size must be at least 1, got {batch_size}")
         texts = [texts] if isinstance(texts, str) else list(texts)

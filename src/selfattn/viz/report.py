@@ -46,7 +46,7 @@ def _labels(e: Explanation) -> tuple[list[str], object]:
     """Labels and matrix of the heatmap: tokens, or words when merged."""
     if e.groups is None:
         return shown(e.tokens), e.attention
-    return [word for word, _ in e.groups], merge_words(e.attention, [m for _, m in e.groups])
+    return shown([word for word, _ in e.groups]), merge_words(e.attention, [m for _, m in e.groups])
 
 
 HEADLINE_CHARS = 160  # longer texts are cut short in the header (every token is listed below)
@@ -85,7 +85,9 @@ def print_explanation(console: Console, e: Explanation) -> None:
                 style="bold",
             )
         )
-        console.print(step_table(labels, steps.scores, steps.scaled, steps.weights, steps.scale))
+        scaled = steps.scaled.masked_fill(e.masked[e.query], float("-inf"))
+        console.print(step_table(labels, steps.scores, scaled, steps.weights, steps.scale))
+        _print_masked_note(console, e)
         console.print(
             Text.assemble(("top attended: ", "bold"), _listed(top_keys(labels, steps.weights)))
         )
@@ -103,13 +105,34 @@ def print_explanation(console: Console, e: Explanation) -> None:
             console.print(_alternative_table(e))
     elif e.query is not None:
         console.print(weights_bars(labels, e.weights, f"'{labels[e.query]}', {_where(e)}"))
+        _print_masked_note(console, e)
         console.print("[dim]the step-by-step needs one head: pass --head N[/]")
 
     labels, matrix = _labels(e)
     if e.groups is not None and e.query is not None:
         row = next(i for i, (_, members) in enumerate(e.groups) if e.query in members)
         console.print(weights_bars(labels, matrix[row], f"'{labels[row]}' by word (pieces merged)"))
-    console.print(heatmap(labels, labels, matrix, f"attention, {_where(e)}"))
+    console.print(heatmap(labels, labels, matrix, f"attention, {_where(e)}{_causal_note(e)}"))
+
+
+def _print_masked_note(console: Console, e: Explanation) -> None:
+    """Say which keys the query may not attend, and why their weight is 0."""
+    keys = e.masked_keys
+    if not keys:
+        return
+    if len(keys) == 1:
+        named = f"key {keys[0]}"
+    elif keys == list(range(keys[0], keys[-1] + 1)):
+        named = f"keys {keys[0]}..{keys[-1]}"
+    else:
+        named = "keys " + ", ".join(map(str, keys))
+    why = "after the query: a decoder may not look ahead (causal mask)" if e.causal else "masked"
+    console.print(f"[dim]masked: {named}, {why}; scaled set to -inf, so weight 0[/]")
+
+
+def _causal_note(e: Explanation) -> str:
+    """The heatmap title's note for a decoder: what its empty upper triangle means."""
+    return "; causal: each query sees keys up to itself, later ones masked" if e.causal else ""
 
 
 def _listed(attended: list[Attended]) -> str:
@@ -216,7 +239,8 @@ def print_comparison(console: Console, c: Comparison, model: str) -> None:
     sentences = Table.grid(padding=(0, 2))
     for i, (sentence, attended) in enumerate(zip(c.sentences, c.attended, strict=True)):
         sentences.add_row(f"S{i + 1}", Text(sentence))
-        sentences.add_row("", Text(f"attends to: {_listed(attended)}", style="cyan"))
+        listed = _listed(attended) or ("no word before it" if c.causal else "no other word")
+        sentences.add_row("", Text(f"attends to: {listed}", style="cyan"))
     title = f"{_followed(c)} across sentences ({model}): cosine similarity of its vectors"
     console.print(
         Group(
@@ -239,4 +263,9 @@ def _attention_note(c: Comparison) -> str:
     )
     if any(key.repeated for row in c.attended for key in row):
         note += "; n:word = the word at token n, where a sentence has it more than once"
+    if c.causal:
+        note += (
+            "; a decoder: the word's vectors and attention see only the text up to it, "
+            "so words after it change nothing"
+        )
     return f"({note})"

@@ -1,0 +1,112 @@
+"""Decoders (GPT family) through explain, compare and their reports: the causal mask shown.
+
+A query of a decoder sees keys 0..itself: later keys get weight exactly 0, and every view
+says they are masked instead of listing them as keys weighed and found unimportant. Two
+small random decoders, built here without downloads: a GPT-2 folder with a byte-level BPE,
+and a character-level GPT as `selfattn train` makes them. Tolerance: rows sum to 1 within 1e-6.
+"""
+
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+import selfattn
+from selfattn import explain as explaining
+from selfattn.models.gpt import GPT, GPTConfig
+from selfattn.models.model import Model, ModelConfig
+from selfattn.text import Tokenizer
+from selfattn.train.data import CharTokenizer
+from selfattn.viz import report
+from test_models_random import VOCAB, byte_level_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+SENTENCE = "the bank is here"
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=48, n_embd=32, n_layer=2, n_head=2,
+        initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("gpt2")
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    byte_level_tokenizer(folder / "tokenizer.json")
+    return selfattn.load(folder)
+
+
+@pytest.fixture(scope="module")
+def char_model():
+    """A character-level GPT as `selfattn train` builds it (untrained: weights are random)."""
+    torch.manual_seed(0)
+    chars = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz \n")
+    config = GPTConfig(vocab_size=chars.vocab_size, block_size=32, n_layer=2, n_head=2, n_embd=16)
+    info = ModelConfig.for_decoder(config, "gpt")
+    return Model(GPT(config), info, name="char", tokenizer=Tokenizer(chars.to_hf())).eval()
+
+
+def test_explanation_names_the_keys_after_a_decoder_query_as_masked(gpt2):
+    run, e = explaining.explain_text(gpt2, SENTENCE, word="bank", layer=1, head=0)
+    query, length = e.query, len(run.tokens)
+    assert 0 < query < length - 1
+    data = e.to_json()
+    assert data["causal"] is True
+    assert data["masked_keys"] == list(range(query + 1, length))
+    assert all(data["weights"][key] == 0 for key in data["masked_keys"])
+    assert e.masked.tolist() == torch.ones(length, length, dtype=torch.bool).triu(1).tolist()
+    torch.testing.assert_close(
+        e.attention.sum(-1), torch.ones(length), atol=1e-6, rtol=0, check_dtype=False
+    )
+
+
+def test_terminal_explain_shows_masked_keys_as_minus_infinity_and_says_why(gpt2):
+    _, e = explaining.explain_text(gpt2, SENTENCE, word="bank", layer=1, head=0)
+    console = Console(record=True, width=200, color_system=None)
+    report.print_explanation(console, e)
+    text = console.export_text()
+    assert text.count("-inf │") == len(e.masked_keys)  # the scaled column of the table
+    assert f"masked: keys {e.query + 1}..{len(e.tokens) - 1}, after the query" in text
+    assert "causal: each query sees keys up to itself" in text
+
+
+def test_top_attended_never_lists_keys_of_weight_zero():
+    attended = explaining.top_keys(["a", "b", "c", "d"], torch.tensor([0.25, 0.75, 0.0, 0.0]))
+    assert [(key.name, key.weight) for key in attended] == [("b", 0.75), ("a", 0.25)]
+
+
+def test_compare_on_a_decoder_lists_only_words_before_the_word(gpt2):
+    sentences = ["bank is where I went", "the old bank of the river"]
+    comparison = explaining.compare_texts(gpt2, sentences, "bank")
+    first, second = comparison.attended
+    assert first == []  # the first word of a decoder's text sees no other word
+    assert {key.name for key in second} == {"the", "old"}
+    assert comparison.to_json()["causal"] is True
+    console = Console(record=True, width=200, color_system=None)
+    report.print_comparison(console, comparison, gpt2.name)
+    text = console.export_text()
+    assert "attends to: no word before it" in text
+    assert "see only the text up to it" in text
+
+
+def test_merged_words_keep_whitespace_tokens_visible(char_model):
+    _, e = explaining.explain_text(char_model, "the bank\nis", word="bank", head=0, words=True)
+    words = e.to_json()["words"]
+    assert words == ["the", " ", "bank", "\n", "is"]
+    labels, merged = report._labels(e)
+    assert labels == ["the", "␣", "bank", "↵", "is"]
+    torch.testing.assert_close(
+        merged.sum(-1), torch.ones(len(words)), atol=1e-6, rtol=0, check_dtype=False
+    )
+    assert json.dumps(e.to_json())  # plain JSON: no -inf anywhere
+
+
+def test_encode_on_a_decoder_names_the_fix(gpt2):
+    with pytest.raises(selfattn.errors.SelfAttnError) as error:
+        gpt2.encode(["no sentence embeddings from a decoder"])
+    message = str(error.value)
+    assert "\n" not in message
+    assert "'minilm'" in message and "run(text).word_vector(word)" in message
