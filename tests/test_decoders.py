@@ -11,9 +11,11 @@ import json
 import pytest
 import torch
 from rich.console import Console
+from typer.testing import CliRunner
 
 import selfattn
 from selfattn import explain as explaining
+from selfattn.cli import app
 from selfattn.models.gpt import GPT, GPTConfig
 from selfattn.models.model import Model, ModelConfig
 from selfattn.text import Tokenizer
@@ -27,7 +29,7 @@ SENTENCE = "the bank is here"
 
 
 @pytest.fixture(scope="module")
-def gpt2(tmp_path_factory):
+def gpt2_folder(tmp_path_factory):
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=48, n_embd=32, n_layer=2, n_head=2,
@@ -36,7 +38,12 @@ def gpt2(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpt2")
     transformers.GPT2LMHeadModel(config).save_pretrained(folder)
     byte_level_tokenizer(folder / "tokenizer.json")
-    return selfattn.load(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gpt2(gpt2_folder):
+    return selfattn.load(gpt2_folder)
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +117,25 @@ def test_encode_on_a_decoder_names_the_fix(gpt2):
     message = str(error.value)
     assert "\n" not in message
     assert "'minilm'" in message and "run(text).word_vector(word)" in message
+
+
+def test_generate_continues_with_a_gpt2_folder_as_the_library_does(gpt2_folder, gpt2):
+    """`selfattn generate --model FOLDER` prints the prompt and what Model.generate writes
+    (exact: greedy, and sampling with a seed)."""
+    for options in ({"temperature": 0.0}, {"temperature": 1.0, "top_k": 5, "seed": 2}):
+        flags = [part for name, value in options.items()
+                 for part in (f"--{name.replace('_', '-')}", str(value))]  # fmt: skip
+        args = ["generate", "--model", str(gpt2_folder), "the bank", "--max-new-tokens", "8"]
+        result = CliRunner().invoke(app, [*args, *flags])
+        assert result.exit_code == 0, result.output
+        assert result.stdout == "the bank" + gpt2.generate("the bank", 8, **options) + "\n"
+
+
+@pytest.mark.parametrize("models", [[], ["--checkpoint", "runs/x", "--model", "folder"]])
+def test_generate_takes_exactly_one_model(models):
+    result = CliRunner().invoke(app, ["generate", *models, "hello"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        "Error: give one model to continue with: --checkpoint DIR (trained by `selfattn "
+        "train`) or --model FOLDER (GPT-2 style)"
+    )

@@ -379,6 +379,10 @@ def test_figures_and_page(tmp_path):
     assert "<svg" in svg.read_text()
     page = html.read_text()
     assert "selfattn-payload" in page and "http://" not in page and "https://" not in page
+    said = " ".join(result.stderr.split())  # what was written, and how to open the page
+    assert (
+        f"wrote {png} wrote {svg} wrote {html} (open it in a browser; it needs no network)" in said
+    )
 
 
 def test_page_of_the_mean_of_heads_opens_on_the_mean(tmp_path):
@@ -398,6 +402,9 @@ def test_view_escapes_user_text(tmp_path):
     result = invoke("view", xss, "-o", str(out))
     assert result.exit_code == 0, result.output
     assert "<img src=x" not in out.read_text()
+    assert f"wrote {out} (open it in a browser; it needs no network)" in " ".join(
+        result.stderr.split()
+    )
 
 
 def attended_by_hand(run, word: str, top: int = 3, occurrence: int = 0):

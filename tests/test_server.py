@@ -420,6 +420,14 @@ def test_serve_warns_when_listening_beyond_this_machine(cli, monkeypatch):
     assert "network" not in result.stderr and "on http://[::1]:8000/ " in result.stdout
 
 
+def test_serve_takes_a_trained_checkpoint(monkeypatch, tmp_path):
+    monkeypatch.setattr(server, "listen", lambda host, port: (host, port))
+    monkeypatch.setattr(server, "serve", lambda *args: pytest.fail("served without a model"))
+    result = CliRunner().invoke(cli_app, ["serve", "--checkpoint", str(tmp_path / "nowhere")])
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"Error: checkpoint directory {tmp_path / 'nowhere'} does")
+
+
 def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads(monkeypatch):
     monkeypatch.setattr(server, "serve", lambda *args: pytest.fail("served on a taken port"))
     with socket.socket() as taken:

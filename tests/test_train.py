@@ -623,9 +623,15 @@ def test_an_optimizer_state_of_another_shape_is_refused(trained, corpus, tmp_pat
 
 
 def test_a_model_folder_of_another_program_is_not_a_checkpoint(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "bert", "hidden_size": 384}')
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_embd": 32}')
     line = _error_line(["generate", "--checkpoint", str(tmp_path), "All:"])
     assert f"{tmp_path} is not a `selfattn train` checkpoint" in line, line
+    assert line.endswith(
+        "it is a Hugging Face model folder: pass it with --model (selfattn.load in Python)"
+    )
+    (tmp_path / "config.json").write_text('{"something": "else"}')
+    line = _error_line(["generate", "--checkpoint", str(tmp_path), "All:"])
+    assert line.endswith("pass a folder that `selfattn train --out` wrote"), line
 
 
 def test_checkpoint_files_are_readable_by_others_like_their_folder(trained):

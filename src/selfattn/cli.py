@@ -224,15 +224,23 @@ def train(
 
 @app.command()
 def generate(
-    checkpoint: Annotated[Path, typer.Option(help="A `selfattn train --out` directory.")],
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="A `selfattn train --out` directory.")
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(help="A Hugging Face-style decoder folder (GPT-2 family), instead."),
+    ] = None,
     prompt: Annotated[
         str,
         typer.Argument(
-            help="Text to continue, in characters of the training text.",
+            help="Text to continue (for a model trained here, in characters of its text).",
             show_default="a new line",
         ),
     ] = "\n",
-    max_new_tokens: Annotated[int, typer.Option(min=0, help="Characters to generate.")] = 500,
+    max_new_tokens: Annotated[
+        int, typer.Option(min=0, help="Tokens to generate (characters, for a model trained here).")
+    ] = 500,
     temperature: Annotated[
         float, typer.Option(min=0.0, help="Sampling temperature; 0 is greedy.")
     ] = 0.8,
@@ -241,21 +249,19 @@ def generate(
     ] = None,
     seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
 ) -> None:
-    """Continue PROMPT with a model trained by `selfattn train`."""
-    import torch
-
-    from selfattn.errors import SelfAttnError
-    from selfattn.train import load_checkpoint
-
-    try:
-        model, tokenizer, _, _ = load_checkpoint(checkpoint)
-        if not prompt:
-            raise SelfAttnError("the prompt is empty; give at least one character")
-        ids = torch.tensor([tokenizer.encode(prompt)])
-    except SelfAttnError as error:
-        raise _fail(str(error)) from None
-    output = model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
-    typer.echo(tokenizer.decode(output[0]))
+    """Continue PROMPT with a decoder: one trained by `selfattn train`, or a GPT-2 folder."""
+    if (checkpoint is None) == (model is None):
+        raise _fail(
+            "give one model to continue with: --checkpoint DIR (trained by `selfattn train`) "
+            "or --model FOLDER (GPT-2 style)",
+            2,
+        )
+    with _user_errors():
+        network = _load(model, checkpoint)
+        continuation = network.generate(
+            prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+        )
+    typer.echo(prompt + continuation)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,7 +274,7 @@ JSON_HELP = "Print one JSON object with every number."
 EXPLAIN_EPILOG = 'Example: selfattn explain "I went to the bank to deposit money." --word bank'
 
 
-def _load(model: str, checkpoint: Path | None):
+def _load(model: str | None, checkpoint: Path | None):
     """The model to look into (pretrained, or trained here), with a status line on stderr."""
     label = str(checkpoint) if checkpoint is not None else model
     with Console(stderr=True).status(f"Loading {label}…"):
@@ -301,15 +307,15 @@ def _check_output(path: Path | None, option: str) -> None:
         raise _fail(f"{option} {path}: the folder {path.parent} does not exist; create it first", 2)
 
 
-def _write(path: Path, write: Callable[[Path], object], quiet: bool = False) -> None:
-    """Write ``path`` with ``write`` and say so on stderr (unless ``quiet``); a failure
-    (permissions, a full disk) is one line."""
+def _write(path: Path, write: Callable[[Path], object]) -> None:
+    """Write ``path`` with ``write`` and say so on stderr; a failure (permissions, a full
+    disk) is one line."""
     try:
         write(path)
     except OSError as error:
         raise _fail(f"cannot write {path}: {error.strerror or error}") from None
-    if not quiet:
-        Console(stderr=True).print(f"wrote {path}")
+    page = " (open it in a browser; it needs no network)" if path.suffix == ".html" else ""
+    Console(stderr=True).print(f"wrote {path}{page}")
 
 
 def _save_text(text: str, path: Path) -> None:
@@ -467,13 +473,13 @@ def view(
         run = network.run(text, truncate=truncate)
         explanation = explaining.explain(run, model_name=network.name)
         _note_truncation(run)
-        _write(output, partial(_save_text, report.page(run, explanation)), quiet=True)
-    console.print(f"wrote {output} (open it in a browser; it needs no network)")
+        _write(output, partial(_save_text, report.page(run, explanation)))
 
 
 @app.command(epilog="Example: selfattn serve, then open http://127.0.0.1:8000/")
 def serve(
     model: Annotated[str, typer.Option(help=MODEL_HELP)] = "minilm",
+    checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
     host: Annotated[
         str, typer.Option(help="Address to listen on; other than 127.0.0.1, the network sees it.")
     ] = "127.0.0.1",
@@ -495,7 +501,7 @@ def serve(
         )
     with _user_errors():
         sock = server.listen(host, port)
-        network = _load(model, None)
+        network = _load(model, checkpoint)
     console.print(
         f"selfattn explorer on {server.url(host, port)} ({network.name}; Ctrl+C stops it)"
     )

@@ -11,6 +11,7 @@ belongs to the words its character span overlaps, so a word split into pieces (`
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,17 +164,25 @@ class Tokenizer:
         try:
             return self.backend.encode_batch(texts)
         except Exception as error:  # e.g. a character-level vocabulary without [UNK]
-            unknown = sorted({ch for text in texts for ch in text} - self._known_characters())
-            detail = f"characters it does not know: {''.join(unknown)!r}" if unknown else error
-            raise SelfAttnError(
-                f"the tokenizer cannot encode the text ({detail}); use only characters the "
-                "model was trained on"
-            ) from None
+            unknown = {ch for text in texts for ch in text} - self._known_characters()
+            if unknown:
+                raise SelfAttnError(
+                    f"characters not in the model's vocabulary: {quoted_characters(unknown)}; "
+                    "use only characters the model was trained on"
+                ) from None
+            raise SelfAttnError(f"the tokenizer cannot encode the text: {error}") from None
         finally:
             self.backend.no_truncation()
 
     def _known_characters(self) -> set[str]:
         return {token for token in self.backend.get_vocab() if len(token) == 1}
+
+
+def quoted_characters(chars: Iterable[str], shown: int = 20) -> str:
+    """Characters, sorted, the first ``shown`` of them quoted: "'XYZ' and 3 more"."""
+    ordered = sorted(set(chars))
+    more = f" and {len(ordered) - shown} more" if len(ordered) > shown else ""
+    return f"{''.join(ordered[:shown])!r}{more}"
 
 
 def align_words(text: str, offsets: list[Span]) -> tuple[list[Word], list[int | None]]:

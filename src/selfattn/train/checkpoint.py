@@ -138,9 +138,14 @@ def load_checkpoint(
     directory = checkpoint_dir(path)
     saved_config = _read(directory, "config.json", _read_json)
     if saved_config.get("format") != FORMAT:
+        fix = (
+            "it is a Hugging Face model folder: pass it with --model (selfattn.load in Python)"
+            if "model_type" in saved_config
+            else "pass a folder that `selfattn train --out` wrote"
+        )
         raise SelfAttnError(
             f"{directory} is not a `selfattn train` checkpoint (its config.json is not one of "
-            "ours); pass a folder that `selfattn train --out` wrote"
+            f"ours); {fix}"
         )
     config = _read(directory, "config.json", lambda _: RunConfig.from_json(saved_config))
     tokenizer = _read(directory, "tokenizer.json", CharTokenizer.load)

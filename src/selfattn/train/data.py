@@ -17,6 +17,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers
 from torch import Tensor
 
 from selfattn.errors import SelfAttnError
+from selfattn.text import quoted_characters
 
 TRAIN_FRACTION = 0.9
 SPLITS = ("train", "val")
@@ -48,12 +49,10 @@ class CharTokenizer:
             )
         return [self._ids[char] for char in text]
 
-    def unknown_characters(self, text: str, shown: int = 20) -> str:
-        """The characters of ``text`` outside the vocabulary, the first ``shown`` of them quoted
-        ("" if none)."""
-        unknown = sorted(set(text) - self._ids.keys())
-        more = f" and {len(unknown) - shown} more" if len(unknown) > shown else ""
-        return f"{''.join(unknown[:shown])!r}{more}" if unknown else ""
+    def unknown_characters(self, text: str) -> str:
+        """The characters of ``text`` outside the vocabulary, quoted ("" if none)."""
+        unknown = set(text) - self._ids.keys()
+        return quoted_characters(unknown) if unknown else ""
 
     def decode(self, ids: list[int] | Tensor) -> str:
         if isinstance(ids, Tensor):
