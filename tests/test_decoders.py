@@ -139,3 +139,15 @@ def test_generate_takes_exactly_one_model(models):
         "Error: give one model to continue with: --checkpoint DIR (trained by `selfattn "
         "train`) or --model FOLDER (GPT-2 style)"
     )
+
+
+def test_characters_split_into_bytes_are_named_by_their_part(gpt2):
+    """Byte-level BPE splits é into two tokens and 日 into three; each decodes alone to "�"."""
+    run = gpt2.run("un café 日本")
+    split = [token for token in run.tokens if "[" in token]
+    assert split == ["é[1/2]", "é[2/2]", "日[1/3]", "日[2/3]", "日[3/3]", "本[1/3]", "本[2/3]",
+                     "本[3/3]"]  # fmt: skip
+    assert "�" not in "".join(run.tokens)
+    _, e = explaining.explain_text(gpt2, "un café 日本", word="café", head=0, words=True)
+    assert e.to_json()["words"] == ["un", "café", " ", "日", "本"]
+    assert e.query_word[0] == "café"

@@ -30,6 +30,7 @@ from torch import Tensor
 from selfattn.attention import AttentionTrace
 from selfattn.errors import SelfAttnError
 from selfattn.recording import Recording
+from selfattn.text import join_pieces
 
 STOPWORDS = frozenset(
     "a an the to of and or but in on at by for with from into as is are was were be been it "
@@ -364,7 +365,7 @@ def word_groups(tokens: list[str], word_ids: list[int | None]) -> list[tuple[str
             seen[word] = len(groups)
             groups.append((True, [i]))
     return [
-        (_join_pieces([tokens[i] for i in members]) if is_word else tokens[members[0]], members)
+        (join_pieces([tokens[i] for i in members]) if is_word else tokens[members[0]], members)
         for is_word, members in groups
     ]
 
@@ -372,10 +373,6 @@ def word_groups(tokens: list[str], word_ids: list[int | None]) -> list[tuple[str
 def word_of(tokens: list[str], word_ids: list[int | None], token: int) -> tuple[str, list[int]]:
     """The word that ``token`` belongs to, and all its tokens (its pieces)."""
     return next(group for group in word_groups(tokens, word_ids) if token in group[1])
-
-
-def _join_pieces(pieces: list[str]) -> str:
-    return pieces[0].strip() + "".join(piece.removeprefix("##").strip() for piece in pieces[1:])
 
 
 def merge_words(weights: Tensor, groups: list[list[int]]) -> Tensor:

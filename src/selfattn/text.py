@@ -140,14 +140,15 @@ class Tokenizer:
     def encode(self, text: str, max_length: int | None = None) -> Encoding:
         """Tokens of ``text`` (special tokens added), cut to ``max_length`` if given."""
         encoded = self._encode_batch([text], max_length)[0]
-        if self.byte_level:
-            pieces = [self.backend.decode([i], skip_special_tokens=False) for i in encoded.ids]
-        else:
-            pieces = list(encoded.tokens)
         offsets = [
             (0, 0) if special else span
             for span, special in zip(encoded.offsets, encoded.special_tokens_mask, strict=True)
         ]
+        if self.byte_level:
+            pieces = [self.backend.decode([i], skip_special_tokens=False) for i in encoded.ids]
+            pieces = readable_byte_pieces(pieces, offsets, text)
+        else:
+            pieces = list(encoded.tokens)
         words, word_ids = align_words(text, offsets)
         return Encoding(text, list(encoded.ids), pieces, offsets, words, word_ids)
 
@@ -176,6 +177,36 @@ class Tokenizer:
 
     def _known_characters(self) -> set[str]:
         return {token for token in self.backend.get_vocab() if len(token) == 1}
+
+
+def readable_byte_pieces(pieces: list[str], offsets: list[Span], text: str) -> list[str]:
+    """Byte-level pieces with each part of a character split across tokens (é is two bytes,
+    日 three) named by that character and which part it is: "é[1/2]", "é[2/2]", not "�"."""
+    readable = list(pieces)
+    for i, piece in enumerate(pieces):
+        if "\ufffd" not in piece:
+            continue
+        sharing = [j for j, span in enumerate(offsets) if span == offsets[i]]
+        characters = text[slice(*offsets[i])].strip() or piece
+        part = f"[{sharing.index(i) + 1}/{len(sharing)}]" if len(sharing) > 1 else ""
+        readable[i] = (" " if piece.startswith(" ") else "") + characters + part
+    return readable
+
+
+BYTE_PART = re.compile(r"\[(\d+)/\d+\]$")  # "é[2/2]": the second of the two tokens of é
+
+
+def join_pieces(pieces: list[str]) -> str:
+    """A word from its tokens' readable pieces: word-piece continuations ("##ing") and the
+    parts of a character split into bytes ("é[1/2]", "é[2/2]") joined into one."""
+    word = ""
+    for i, piece in enumerate(pieces):
+        piece = piece.strip() if i == 0 else piece.removeprefix("##").strip()
+        part = BYTE_PART.search(piece)
+        if part is not None:
+            piece = piece[: part.start()] if part[1] == "1" else ""
+        word += piece
+    return word
 
 
 def quoted_characters(chars: Iterable[str], shown: int = 20) -> str:
