@@ -151,3 +151,12 @@ def test_characters_split_into_bytes_are_named_by_their_part(gpt2):
     _, e = explaining.explain_text(gpt2, "un café 日本", word="café", head=0, words=True)
     assert e.to_json()["words"] == ["un", "café", " ", "日", "本"]
     assert e.query_word[0] == "café"
+
+
+def test_a_first_word_of_a_decoder_is_said_to_have_no_content_word_in_reach(char_model):
+    """The word's pieces see only themselves and what comes before: every head scores 0."""
+    _, e = explaining.explain_text(char_model, "bank is", word="bank")
+    assert (e.layer, e.head) == (0, 0)
+    assert e.choice.startswith("(chosen: no head puts any weight on other content words")
+    _, later = explaining.explain_text(char_model, "is bank", word="bank")
+    assert "puts the most weight here" in later.choice

@@ -331,10 +331,14 @@ def choose_head(
     chosen_flags = "/".join(
         flag for flag, given in (("--layer", layer), ("--head", head)) if given is None
     )
-    choice = (
-        f"(chosen: {who} the most weight here, {score:.2f}, on other content words; "
-        f"pick another with {chosen_flags})"
-    )
+    if score > 0:
+        reason = f"{who} the most weight here, {score:.2f}, on other content words"
+    else:
+        reason = (
+            "no head puts any weight on other content words, as none is in reach (the text "
+            "has no other, or, in a decoder, none comes before), so the first is shown"
+        )
+    choice = f"(chosen: {reason}; pick another with {chosen_flags})"
     return index, None if chosen == HEAD_MEAN else chosen, choice
 
 
