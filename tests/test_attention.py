@@ -6,7 +6,10 @@ than twice SDPA's own error against a float64 reference (plus 1e-6 for rounding 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from selfattn import attention
+from selfattn import AttentionTrace, attention
 from selfattn.attention import BACKENDS, causal_mask
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -492,3 +495,40 @@ def test_no_queries_or_keys_with_three_leading_dims(backend, t, s):
     assert output.shape == (2, 2, 3, t, 5) and torch.all(output == 0)
     output.sum().backward()
     assert torch.all(q.grad == 0)
+
+
+def test_trace_fields_are_the_ones_the_readme_lists():
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    line = next(line for line in readme.splitlines() if "also return an `AttentionTrace`" in line)
+    listed = re.findall(r"`(\w+)`", line.split("(", 1)[1].split(")", 1)[0])
+    assert sorted(listed) == sorted(field.name for field in dataclasses.fields(AttentionTrace))
+
+
+def test_readme_six_steps_example_holds_by_hand():
+    # The README's first example, checked in numpy: scores = x xᵀ, scaled = scores / sqrt(8),
+    # weights = row softmax (rows sum to 1), output = weights @ x; float32, 1e-5.
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    output, trace = attention(x, x, x, return_trace=True)
+    a = x.double().numpy()
+    scores = a @ a.T
+    scaled = scores / math.sqrt(8)
+    exp = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+    weights = exp / exp.sum(axis=1, keepdims=True)
+    for name, expected in (("scores", scores), ("scaled", scaled), ("weights", weights)):
+        np.testing.assert_allclose(getattr(trace, name).numpy(), expected, atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(output.numpy(), weights @ a, atol=1e-5)
+    assert trace.scores.shape == (4, 4) and output.shape == (4, 8)
+    np.testing.assert_allclose(trace.weights.sum(-1).numpy(), 1.0, atol=1e-6)
+
+
+def test_trace_holds_what_the_similarity_saw_in_the_compute_dtype():
+    # As AttentionTrace's docstring says: cosine traces keep the L2-normalised query and key;
+    # half inputs are computed (and traced) in float32, the output cast back.
+    q, k, v = qkv((), 3, 5, 4, 2)
+    _, trace = attention(q, k, v, similarity="cosine", backend="explicit", return_trace=True)
+    torch.testing.assert_close(trace.query.norm(dim=-1), torch.ones(3, dtype=q.dtype))
+    torch.testing.assert_close(trace.key.norm(dim=-1), torch.ones(5, dtype=q.dtype))
+    half = [x.half() for x in (q, k, v)]
+    output, trace = attention(*half, backend="explicit", return_trace=True)
+    assert trace.weights.dtype == trace.scores.dtype == torch.float32
+    assert output.dtype == trace.output.dtype == torch.float16

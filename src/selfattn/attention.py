@@ -8,6 +8,9 @@ The explicit path reads like the formula, with the guide's names::
     weights = softmax(masked) over keys    step 4: every row sums to 1 (0 if fully masked)
     output  = weights @ value              step 5: the weight-averaged sum of the values
 
+Step 1 (tokens to embeddings plus positions) and step 6 (query, key and value made by the
+learnable W_q, W_k, W_v) live in layers.py; ``selfattn demo`` prints all six on a small example.
+
 Shapes: query ``(..., T, D)``, key ``(..., S, D)``, value ``(..., S, Dv)``; output
 ``(..., T, Dv)``. Rows are queries, columns are keys.
 
@@ -56,18 +59,23 @@ MEMORY_BUDGET = 2 * 2**30  # bytes of (..., T, S) weights above which auto avoid
 
 @dataclass(frozen=True)
 class AttentionTrace:
-    """Every intermediate of one explicit attention call, named as in the guide."""
+    """Every intermediate of one explicit attention call, named as in the guide.
 
-    query: Tensor  # (..., T, D)
-    key: Tensor  # (..., S, D)
-    value: Tensor  # (..., S, Dv)
-    scores: Tensor  # (..., T, S) raw similarity (dot product or cosine)
-    scaled: Tensor  # (..., T, S) scores * scale
+    Rows are queries, columns are keys. ``query`` and ``key`` are what the similarity saw
+    (L2-normalised for cosine). Every tensor but ``output`` is in the compute dtype (float32
+    for float16/bfloat16 inputs); ``output`` is in the input dtype, as ``attention`` returns it.
+    """
+
+    query: Tensor  # (..., T, D) the queries (step 6: Q)
+    key: Tensor  # (..., S, D) the keys (step 6: K)
+    value: Tensor  # (..., S, Dv) the values (step 6: V)
+    scores: Tensor  # (..., T, S) step 2: raw similarity, query @ keyᵀ (dot product or cosine)
+    scaled: Tensor  # (..., T, S) step 3: scores * scale (default 1/sqrt(d_k) for dot)
     masked: Tensor  # (..., T, S) scaled with the mask applied (-inf where not allowed)
-    weights: Tensor  # (..., T, S) softmax over keys; rows sum to 1, or 0 if fully masked
-    output: Tensor  # (..., T, Dv) weights @ value (with dropout_p > 0: the dropped weights)
-    scale: float
-    similarity: str
+    weights: Tensor  # (..., T, S) step 4: softmax(masked) per row: sums to 1, 0 if fully masked
+    output: Tensor  # (..., T, Dv) step 5: weights @ value (dropout_p > 0: dropped weights @ value)
+    scale: float  # the factor of step 3
+    similarity: str  # "dot" or "cosine"
 
 
 @dataclass(frozen=True)

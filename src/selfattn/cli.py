@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 
 from selfattn.errors import SelfAttnError
-from selfattn.examples import CIAO_TOKENS, ciao_trace
+from selfattn.examples import CIAO_MEANING, CIAO_TOKENS, ciao_steps
 from selfattn.viz.terminal import matrix_table
 
 # The click typer runs on: its own copy (typer._click) in recent typer, click itself before.
@@ -85,28 +85,17 @@ def _root() -> None:
 @app.command()
 def demo() -> None:
     """The guide's worked example: "Ciao gioco a giochi" with small fixed vectors, step by step."""
-    trace = ciao_trace()
-    tokens = list(CIAO_TOKENS)
-    console.print('[bold]Self-attention on "Ciao gioco a giochi"[/] (Q = K = V = the embeddings)\n')
     console.print(
-        matrix_table(
-            trace.query, tokens, ["d0", "d1", "d2", "d3"], "1. embeddings", 1, vectors=True
-        )
+        f'[bold]Self-attention on "{" ".join(CIAO_TOKENS)}"[/] ("{CIAO_MEANING}"), in six steps'
     )
-    console.print(matrix_table(trace.scores, tokens, tokens, "2. scores = Q Kᵀ (dot products)"))
-    console.print(
-        matrix_table(
-            trace.scaled, tokens, tokens, f"3. scaled = scores × {trace.scale:.3f} (1/√d_k)"
-        )
-    )
-    console.print(
-        matrix_table(trace.weights, tokens, tokens, "4. weights = softmax(scaled), rows sum to 1")
-    )
-    console.print(
-        matrix_table(
-            trace.output, tokens, ["d0", "d1", "d2", "d3"], "5. output = weights @ V", vectors=True
-        )
-    )
+    for step in ciao_steps():
+        console.print(f"\n[bold]{step.heading}[/]")
+        console.print(step.meaning, markup=False, highlight=False)
+        if step.matrix is not None:
+            table = matrix_table(
+                step.matrix, CIAO_TOKENS, step.columns, step.formula, step.digits, step.vectors
+            )
+            console.print(table)
 
 
 TRAIN_HELP = {

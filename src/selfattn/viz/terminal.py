@@ -22,6 +22,7 @@ from torch import Tensor
 ArrayLike = Tensor | np.ndarray | Sequence[float] | Sequence[Sequence[float]]
 
 CAPTION = "rows: queries, columns: keys"
+VECTORS_CAPTION = "rows: tokens, columns: dimensions"
 BAR_WIDTH = 24
 # Light to dark blue (matplotlib's "Blues" end points): weight 0 is the page, weight max is ink.
 LOW_RGB = (247, 251, 255)
@@ -36,7 +37,7 @@ def as_numpy(values: ArrayLike) -> np.ndarray:
 
 
 def matrix_table(
-    matrix: Tensor,
+    matrix: ArrayLike,
     rows: Sequence[str],
     columns: Sequence[str],
     title: str,
@@ -44,13 +45,18 @@ def matrix_table(
     vectors: bool = False,
 ) -> Table:
     """A (rows x columns) matrix as a table: queries x keys, or tokens x dims if ``vectors``."""
-    caption = None if vectors else CAPTION
-    table = Table(title=title, caption=caption, show_lines=False)
+    values = as_numpy(matrix)
+    if values.shape != (len(rows), len(columns)):
+        raise ValueError(
+            f"matrix must have shape (rows, columns) = ({len(rows)}, {len(columns)}), "
+            f"got {values.shape}"
+        )
+    table = Table(title=title, caption=VECTORS_CAPTION if vectors else CAPTION)
     table.add_column("token" if vectors else "query \\ key", style="bold")
     for name in columns:
         table.add_column(name, justify="right")
-    for name, values in zip(rows, matrix.tolist(), strict=True):
-        table.add_row(Text(name), *(f"{value:.{digits}f}" for value in values))
+    for name, row in zip(rows, values.tolist(), strict=True):
+        table.add_row(Text(name), *(f"{value:.{digits}f}" for value in row))
     return table
 
 
