@@ -32,15 +32,15 @@ def qkv(shape=(L, H, T, D), seed=0):
 
 
 def write_page(
-    tmp_path, similarity="dot", causal=False, tokens=TOKENS, **selection
+    tmp_path, similarity="dot", causal=False, tokens=TOKENS, scale=None, **selection
 ) -> tuple[Path, tuple]:
-    q, k, v = qkv()
+    q, k, v = qkv(shape=(L, H, len(tokens), D))
     data = page_payload(
         tokens=tokens,
         query=q,
         key=k,
         value=v,
-        scale=default_scale(similarity, D),
+        scale=default_scale(similarity, D) if scale is None else scale,
         similarity=similarity,
         model_name="random q/k/v",
         text=" ".join(tokens),
@@ -83,7 +83,7 @@ def reference(q, k, v, layer, head, similarity="dot", causal=False):
 
 def assert_row_matches(watched, trace, i):
     rows = sorted(watched.step_rows(), key=lambda r: r["key"])
-    assert [r["key"] for r in rows] == list(range(T))
+    assert [r["key"] for r in rows] == list(range(trace.weights.shape[-1]))
     for j, row in enumerate(rows):
         assert math.isclose(float(row["score"]), trace.scores[i, j].item(), abs_tol=TOL)
         assert math.isclose(float(row["scaled"]), trace.scaled[i, j].item(), abs_tol=TOL)
@@ -221,4 +221,143 @@ def test_a_narrow_window_does_not_scroll_sideways(browser, tmp_path):
     watched.page.reload()  # laid out narrow from the start, as on a phone
     watched.page.wait_for_selector("#app[data-ready='true']", timeout=30_000)
     assert watched.page.evaluate("document.documentElement.scrollWidth") <= 400
+    watched.check_clean()
+
+
+def focused(page) -> str:
+    """What has the keyboard focus: a token's index, the map, a thumbnail's layer/head, or a tag."""
+    return page.evaluate(
+        """() => {
+            const e = document.activeElement;
+            if (e.matches('.token')) return 'token ' + e.dataset.index;
+            if (e.matches('.thumb')) return `thumb ${e.dataset.layer}/${e.dataset.head}`;
+            return e.id || e.tagName;
+        }"""
+    )
+
+
+def test_keyboard_alone_reaches_and_moves_tokens_map_and_model_view(browser, tmp_path):
+    tokens = [f"w{i}" for i in range(40)]
+    path, (q, k, v) = write_page(tmp_path, tokens=tokens, query_index=3)
+    watched = Watched(browser, path)
+    page = watched.page
+    stops = []
+    for _ in range(6):  # the 40 tokens are one Tab stop, not 40: the map comes right after
+        page.keyboard.press("Tab")
+        stops.append(focused(page))
+    assert stops[:5] == ["layer", "head", "shade-by", "token 3", "heatmap"]
+
+    page.focus(".token[data-index='3']")
+    for key, query in (("ArrowRight", 4), ("End", 39), ("Home", 0), ("ArrowLeft", 0)):
+        page.keyboard.press(key)
+        assert focused(page) == f"token {query}"  # focus follows the selection
+        assert page.get_attribute(f".token[data-index='{query}']", "aria-selected") == "true"
+    page.locator(".token[data-index='7']").focus()
+    page.keyboard.press(" ")
+    assert page.evaluate("scrollY") == 0 and focused(page) == "token 7"
+    assert_row_matches(watched, reference(q, k, v, 1, 2), 7)
+
+    page.focus("#heatmap")
+    page.keyboard.press("ArrowDown")
+    assert focused(page) == "heatmap" and page.get_attribute(".token.selected", "data-index") == "8"
+
+    page.focus(".thumb[aria-checked='true']")  # the chosen head is the model view's Tab stop
+    page.keyboard.press("ArrowLeft")
+    page.keyboard.press("ArrowUp")
+    assert focused(page) == "thumb 0/1"
+    assert page.input_value("#layer") == "0" and page.input_value("#head") == "1"
+    assert_row_matches(watched, reference(q, k, v, 0, 1), 8)
+    assert page.locator(".thumb[tabindex='0']").count() == 1
+    watched.check_clean()
+
+
+def test_screen_readers_get_names_roles_and_the_maps_text(browser, tmp_path):
+    path, (q, k, v) = write_page(tmp_path, query_index=1)
+    watched = Watched(browser, path)
+    page = watched.page
+    row = reference(q, k, v, 1, 2).weights[1]
+    best = int(row.argmax())
+    label = page.get_attribute("#heatmap", "aria-label")
+    assert page.get_attribute("#heatmap", "role") == "img"
+    assert f"Row 1 “gioco”: most weight, {row[best]:.4f}, on key {best} “{TOKENS[best]}”" in label
+    assert page.get_attribute(".flow", "role") == "listbox"
+    assert page.locator(".token[role='option']").count() == T
+    assert (
+        page.get_attribute(".thumb[data-layer='0'][data-head='2']", "aria-label")
+        == "layer 0, head 2"
+    )
+    assert page.get_attribute("#selection", "aria-live") == "polite"
+    watched.check_clean()
+
+
+def test_a_decoders_masked_keys_look_masked_and_say_so(browser, tmp_path):
+    path, _ = write_page(tmp_path, causal=True, query_index=2)
+    watched = Watched(browser, path)
+    page = watched.page
+    tags = page.eval_on_selector_all(
+        "#steps tbody tr", "(rows) => rows.map((tr) => tr.lastChild.textContent)"
+    )
+    assert tags == ["", "", "", "masked", "masked", "masked"]  # keys 3..5 follow query 2
+    masked_tokens = page.eval_on_selector_all(
+        ".token.masked", "(els) => els.map((e) => +e.dataset.index)"
+    )
+    assert masked_tokens == [3, 4, 5]
+    assert "keys after each query are masked" in page.get_attribute("#heatmap", "aria-label")
+    # the model view's top-right corner (query 0, last key) is masked grey, not weight-0 blue
+    corner = page.evaluate(
+        """() => [...document.querySelector('.thumb').getContext('2d')
+                  .getImageData(document.querySelector('.thumb').width - 1, 0, 1, 1).data]"""
+    )
+    assert corner[:3] == [226, 232, 240]
+    watched.check_clean()
+
+
+def test_the_row_summary_counts_masked_keys_apart_from_weights_that_underflow(browser, tmp_path):
+    """A scale of 1000 sends some encoder weights to exactly 0: they are not masked keys."""
+    path, _ = write_page(tmp_path, scale=1000.0, query_index=2)
+    watched = Watched(browser, path)
+    page = watched.page
+    zero = sum(float(row["weight"]) == 0 for row in watched.step_rows())
+    assert zero > 0  # else the scale did not do its job
+    leftover = page.text_content("#leftover")
+    assert "masked" not in leftover and f"{zero} key" in leftover and "at weight 0" in leftover
+    causal, _ = write_page(tmp_path, causal=True, query_index=2)
+    assert "3 keys masked" in Watched(browser, causal).page.text_content("#leftover")
+
+
+def test_print_shows_every_token_and_step_unscrolled(browser, tmp_path):
+    path, _ = write_page(tmp_path, tokens=[f"token{i}" for i in range(150)])
+    watched = Watched(browser, path)
+    watched.page.emulate_media(media="print")
+    clipped = watched.page.evaluate(
+        """() => ['.flow', '.map-scroll', '.steps-scroll'].filter((s) => {
+            const e = document.querySelector(s);
+            return e.scrollHeight > e.clientHeight + 1 || e.scrollWidth > e.clientWidth + 1;
+        })"""
+    )
+    assert clipped == []
+    watched.check_clean()
+
+
+def test_right_to_left_text_reads_right_to_left(browser, tmp_path):
+    tokens = ["[CLS]", "שלום", "עולם", ".", "[SEP]", "x"]
+    path, _ = write_page(tmp_path, tokens=tokens)
+    text = "שלום עולם."
+    path.write_text(path.read_text(encoding="utf-8").replace(" ".join(tokens), text, 1))
+    watched = Watched(browser, path)
+    # the full stop ends the sentence at its left, as a Hebrew reader expects
+    left_of = watched.page.evaluate(
+        """(text) => {
+            const node = document.getElementById('text').firstChild;
+            const box = (start, end) => {
+                const range = document.createRange();
+                range.setStart(node, start);
+                range.setEnd(node, end);
+                return range.getBoundingClientRect();
+            };
+            return box(text.length - 1, text.length).right <= box(0, 4).left;
+        }""",
+        text,
+    )
+    assert left_of
     watched.check_clean()

@@ -443,3 +443,42 @@ def test_wording_of_equal_entropies_sentence_counts_and_the_text_limit(browser, 
     page.click("#compare-run")
     page.wait_for_selector("#compare-result[data-ready='error']", state="attached")
     assert page.text_content("#error") == "give 2 to 4 sentences to compare"
+
+
+def test_screen_readers_hear_each_result_and_name_each_sentence(browser, base_url):
+    watched = Watched(browser, base_url)
+    page = watched.page
+    page.fill("#explore-text", BANK)
+    page.click("#explore-run")
+    watched.wait("#app")
+    assert page.text_content("[role='status']#status") == "Explore: the result is below."
+
+    page.click("#tab-compare")
+    page.click("#compare-add")
+    page.click(".sentence-row:nth-child(1) .remove")  # the others move up: so do their names
+    names = page.eval_on_selector_all(
+        ".sentence-row",
+        """(rows) => rows.map((row) => [row.querySelector('input').getAttribute('aria-label'),
+                                        row.querySelector('.remove').getAttribute('aria-label')])""",
+    )
+    assert names == [["sentence 1", "remove sentence 1"], ["sentence 2", "remove sentence 2"]]
+    watched.check_clean()
+
+
+def test_right_to_left_text_is_typed_and_shown_right_to_left(browser, base_url):
+    arabic = "ذهبت إلى bank اليوم."  # Arabic first, so read right to left
+    watched = Watched(
+        browser, base_url, f"/?view=compare&s={quote(arabic)}&s={quote(RIVER)}&word=bank"
+    )
+    watched.wait("#compare-result")
+    page = watched.page
+    directions = page.evaluate(
+        """() => [document.querySelector('.compare-sentence'),
+                  document.querySelector('#compare-attended .sentence')]
+                 .map((e) => getComputedStyle(e).direction)"""
+    )
+    assert directions == ["rtl", "rtl"]
+    page.click("#tab-explore")
+    page.fill("#explore-text", arabic)
+    assert page.eval_on_selector("#explore-text", "(e) => getComputedStyle(e).direction") == "rtl"
+    watched.check_clean()

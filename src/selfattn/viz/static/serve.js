@@ -43,6 +43,7 @@
   const showError = (message) => say("error", message);
 
   const RESULTS = { explore: "app", compare: "compare-result", ablation: "ablation-result" }; // view -> its result's element
+  const TITLES = { explore: "Explore", compare: "Compare a word", ablation: "Similarity & scale" }; // as on the tabs
   const tickets = {}; // view -> its latest request
   const failures = {}; // view -> the error its latest request ended in, shown again when its tab opens
 
@@ -55,13 +56,16 @@
     target.setAttribute("aria-busy", "true");
     delete failures[view];
     showError("");
+    $("status").textContent = `${TITLES[view]}: running the model…`; // for screen readers
     try {
       const data = await work.fetch();
       if (ticket !== tickets[view]) return;
       work.show(data);
       target.dataset.ready = "true";
+      $("status").textContent = `${TITLES[view]}: the result is below.`;
     } catch (error) {
       if (ticket !== tickets[view]) return;
+      $("status").textContent = ""; // the alert says what went wrong
       clearResult(view); // no stale result under the error
       failures[view] = error.message;
       target.dataset.ready = "error";
@@ -150,9 +154,9 @@
   function addSentence(value = "") {
     const inputs = sentenceInputs();
     if (inputs.length >= limits().max_sentences) return;
-    const input = h("input", { class: "compare-sentence", "aria-label": `sentence ${inputs.length + 1}`, autocomplete: "off" });
+    const input = h("input", { class: "compare-sentence", autocomplete: "off", dir: "auto" }); // named by renumber()
     input.value = value;
-    const remove = h("button", { type: "button", class: "secondary remove", "aria-label": "remove this sentence" }, "×");
+    const remove = h("button", { type: "button", class: "secondary remove" }, "×"); // named by renumber()
     const row = h("div", { class: "sentence-row" }, h("span", { class: "label" }, `S${inputs.length + 1}`), input, remove);
     remove.addEventListener("click", () => {
       if (sentenceInputs().length > 2) row.remove();
@@ -164,7 +168,11 @@
 
   function renumber() {
     const rows = [...document.querySelectorAll("#compare-sentences .sentence-row")];
-    rows.forEach((row, i) => (row.querySelector(".label").textContent = `S${i + 1}`));
+    rows.forEach((row, i) => {
+      row.querySelector(".label").textContent = `S${i + 1}`;
+      row.querySelector(".compare-sentence").setAttribute("aria-label", `sentence ${i + 1}`);
+      row.querySelector(".remove").setAttribute("aria-label", `remove sentence ${i + 1}`);
+    });
     $("compare-add").disabled = rows.length >= limits().max_sentences;
   }
 
@@ -220,7 +228,7 @@
           "li",
           { "data-sentence": String(i) },
           h("span", { class: "label" }, `S${i + 1}`),
-          h("span", { class: "sentence" }, sentence),
+          h("span", { class: "sentence", dir: "auto" }, sentence),
           h(
             "span",
             { class: "looks" },

@@ -209,11 +209,11 @@
       ui.head.value = String(state.head);
       const headText = state.head === "mean" ? "mean of heads" : `head ${state.head}`;
       ui.selection.textContent = `layer ${state.layer} · ${headText} · query ${tokenName(state.query)}`;
-      tokenEls.forEach((el, i) => el.classList.toggle("selected", i === state.query));
-      thumbs.forEach((el) =>
-        el.classList.toggle("selected", +el.dataset.layer === state.layer && +el.dataset.head === state.head),
-      );
-      drawHeatmap(ui.map, result.weights, model.tokens, state, model.causal);
+      tokenEls.forEach((el, i) => markChosen(el, i === state.query, "aria-selected"));
+      thumbs.forEach((el) => markChosen(el, +el.dataset.layer === state.layer && +el.dataset.head === state.head, "aria-checked"));
+      if (state.head === "mean") thumbs[state.layer * model.heads].tabIndex = 0; // Tab still reaches the model view
+      drawHeatmap(ui.map, result.weights, model, state);
+      ui.map.setAttribute("aria-label", describeMap(model, state, result.weights[state.query], headText));
       showRow(state.hover ?? state.query);
       fillSteps(ui, model, result, state, tokenName);
       const fragment = `#layer=${state.layer}&head=${state.head}&query=${state.query}`;
@@ -225,9 +225,11 @@
       const row = current().weights[i];
       const largest = Math.max(...row) || 1;
       tokenEls.forEach((el, j) => {
-        el.style.backgroundColor = j === i ? "" : rgb((row[j] / largest) * 0.85);
+        const masked = isMasked(model, i, j);
+        el.classList.toggle("masked", masked);
+        el.style.backgroundColor = j === i || masked ? "" : rgb((row[j] / largest) * 0.85);
         el.style.color = row[j] / largest > 0.6 && j !== i ? "#fff" : "";
-        el.title = `weight ${fmt(row[j])} from query ${i}`;
+        el.title = masked ? `masked: query ${i} may not look at later tokens` : `weight ${fmt(row[j])} from query ${i}`;
       });
       const order = [...row.keys()].sort((a, b) => row[b] - row[a]);
       const top = order.slice(0, T <= ALL_LINES ? T : TOP_K).filter((j) => row[j] > 0);
@@ -252,6 +254,24 @@
     thumbs.forEach((el) =>
       el.addEventListener("click", () => select({ layer: el.dataset.layer, head: el.dataset.head })),
     );
+    // Keys on the tokens and the map move the query; on the model view, the layer and head.
+    // Focus follows, and only the chosen token and thumbnail are in the Tab order.
+    const moveQuery = (event) => {
+      const query = steppedQuery(event, state.query, T);
+      if (query === null) return;
+      event.preventDefault();
+      select({ query });
+      if (event.currentTarget === ui.flow) tokenEls[state.query].focus();
+    };
+    ui.flow.addEventListener("keydown", moveQuery);
+    ui.map.addEventListener("keydown", moveQuery);
+    ui.grid.addEventListener("keydown", (event) => {
+      const step = steppedThumb(event, state, model);
+      if (!step) return;
+      event.preventDefault();
+      select(step);
+      thumbs[state.layer * model.heads + (state.head === "mean" ? 0 : state.head)].focus();
+    });
     attachMapEvents(ui, model, state, current, select);
     if (hash) window.addEventListener("hashchange", () => select(readHash()), { signal });
     const redrawLines = () => showRow(state.hover ?? state.query);
@@ -260,10 +280,9 @@
     document.addEventListener(
       "keydown",
       (event) => {
-        if (event.target.closest("select, input, textarea")) return;
+        if (event.defaultPrevented || event.target.closest("select, input, textarea, button")) return;
         if (event.key === "ArrowRight") select({ query: Math.min(T - 1, state.query + 1) });
         if (event.key === "ArrowLeft") select({ query: Math.max(0, state.query - 1) });
-        if (event.key === "Enter" && event.target.matches(".token")) select({ query: +event.target.dataset.index });
       },
       { signal },
     );
@@ -280,6 +299,47 @@
     if (changes.query !== undefined) state.query = clamp(+changes.query, model.length);
     if (changes.shadeBy !== undefined) state.shadeBy = changes.shadeBy;
     if (changes.sortByWeight !== undefined) state.sortByWeight = changes.sortByWeight;
+  }
+
+  /** Chosen or not: its class, its ARIA state, and whether Tab reaches it (one per group). */
+  function markChosen(el, chosen, ariaState) {
+    el.classList.toggle("selected", chosen);
+    el.setAttribute(ariaState, String(chosen));
+    el.tabIndex = chosen ? 0 : -1;
+  }
+
+  /** A causal mask hides key j from query i (bottom-right aligned). */
+  const isMasked = (model, i, j) => model.causal && j > i;
+
+  /** The query a key press on the tokens or the map asks for, or null (not a moving key). */
+  function steppedQuery(event, query, T) {
+    const target = {
+      ArrowRight: query + 1, ArrowDown: query + 1, ArrowLeft: query - 1, ArrowUp: query - 1,
+      Home: 0, End: T - 1, Enter: +event.target.dataset.index, " ": +event.target.dataset.index,
+    }[event.key];
+    return Number.isInteger(target) ? Math.max(0, Math.min(T - 1, target)) : null;
+  }
+
+  /** The layer and head an arrow key (or Enter/Space) on a thumbnail asks for, or null. */
+  function steppedThumb(event, state, model) {
+    const layer = state.layer;
+    const head = state.head === "mean" ? 0 : state.head;
+    const target = {
+      ArrowRight: [layer, head + 1], ArrowLeft: [layer, head - 1], ArrowDown: [layer + 1, head], ArrowUp: [layer - 1, head],
+      Enter: [event.target.dataset.layer, event.target.dataset.head], " ": [event.target.dataset.layer, event.target.dataset.head],
+    }[event.key];
+    return target && event.target.matches(".thumb") ? { layer: target[0], head: target[1] } : null;
+  }
+
+  /** The map's text alternative: what it shows and the chosen row's strongest key. */
+  function describeMap(model, state, row, headText) {
+    const i = state.query;
+    const best = row.indexOf(Math.max(...row));
+    return (
+      `attention map, layer ${state.layer}, ${headText}: ${model.length} queries (rows) × ${model.length} keys (columns)` +
+      `${model.causal ? "; keys after each query are masked" : ""}. Row ${i} “${model.tokens[i]}”: most weight, ` +
+      `${fmt(row[best])}, on key ${best} “${model.tokens[best]}”. Arrow keys move the row; the step table lists its weights.`
+    );
   }
 
   function buildLayout(model) {
@@ -303,13 +363,13 @@
       ["output", "Σ weight × v: the weight-averaged values, the token in context"],
     ];
 
-    const selection = h("p", { id: "selection", class: "selection" });
+    const selection = h("p", { id: "selection", class: "selection", "aria-live": "polite" });
     const header = h(
       "header",
       {},
       h("div", { class: "brand" }, "selfattn · attention explorer"),
       h("h1", { id: "model" }, model.model),
-      h("p", { id: "text", class: "text" }, model.text),
+      h("p", { id: "text", class: "text", dir: "auto" }, model.text),
       h(
         "p",
         { class: "meta" },
@@ -327,10 +387,10 @@
     );
 
     const lines = h("canvas", { id: "lines", "aria-hidden": "true" });
-    const flow = h("div", { class: "flow" });
+    const flow = h("div", { class: "flow", role: "listbox", "aria-label": "tokens", "aria-orientation": "horizontal" });
     const strip = h("div", { id: "strip", class: "strip" }, lines, flow);
     const summary = h("div", { id: "row-summary", class: "row-summary" });
-    const map = h("canvas", { id: "heatmap" });
+    const map = h("canvas", { id: "heatmap", role: "img", tabindex: "0" });
     const tip = h("div", { id: "map-tip", class: "tip", hidden: "" });
     const stepsBody = h("tbody");
     const stepsFoot = h("tfoot");
@@ -344,7 +404,7 @@
     const stepTitle = h("h3", { id: "step-title" });
     const stepNote = h("p", { class: "note", id: "step-note" });
     const output = h("div", { id: "output", class: "output" });
-    const grid = h("div", { id: "model-grid", class: "model-grid" });
+    const grid = h("div", { id: "model-grid", class: "model-grid", role: "radiogroup", "aria-label": "layer and head" });
 
     const page = h(
       "div",
@@ -354,7 +414,7 @@
         "section",
         { class: "card" },
         h("h2", {}, "Tokens"),
-        h("p", { class: "hint" }, "Hover a token to see where it looks; click to pin it (← → move)."),
+        h("p", { class: "hint" }, "Hover a token to see where it looks; click to pin it (← → Home End move)."),
         strip,
         summary,
       ),
@@ -394,7 +454,7 @@
     return model.tokens.map((token, i) => {
       const words = model.words;
       const joined = words && i > 0 && words[i] !== null && words[i] === words[i - 1];
-      const el = h("span", { class: joined ? "token joined" : "token", "data-index": String(i), tabindex: "0" }, token);
+      const el = h("span", { class: joined ? "token joined" : "token", "data-index": String(i), role: "option", dir: "auto" }, token);
       flow.append(el);
       return el;
     });
@@ -410,11 +470,13 @@
     for (let l = 0; l < model.layers; l++) {
       grid.append(h("span", { class: "axis" }, `L${l}`));
       for (let hd = 0; hd < model.heads; hd++) {
-        const canvas = h("canvas", { class: "thumb", width: String(n), height: String(n), "data-layer": String(l), "data-head": String(hd), title: `layer ${l}, head ${hd}` });
+        const name = `layer ${l}, head ${hd}`;
+        const canvas = h("canvas", { class: "thumb", width: String(n), height: String(n), "data-layer": String(l), "data-head": String(hd), title: name, role: "radio", "aria-label": name });
         const image = new ImageData(n, n);
         const offset = (l * model.heads + hd) * n * n;
         for (let p = 0; p < n * n; p++) {
-          image.data.set([...shade(bytes[offset + p] / 255), 255], 4 * p);
+          const colour = maskedPool(model, n, Math.floor(p / n), p % n) ? MASKED : shade(bytes[offset + p] / 255);
+          image.data.set([...colour, 255], 4 * p);
         }
         canvas.getContext("2d").putImageData(image, 0, 0);
         grid.append(canvas);
@@ -422,6 +484,14 @@
       }
     }
     return thumbs;
+  }
+
+  /** A max-pooled thumbnail cell is masked when every cell it pools is (adaptive pooling's bins). */
+  function maskedPool(model, n, r, c) {
+    const T = model.length;
+    const lastRow = Math.ceil(((r + 1) * T) / n) - 1;
+    const firstKey = Math.floor((c * T) / n);
+    return isMasked(model, lastRow, firstKey);
   }
 
   // ---------- drawing ----------
@@ -434,8 +504,9 @@
   }
 
   /** The T×S map on one canvas (one pixel per cell, scaled up); masked cells in grey. */
-  function drawHeatmap(canvas, weights, tokens, state, causal) {
+  function drawHeatmap(canvas, weights, model, state) {
     const T = weights.length;
+    const tokens = model.tokens;
     const { cell, labels, margin } = mapGeometry(T);
     const side = margin + T * cell;
     const width = side + (labels ? margin : 0); // room for the last rotated key label
@@ -455,7 +526,7 @@
     weights.forEach((row, i) => {
       const top = state.shadeBy === "row" ? Math.max(...row) || 1 : matrixMax;
       row.forEach((w, j) => {
-        const masked = causal && j > i + (S - T);
+        const masked = isMasked(model, i, j);
         image.data.set([...(masked ? MASKED : shade(w / top)), 255], 4 * (i * S + j));
       });
     });
@@ -549,12 +620,15 @@
       );
     }
     const rest = row.filter((w, j) => w > 0 && !top.includes(j)).length;
-    const unattended = row.length - top.length - rest; // masked (or exactly zero) keys
+    const masked = row.filter((w, j) => isMasked(model, i, j)).length;
+    const zero = row.length - top.length - rest - masked; // not masked: exp(scaled) underflowed to 0
+    const keys = (n) => `${n} key${n > 1 ? "s" : ""}`;
     const restMass = Math.max(0, 1 - top.reduce((sum, j) => sum + row[j], 0));
     const leftover = h("p", { class: "leftover", id: "leftover", "data-mass": String(restMass) });
     leftover.textContent =
       (rest > 0 ? `+ ${fmt(restMass, 3)} on ${rest} other key${rest > 1 ? "s" : ""}` : "every attended key shown") +
-      (unattended > 0 ? ` · ${unattended} key${unattended > 1 ? "s" : ""} masked` : "");
+      (masked > 0 ? ` · ${keys(masked)} masked` : "") +
+      (zero > 0 ? ` · ${keys(zero)} at weight 0 (too far below the largest score)` : "");
     summary.replaceChildren(head, list, leftover);
   }
 
@@ -566,7 +640,7 @@
     ui.stepTitle.textContent = `query ${tokenName(i)}`;
     const order = [...weights.keys()];
     if (state.sortByWeight) order.sort((a, b) => weights[b] - weights[a]);
-    const masked = (j) => model.causal && j > i + (weights.length - model.length);
+    const masked = (j) => isMasked(model, i, j);
     ui.stepsBody.replaceChildren(
       ...order.map((j) => {
         const bar = h("span", { class: "bar" });
@@ -580,10 +654,10 @@
         const tr = h(
           "tr",
           { "data-key": String(j), class: [j === i ? "self" : "", masked(j) ? "masked" : ""].join(" ").trim() },
-          h("td", { class: "key" }, h("span", { class: "idx" }, String(j)), " ", model.tokens[j]),
+          h("td", { class: "key" }, h("span", { class: "idx" }, String(j)), " ", h("bdi", {}, model.tokens[j])),
           ...cells,
           h("td", { class: "num strong", "data-weight": String(weights[j]) }, fmt(weights[j])),
-          h("td", { class: "bar-cell" }, h("span", { class: "bar-track" }, bar)),
+          h("td", { class: "bar-cell" }, masked(j) ? h("span", { class: "tag" }, "masked") : h("span", { class: "bar-track" }, bar)),
         );
         return tr;
       }),
@@ -592,7 +666,7 @@
     ui.stepsFoot.replaceChildren(h("tr", {}, h("td", {}, "total"), h("td"), h("td"), h("td", { class: "num strong" }, fmt(total)), h("td")));
     ui.stepNote.textContent = mean
       ? `mean of ${model.heads} heads: the weights are averaged; scores and outputs belong to single heads.`
-      : `scaled = score × ${fmt(model.scale)}; weight = softmax(scaled) over the row${model.causal ? "; later keys are masked" : ""}.`;
+      : `scaled = score × ${fmt(model.scale)}; weight = softmax(scaled) over the row${model.causal ? "; keys after the query are masked (as if scaled were −∞): weight 0" : ""}.`;
 
     if (mean) {
       ui.output.replaceChildren();
