@@ -368,6 +368,18 @@ def test_chunked_biases_at_the_float_limits_as_on_the_explicit_path(dtype):
     assert expected[0].abs().sum() > 0  # the row is not emptied
 
 
+def test_chunked_takes_a_float16_mask_at_its_own_limits():
+    """A float16 model's padding mask holds finfo(float16).min: clamping it to the float32
+    range must not overflow float16 (it raised). Tolerance: 1e-3 against the explicit path."""
+    q, k, v = (x.half() for x in qkv((2, 1), 4, 5, 8, 8))
+    mask = torch.zeros(2, 1, 1, 5, dtype=torch.float16)
+    mask[0, ..., 1:] = torch.finfo(torch.float16).min
+    mask[1, ..., 3] = torch.finfo(torch.float16).max
+    expected = attention(q, k, v, mask=mask, backend="explicit").float()
+    actual = attention(q, k, v, mask=mask, backend="chunked").float()
+    torch.testing.assert_close(actual, expected, atol=1e-3, rtol=0)
+
+
 @pytest.mark.parametrize("backend", [*BACKENDS, "auto"])
 @pytest.mark.parametrize("scale", [math.nan, math.inf, -math.inf])
 def test_non_finite_scale_is_a_one_line_error(backend, scale):

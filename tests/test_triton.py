@@ -5,7 +5,8 @@ here on CPU float32 tensors (small shapes: the interpreter is slow).
 
 Tolerance (flash-attention's rule): against the explicit path in float64, our error (max abs,
 output and each gradient) is at most twice that of torch's own SDPA in the same dtype, plus an
-absolute floor of ``ABS_FLOOR[dtype]`` (1e-6 in float32, 1e-4 in float16) for cases where
+absolute floor of ``ABS_FLOOR[dtype]`` (1e-6 in float32, 1e-4 in float16, 1e-3 in bfloat16)
+for cases where
 SDPA happens to be exact.
 """
 
@@ -27,7 +28,7 @@ if os.environ["TRITON_INTERPRET"] != "1":
 
 from selfattn.attention import BACKENDS, attention, choose_backend, make_call
 
-ABS_FLOOR = {torch.float32: 1e-6, torch.float16: 1e-4}
+ABS_FLOOR = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 
 
 def _inputs(t: int, s: int, d: int, dv: int | None = None, lead=(2, 3), seed: int = 0):
@@ -141,9 +142,29 @@ def test_float_mask_row_of_minus_infinity_is_empty():
 
 def test_no_keys_at_all_gives_zeros():
     q, k, v, grad = _inputs(5, 0, 16)
+    q[0, 0, 0, 0] = float("inf")  # as the explicit path, no NaN from a query with no keys
     out, dq, dk, dv = _run("triton", q, k, v, grad, torch.float32)
     assert out.shape == (2, 3, 5, 16) and (out == 0).all() and (dq == 0).all()
     assert dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_mask_offsets_past_two_to_the_31():
+    """Mask rows 2³¹ / 8 elements apart, as in a (T, S) mask with T = S > 46,340: the offset
+    of the last row overflows int32 (a wild read) unless it is computed in int64. Only the
+    mask's rows are touched, so the 2 GiB it spans stay unallocated."""
+    t, s = 9, 40
+    row_stride = 2**31 // (t - 1)
+    mask = torch.empty(row_stride * (t - 1) + s, dtype=torch.bool)
+    mask = mask.as_strided((t, s), (row_stride, 1))
+    mask.copy_(torch.rand(t, s, generator=torch.Generator().manual_seed(6)) > 0.3)
+    assert_matches_reference(*_inputs(t, s, 16), mask=mask, causal=True)
+
+
+def test_double_backward_is_refused():
+    q, k, v = (x.float().requires_grad_() for x in _inputs(7, 9, 16)[:3])
+    out = attention(q, k, v, backend="triton")
+    with pytest.raises(RuntimeError, match="first derivatives only"):
+        torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
 
 
 def test_cosine_similarity_through_the_dispatcher():
@@ -225,6 +246,28 @@ def test_lazy_rescaling_when_row_maxima_grow(monkeypatch, lazy, growth, causal):
     assert_matches_reference(q, k, v, grad, causal=causal)
 
 
+def test_tma_tuning_is_not_reused_for_a_layout_without_tma(monkeypatch):
+    """The forward's tuning result is kept per layout class: a TMA tiling picked for aligned
+    rows must not be reused for keys the copy engine cannot read (here with a column stride),
+    which the kernel refuses at compile time."""
+    from selfattn.kernels import triton_attention
+
+    kernel = triton_attention._forward_kernel
+    tiling = (16, 32, 4, 1)
+    configs = [triton_attention._config(*tiling, USE_TMA=tma, LAZY=True, A_FROM_REGISTERS=False)
+               for tma in (True, False)]  # fmt: skip
+    timings = iter(range(1, 100))  # a fake timer: the first candidate, TMA, wins
+    monkeypatch.setattr(kernel, "configs", configs)
+    monkeypatch.setattr(kernel, "cache", {})
+    monkeypatch.setattr(kernel, "_do_bench", lambda fn, quantiles: next(timings))
+    q, k, v, grad = _inputs(7, 33, 16)
+    assert_matches_reference(q, k, v, grad)
+    assert kernel.best_config.kwargs["USE_TMA"]
+    k_by_columns = k.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert_matches_reference(q, k_by_columns, v, grad)
+    assert not kernel.best_config.kwargs["USE_TMA"]
+
+
 def test_tensor_descriptors_only_for_layouts_the_copy_engine_takes():
     from selfattn.kernels.triton_attention import _tma_ok
 
@@ -235,18 +278,48 @@ def test_tensor_descriptors_only_for_layouts_the_copy_engine_takes():
     assert not _tma_ok(torch.randn(3 * 33 * 16 + 1)[1:].view(3, 33, 16))  # misaligned start
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("plan", ["split", "atomic"])
-def test_float16_within_twice_sdpa_error(monkeypatch, plan):
+def test_half_precision_within_twice_sdpa_error(monkeypatch, plan, dtype):
+    """bfloat16 too: the interpreter multiplies bfloat16 tiles as integers unless widened."""
     from selfattn.kernels import triton_attention
 
     monkeypatch.setattr(triton_attention, "backward_plan", plan)
-    assert_matches_reference(*_inputs(33, 64, 16), dtype=torch.float16, causal=True)
+    assert_matches_reference(*_inputs(33, 64, 16), dtype=dtype, causal=True)
+
+
+def test_bfloat16_output_rounds_to_nearest_as_on_a_gpu():
+    """Equal scores (query 0) over three keys: the output is the values' float32 mean, rounded
+    to nearest even, bit for bit (the interpreter's own cast would truncate)."""
+    _, k, v, _ = (x.bfloat16() for x in _inputs(1, 3, 16, lead=(4,)))
+    q = torch.zeros(4, 1, 16, dtype=torch.bfloat16)
+    out = attention(q, k, v, backend="triton")
+    assert torch.equal(out, (v.float().sum(-2, keepdim=True) / 3).bfloat16())
+
+
+def test_half_precision_float_mask_with_its_own_minimum():
+    # A float16 model's padding mask holds finfo(float16).min; clamping it to float32's range
+    # must not overflow float16.
+    mask = torch.zeros(2, 1, 1, 64, dtype=torch.float16)
+    mask[1, ..., 40:] = torch.finfo(torch.float16).min
+    mask[0, ..., ::7] = float("-inf")
+    assert_matches_reference(*_inputs(33, 64, 16), dtype=torch.float16, mask=mask)
 
 
 def _why_not(q=None, k=None, v=None, mask=None, dropout_p=0.0) -> str | None:
     q, k, v = (torch.randn(7, 16) if x is None else x for x in (q, k, v))
     call = make_call(q, k, v, mask, False, "dot", None, dropout_p)
     return BACKENDS["triton"].why_not(call)
+
+
+def test_a_triton_that_fails_to_import_is_a_reason_not_a_traceback(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(sys.modules, "selfattn.kernels.triton_attention", None)  # import fails
+    reason = _why_not()
+    assert reason.startswith("backend 'triton' cannot import triton (") and "reinstall" in reason
+    q = torch.randn(3, 8)
+    with pytest.raises(ValueError, match=r"cannot import triton \("):
+        attention(q, q, q, backend="triton")
 
 
 def test_why_not_explains_each_refusal(monkeypatch):

@@ -274,8 +274,14 @@ def _triton_why_not(call: AttentionCall) -> str | None:
             f"backend 'triton' runs on CUDA tensors, got {call.query.device} (on CPU it runs "
             "only under Triton's interpreter: set TRITON_INTERPRET=1 before importing triton)"
         )
-    from selfattn.kernels.triton_attention import unsupported_reason
-
+    try:
+        from selfattn.kernels.triton_attention import unsupported_reason
+    except ImportError as error:  # installed, but broken or built for another torch
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else "ImportError"
+        return (
+            f"backend 'triton' cannot import triton ({first_line}); reinstall it: "
+            "pip install --force-reinstall 'selfattn[gpu]'"
+        )
     reason = unsupported_reason(call.query, call.key, call.value, call.mask)
     return None if reason is None else f"backend 'triton': {reason}"
 

@@ -55,11 +55,6 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 BLOCK_K = 1024  # key columns per tile
 MAX_BLOCK_Q = 512  # query rows per tile, fewer when there are many heads
 TILE_ELEMENTS = 2**22  # a score tile of all heads at once: 16 MiB in float32
-FIRST_DERIVATIVES_ONLY = (
-    "backend 'chunked' has first derivatives only (its backward cannot be differentiated: "
-    "no create_graph=True, gradgradcheck or Hessians through it); use backend='explicit' or "
-    "'sdpa' for higher derivatives"
-)
 
 
 def chunked_attention(
@@ -177,8 +172,8 @@ def finite_bias(bias: Tensor | None, limit: float) -> Tensor | None:
     largest number a backend computes in over what it multiplies the bias by, so that its
     arithmetic stays finite: a row masked with Hugging Face's ``finfo.min`` then weighs its
     keys as the explicit path does, not emptied or NaN. ±inf stay; gradients pass unchanged."""
-    if bias is None:
-        return None
+    if bias is None or limit >= torch.finfo(bias.dtype).max:
+        return bias  # its finite values already lie within ±limit
     moved = torch.where(torch.isfinite(bias), bias.clamp(-limit, limit) - bias, 0.0)
     return bias + moved.detach()
 
@@ -187,7 +182,7 @@ class _ChunkedAttention(torch.autograd.Function):
     """Forward saves (query, key, value, bias, output, lse); backward recomputes the weights.
 
     The backward is not itself differentiable (it writes tiles in place): asking it for a graph
-    raises :data:`FIRST_DERIVATIVES_ONLY` instead of silently dropping second-order terms.
+    raises (:func:`refuse_double_backward`) instead of silently dropping second-order terms.
     """
 
     @staticmethod
@@ -212,7 +207,7 @@ class _ChunkedAttention(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, grad_output: Tensor
     ) -> tuple[Tensor | None, ...]:
         query, key, value, bias, output, lse = ctx.saved_tensors
-        _refuse_double_backward(grad_output, query, key, value, bias)
+        refuse_double_backward("chunked", grad_output, query, key, value, bias)
         masks, scale, block_q, block_k = ctx.config
         want_bias_grad = bias is not None and ctx.needs_input_grad[3]
         grads = _backward(
@@ -232,11 +227,16 @@ class _ChunkedAttention(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-def _refuse_double_backward(*tensors: Tensor | None) -> None:
-    """Raise when autograd records the backward (``create_graph=True``) through a tensor that
-    needs gradients: the tiles below are written in place, so that graph cannot be built."""
+def refuse_double_backward(backend: str, *tensors: Tensor | None) -> None:
+    """Raise when autograd records a fused backward (``create_graph=True``) through a tensor
+    that needs gradients: its gradients are computed outside autograd, so returning them would
+    silently drop the second-order terms."""
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
-        raise RuntimeError(FIRST_DERIVATIVES_ONLY)
+        raise RuntimeError(
+            f"backend {backend!r} has first derivatives only (its backward cannot be "
+            "differentiated: no create_graph=True, gradgradcheck or Hessians through it); use "
+            "backend='explicit' or 'sdpa' for higher derivatives"
+        )
 
 
 def _forward(

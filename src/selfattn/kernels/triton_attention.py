@@ -59,11 +59,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from selfattn.kernels.chunked import LOG2E, finite_bias
+from selfattn.kernels.chunked import LOG2E, finite_bias, refuse_double_backward
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton's interpreter holds bfloat16 tiles as the uint16 words of their bits (numpy has no
+# bfloat16): its tl.dot multiplies those words as integers, and its casts to bfloat16 truncate.
+# Under it, ``_dot`` widens bfloat16 tiles to float32 (exact; a GPU's MMA accumulates in float32
+# too) and ``_narrow`` rounds to nearest even before the cast, as a GPU's conversion does, so
+# that the interpreter computes what the GPU does. Compiled kernels are unchanged.
+INTERPRETER_BFLOAT16 = tl.constexpr(INTERPRETING)
 
 # In-kernel tensor descriptors (TMA) and the allocator they need arrived in Triton 3.4.
 HAS_TENSOR_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
@@ -247,6 +253,25 @@ def _computed(tile):
 
 
 @triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    """``tl.dot(a, b, acc)`` with float32 accumulation (see INTERPRETER_BFLOAT16)."""
+    if INTERPRETER_BFLOAT16 and a.dtype == tl.bfloat16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _narrow(x, dtype: tl.constexpr):
+    """The float32 tile ``x`` as ``dtype``, rounded to nearest even (INTERPRETER_BFLOAT16)."""
+    if INTERPRETER_BFLOAT16 and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)  # round off the 16 bits the cast then drops
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
 def _load(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
     """Load a 2-D tile, masking (with 0) only the axes that can run past the tensor."""
     if CHECK_ROWS and CHECK_COLS:
@@ -270,8 +295,9 @@ def _mask_scores(s, mask_base, stride_mt, stride_ms, rows, cols, T, S,
     never stored, or are set to -inf below.
     """
     if MASK_KIND != 0:
-        user = tl.load(mask_base + tl.minimum(rows, T - 1) * stride_mt
-                       + tl.minimum(cols, S - 1) * stride_ms)
+        # In int64: a (T, S) mask passes 2³¹ elements from T = S = 46,341 on.
+        user = tl.load(mask_base + tl.minimum(rows, T - 1).to(tl.int64) * stride_mt
+                       + tl.minimum(cols, S - 1).to(tl.int64) * stride_ms)
         if MASK_KIND == 1:
             s = tl.where(user != 0, s, float("-inf"))
         else:
@@ -391,7 +417,7 @@ def _absorb(acc, row_max, row_sum, scores, v, qk_scale,
             acc, row_sum = _rescale(acc, row_sum, row_max, new_max)
         p = tl.math.exp2(scores * qk_scale - new_max[:, None])
     row_sum += tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    acc = _dot(_narrow(p, v.dtype), v, acc, PRECISION)
     return acc, new_max, row_sum
 
 
@@ -411,7 +437,7 @@ def _forward_tiles(acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, lo, 
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k_t = _key_tile(k_src, start_n, stride_ks, stride_kd, S,
                         HEAD_DIM, BLOCK_D, BLOCK_N, CHECK, USE_TMA)
-        qk = tl.dot(q, k_t, input_precision=PRECISION)  # (M, N)
+        qk = _dot(q, k_t, None, PRECISION)  # (M, N)
         masked = CHECK or MASK_KIND != 0
         if masked:
             cols = start_n + tl.arange(0, BLOCK_N)
@@ -424,7 +450,8 @@ def _forward_tiles(acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, lo, 
     return acc, row_max, row_sum
 
 
-@triton.autotune(configs=_forward_configs(), key=TUNE_KEY,
+# TMA_OK keys the tuning too: a TMA tiling tuned for one layout must not serve one without.
+@triton.autotune(configs=_forward_configs(), key=[*TUNE_KEY, "TMA_OK"],
                  prune_configs_by=_config_pruner("BLOCK_M", "BLOCK_N"),
                  do_bench=_quick_bench)
 @triton.jit(do_not_specialize=KEY_ONLY_INTS)
@@ -499,7 +526,7 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
     tl.store(Lse + head * T + rows, lse, mask=rows < T)
     out_base = _head_start(Out, head, inner, stride_oo, stride_oi)
     tl.store(out_base + rows[:, None] * stride_ot + offs_dv[None, :] * stride_od,
-             (acc / row_sum[:, None]).to(Out.dtype.element_ty),
+             _narrow(acc / row_sum[:, None], Out.dtype.element_ty),
              mask=(rows < T)[:, None] & (offs_dv < VALUE_DIM)[None, :])
 
 
@@ -552,18 +579,18 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, 
         else:
             lse = tl.load(lse_base + rows)
             delta = tl.load(delta_base + rows)
-        s_t = tl.dot(k, q_t, input_precision=PRECISION) * qk_scale  # (N, M), base 2
+        s_t = _dot(k, q_t, None, PRECISION) * qk_scale  # (N, M), base 2
         s_t = _mask_scores(s_t, mask_base, stride_mt, stride_ms, rows[None, :], cols[:, None],
                            T, S, CAUSAL, MASK_KIND, CHECK)
         p_t = tl.math.exp2(s_t - lse[None, :])
         do = _load(do_base + rows[:, None] * stride_dt + offs_dv[None, :] * stride_dd,
                    rows < T, offs_dv < VALUE_DIM, CHECK, BLOCK_DV != VALUE_DIM)  # (M, Dv)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (N, M)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q_t.dtype)
-        dk = tl.dot(ds_t, tl.trans(q_t), dk, input_precision=PRECISION)
+        dv = _dot(_narrow(p_t, do.dtype), do, dv, PRECISION)
+        dp_t = _dot(v, tl.trans(do), None, PRECISION)  # (N, M)
+        ds_t = _narrow(p_t * (dp_t - delta[None, :]), q_t.dtype)
+        dk = _dot(ds_t, tl.trans(q_t), dk, PRECISION)
         if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=PRECISION) * scale  # (M, D)
+            dq = _dot(tl.trans(ds_t), k, None, PRECISION) * scale  # (M, D)
             dq_ptrs = dq_base + rows[:, None] * BLOCK_D + offs_d[None, :]
             if CHECK:
                 tl.atomic_add(dq_ptrs, dq, mask=(rows < T)[:, None], sem="relaxed")
@@ -642,9 +669,9 @@ def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV, DQAcc,
     dk_base = _head_start(DK, head, inner, stride_gko, stride_gki)
     dv_base = _head_start(DV, head, inner, stride_gvo, stride_gvi)
     tl.store(dk_base + cols[:, None] * stride_gks + offs_d[None, :],
-             (dk * scale).to(DK.dtype.element_ty), mask=key_ok & (offs_d < HEAD_DIM)[None, :])
+             _narrow(dk * scale, DK.dtype.element_ty), mask=key_ok & (offs_d < HEAD_DIM)[None, :])
     tl.store(dv_base + cols[:, None] * stride_gvs + offs_dv[None, :],
-             dv.to(DV.dtype.element_ty), mask=key_ok & (offs_dv < VALUE_DIM)[None, :])
+             _narrow(dv, DV.dtype.element_ty), mask=key_ok & (offs_dv < VALUE_DIM)[None, :])
 
 
 @triton.jit
@@ -666,13 +693,13 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, mask_base, rows, lo, hi,
                     offs_d < HEAD_DIM, cols < S, BLOCK_D != HEAD_DIM, CHECK)  # (D, N)
         v_t = _load(v_base + offs_dv[:, None] * stride_vd + cols[None, :] * stride_vs,
                     offs_dv < VALUE_DIM, cols < S, BLOCK_DV != VALUE_DIM, CHECK)  # (Dv, N)
-        s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale  # (M, N), base 2
+        s = _dot(q, k_t, None, PRECISION) * qk_scale  # (M, N), base 2
         s = _mask_scores(s, mask_base, stride_mt, stride_ms, rows[:, None], cols[None, :],
                          T, S, CAUSAL, MASK_KIND, CHECK)
         p = tl.math.exp2(s - lse[:, None])
-        dp = tl.dot(do, v_t, input_precision=PRECISION)  # (M, N)
+        dp = _dot(do, v_t, None, PRECISION)  # (M, N)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=PRECISION)
+        dq = _dot(_narrow(ds, k_t.dtype), tl.trans(k_t), dq, PRECISION)
     return dq
 
 
@@ -732,7 +759,7 @@ def _dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
     # dQ is written in the layout of Q (unit last stride).
     dq_base = _head_start(DQ, head, inner, stride_gqo, stride_gqi)
     tl.store(dq_base + rows[:, None] * stride_gqt + offs_d[None, :],
-             (dq * scale).to(DQ.dtype.element_ty),
+             _narrow(dq * scale, DQ.dtype.element_ty),
              mask=(rows < T)[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
@@ -1040,7 +1067,10 @@ def _backward_plan(tune_key: tuple, run, gluon: tuple[str, ...] = ()) -> str:
 
 
 class _FusedAttention(torch.autograd.Function):
-    """Autograd wrapper: the forward saves Q, K, V, O and the LSE; the backward recomputes."""
+    """Autograd wrapper: the forward saves Q, K, V, O and the LSE; the backward recomputes.
+
+    A backward asked for a graph (``create_graph=True``) raises (``refuse_double_backward``)
+    rather than silently return gradients without one."""
 
     @staticmethod
     def forward(
@@ -1063,6 +1093,7 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         query, key, value, out, lse, mask = ctx.saved_tensors
+        refuse_double_backward("triton", grad_out, query, key, value)
         grads = _backward(grad_out, query, key, value, out, lse, mask, *ctx.settings)
         return (*grads, None, None, None, None, None)
 
@@ -1136,8 +1167,10 @@ def triton_attention(
     lead = query.shape[:-2]
     t, s, value_dim = query.shape[-2], key.shape[-2], value.shape[-1]
     if t == 0 or s == 0 or math.prod(lead) == 0:
-        # Nothing to attend to (or nobody asking): zeros, still connected to the graph.
-        return (query.sum() + key.sum() + value.sum()) * 0 + query.new_zeros(*lead, t, value_dim)
+        # Nothing to attend to (or nobody asking): zeros, still connected to the graph (through
+        # empty sums: 0 * query.sum() would be NaN for a query holding inf).
+        connected = sum(x[..., :0].sum() for x in (query, key, value))
+        return connected + query.new_zeros(*lead, t, value_dim)
     if scale < 0:  # the kernels scale after taking row maxima, which needs scale >= 0
         key, scale = -key, -scale
     kernel_mask, inner, mask_kind = _kernel_mask(mask, lead, t, s, query.device)
