@@ -98,10 +98,13 @@ def _check_ids(name: str, ids: Tensor, limit: int) -> None:
         )
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise SelfAttnError(f"{name} must hold integers (token ids), got {ids.dtype}; use .long()")
-    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < limit:
+    if ids.numel() == 0:
+        return
+    low, high = (int(value) for value in torch.aminmax(ids))  # one pass, one device sync
+    if not 0 <= low <= high < limit:
         raise SelfAttnError(
-            f"{name} must lie in 0..{limit - 1}, got values from {int(ids.min())} to "
-            f"{int(ids.max())}; use the model's own tokenizer"
+            f"{name} must lie in 0..{limit - 1}, got values from {low} to {high}; "
+            "use the model's own tokenizer"
         )
 
 

@@ -100,7 +100,17 @@ class TextData:
         cls, path: Path, block_size: int, tokenizer: CharTokenizer | None = None
     ) -> TextData:
         """Read, encode and split ``path``; each split must hold at least one window."""
-        text = read_text(path)
+        return cls.from_text(read_text(path), block_size, tokenizer, source=path)
+
+    @classmethod
+    def from_text(
+        cls,
+        text: str,
+        block_size: int,
+        tokenizer: CharTokenizer | None = None,
+        source: Path | str = "the text",
+    ) -> TextData:
+        """Encode and split ``text`` (read from ``source``, which errors name)."""
         tokenizer = tokenizer or CharTokenizer.from_text(text)
         ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
         n_train = int(TRAIN_FRACTION * len(ids))
@@ -108,7 +118,7 @@ class TextData:
         shortest = min(len(data.train), len(data.val))
         if shortest < block_size + 1:
             raise SelfAttnError(
-                f"{path} is too short for block size {block_size}: its {len(ids)} characters "
+                f"{source} is too short for block size {block_size}: its {len(ids)} characters "
                 f"give a {len(data.val)}-character validation split (the last 10%), and each "
                 f"split needs at least {block_size + 1}; use more text or a smaller --block-size"
             )

@@ -156,13 +156,14 @@ def _resumed_data(
     path: Path, block_size: int, tokenizer: CharTokenizer, trained_on: str
 ) -> TextData:
     """The text of a resumed run in the checkpoint's vocabulary, or why it does not fit."""
-    unknown = tokenizer.unknown_characters(read_text(path))
+    text = read_text(path)
+    unknown = tokenizer.unknown_characters(text)
     if unknown:
         raise SelfAttnError(
             f"{path} has characters that the checkpoint's vocabulary lacks ({unknown}); "
             f"resume with the text it was trained on ({trained_on})"
         )
-    return TextData.from_file(path, block_size, tokenizer)
+    return TextData.from_text(text, block_size, tokenizer, source=path)
 
 
 def _make_out_dir(out: Path) -> None:
