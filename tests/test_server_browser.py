@@ -64,6 +64,13 @@ class Watched(WatchedPage):
         self.page.goto(self.base + address)
         self.page.wait_for_selector("body[data-ready='true']", timeout=30_000)
 
+    def explore(self, text: str, word: str = "") -> None:
+        """Type a text (and a word) into the Explore form and run it."""
+        self.page.fill("#explore-text", text)
+        if word:
+            self.page.fill("#explore-word", word)
+        self.page.click("#explore-run")
+
     def wait(self, target: str) -> None:
         self.page.wait_for_selector(f"{target}[data-ready='true']", timeout=30_000)
 
@@ -96,9 +103,7 @@ def assert_steps_match(watched: Watched, expected: dict) -> None:
 def test_typed_text_layer_head_and_token_show_the_apis_numbers(browser, base_url):
     watched = Watched(browser, base_url)
     page = watched.page
-    page.fill("#explore-text", BANK)
-    page.fill("#explore-word", "bank")
-    page.click("#explore-run")
+    watched.explore(BANK, "bank")
     watched.wait("#app")
     chosen = api(base_url, "/api/explain", {"text": BANK, "word": "bank"})
     assert page.input_value("#layer") == str(chosen["layer"])
@@ -209,8 +214,7 @@ def test_similarity_and_scale_view_shows_both_weights_and_entropies(browser, bas
 def test_user_text_shows_as_text(browser, base_url):
     watched = Watched(browser, base_url)
     page = watched.page
-    page.fill("#explore-text", f"{XSS} bank </script>")
-    page.click("#explore-run")
+    watched.explore(f"{XSS} bank </script>")
     watched.wait("#app")
     assert page.text_content("#text") == f"{XSS} bank </script>"
     tokens = page.eval_on_selector_all(".token", "(els) => els.map((e) => e.textContent)")
@@ -230,9 +234,7 @@ def test_user_text_shows_as_text(browser, base_url):
 def test_errors_show_the_servers_one_line(browser, base_url):
     watched = Watched(browser, base_url)
     page = watched.page
-    page.fill("#explore-text", BANK)
-    page.fill("#explore-word", "river")
-    page.click("#explore-run")
+    watched.explore(BANK, "river")
     page.wait_for_selector("#app[data-ready='error']", state="attached")
     assert page.is_visible("#error") and "river" in page.text_content("#error")
     page.fill("#explore-word", "")
@@ -265,9 +267,7 @@ def on_screen(page) -> dict:
 def test_back_and_forward_show_each_step_again(browser, base_url):
     watched = Watched(browser, base_url)
     page = watched.page
-    page.fill("#explore-text", CAT)
-    page.fill("#explore-word", "cat")
-    page.click("#explore-run")
+    watched.explore(CAT, "cat")
     steps = [on_screen(page)]
     page.click("#tab-compare")
     steps.append(on_screen(page))
@@ -323,9 +323,7 @@ def test_an_error_that_comes_back_while_another_view_is_open_shows_on_return(bro
     page = watched.page
     held = []  # the explore request, answered only once the compare view is open
     page.route("**/api/view", lambda route: held.append(route))
-    page.fill("#explore-text", BANK)
-    page.fill("#explore-word", "river")
-    page.click("#explore-run")
+    watched.explore(BANK, "river")
     for _ in range(600):
         if held:
             break
@@ -351,8 +349,7 @@ def test_a_server_that_does_not_answer_is_said_so(browser, base_url):
     watched = Watched(browser, base_url)
     page = watched.page
     page.route("**/api/view", lambda route: route.abort())  # as when the server has stopped
-    page.fill("#explore-text", BANK)
-    page.click("#explore-run")
+    watched.explore(BANK)
     page.wait_for_selector("#app[data-ready='error']", state="attached")
     assert page.text_content("#error") == (
         "cannot reach the explorer's server: is `selfattn serve` still running?"
@@ -448,8 +445,7 @@ def test_wording_of_equal_entropies_sentence_counts_and_the_text_limit(browser, 
 def test_screen_readers_hear_each_result_and_name_each_sentence(browser, base_url):
     watched = Watched(browser, base_url)
     page = watched.page
-    page.fill("#explore-text", BANK)
-    page.click("#explore-run")
+    watched.explore(BANK)
     watched.wait("#app")
     assert page.text_content("[role='status']#status") == "Explore: the result is below."
 
