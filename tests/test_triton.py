@@ -177,6 +177,30 @@ def test_any_leading_dims(lead):
     assert_matches_reference(*_inputs(7, 33, 16, lead=lead), mask=mask)
 
 
+@pytest.mark.parametrize("lead", [(5, 2), (9,)], ids=["batch-by-heads", "heads-over-the-cap"])
+def test_more_heads_than_a_grid_axis_takes_go_in_several_launches(monkeypatch, lead):
+    """CUDA caps the grid axis that holds the heads at 65,535 (a cap of 4 here): more heads go
+    in several launches of at most that many, and the result is the same (same tolerance);
+    a last dim over the cap is read with one head per outer row."""
+    from selfattn.kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "MAX_GRID_HEADS", 4)
+    launched = []
+    for name in ("_forward", "_backward"):
+        launch = getattr(triton_attention, name)
+
+        def counted(*args, _launch=launch, **kwargs):
+            query = args[1] if _launch is triton_attention._backward else args[0]
+            launched.append(query.shape[0] * query.shape[1])
+            return _launch(*args, **kwargs)
+
+        monkeypatch.setattr(triton_attention, name, counted)
+    mask = torch.rand(*lead, 1, 33, generator=torch.Generator().manual_seed(5)) > 0.3
+    assert_matches_reference(*_inputs(7, 33, 16, lead=lead), mask=mask, causal=True)
+    assert max(launched) <= 4
+    assert sum(launched) == 2 * torch.Size(lead).numel()  # every head, forward and backward
+
+
 def test_non_contiguous_inputs():
     # (B, T, H, D) transposed to (B, H, T, D), as a layer that splits heads produces.
     generator = torch.Generator().manual_seed(4)

@@ -62,6 +62,9 @@ from torch import Tensor
 from selfattn.kernels.chunked import LOG2E, finite_bias, refuse_double_backward
 
 MAX_HEAD_DIM = 256
+# CUDA caps a grid's second axis at 65,535; the kernels put the heads (outer · inner) there, so
+# more heads than that go in several launches (see ``triton_attention``).
+MAX_GRID_HEADS = 65_535
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Triton's interpreter holds bfloat16 tiles as the uint16 words of their bits (numpy has no
@@ -1103,13 +1106,14 @@ def _kernel_mask(
 ) -> tuple[Tensor | None, int, int]:
     """The mask as a (outer, inner, T, S) view with broadcast dims at stride 0, and its kind.
 
-    ``inner`` is the last leading dim (heads, usually); a key-padding mask of shape
-    (B, 1, 1, S) thus stays (B, 1, 1, S) in memory, read with strides (S, 0, 0, 1).
+    ``inner`` is the last leading dim (heads, usually; 1 if there are more than one launch
+    takes); a key-padding mask of shape (B, 1, 1, S) thus stays (B, 1, 1, S) in memory, read
+    with strides (S, 0, 0, 1).
     """
-    inner = lead[-1] if len(lead) > 0 else 1
+    inner = lead[-1] if len(lead) > 0 and lead[-1] <= MAX_GRID_HEADS else 1
     if mask is None:
         return None, inner, MASK_NONE
-    outer = math.prod(lead[:-1])
+    outer = math.prod(lead) // inner
     if mask.dtype != torch.bool:  # the kernels add it in base 2, in float32
         mask = finite_bias(mask.to(device), torch.finfo(torch.float32).max / (2 * LOG2E))
     view = mask.to(device).expand(*lead, t, s).reshape(outer, inner, t, s)
@@ -1177,7 +1181,20 @@ def triton_attention(
     # (outer, inner, T|S, D): a view for 4-D inputs whatever their strides, so a transposed
     # (B, T, H, D) projection goes to the kernels as it is.
     heads = [x.reshape(-1, inner, *x.shape[-2:]) for x in (query, key, value)]
-    out = _FusedAttention.apply(*heads, kernel_mask, inner, mask_kind, causal, float(scale))
+    settings = (inner, mask_kind, causal, float(scale))
+    step = MAX_GRID_HEADS // inner  # outer rows per launch
+    if heads[0].shape[0] <= step:
+        out = _FusedAttention.apply(*heads, kernel_mask, *settings)
+    else:  # sliced only here: a slice's backward would hand back contiguous gradients
+        rows = [slice(start, start + step) for start in range(0, heads[0].shape[0], step)]
+        pieces = [[x[part] for x in heads] for part in rows]
+        masks = [None if kernel_mask is None else kernel_mask[part] for part in rows]
+        out = torch.cat(
+            [
+                _FusedAttention.apply(*piece, piece_mask, *settings)
+                for piece, piece_mask in zip(pieces, masks, strict=True)
+            ]
+        )
     return out.reshape(*lead, t, value_dim)
 
 
