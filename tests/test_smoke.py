@@ -1,14 +1,20 @@
-"""The worked example: its numbers, its six steps and its layout.
+"""The worked example (its numbers, its six steps and its layout), and the README as a newcomer
+runs it: its Python examples and what their comments show, its commands and their options.
 
 Tolerances: the trace against the closed form, 1e-12; printed numbers against numpy, half a
-unit in their last printed digit (they are rounded to 3 decimals).
+unit in their last printed digit (they are rounded to 3 decimals); a number in a README comment,
+to the digits it shows.
 """
 
+import ast
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import typer.main
 from rich.cells import cell_len
 from typer.testing import CliRunner
 
@@ -127,3 +133,119 @@ def test_matrix_table_takes_plain_lists_and_checks_the_shape():
     ]
     with pytest.raises(ValueError, match=r"shape \(rows, columns\) = \(2, 3\)"):
         matrix_table(np.zeros((2, 2)), ["a", "b"], ["a", "b", "c"], "weights")
+
+
+# --- The README, as a newcomer runs it -----------------------------------------------------
+
+README = Path(__file__).parents[1] / "README.md"
+# Flags the README gives to other programs: ruff (make format/lint), torchrun, benchmarks.
+NOT_OURS = {"--check", "--fix", "--help", "--nproc_per_node", "--quick"}
+FLAG = r"(?<![\w-])(--?[A-Za-z][\w-]*)"
+
+
+def readme_text() -> str:
+    return README.read_text(encoding="utf-8")
+
+
+def cli_help(*command: str) -> str:
+    result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def has_flag(help_text: str, flag: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is not None
+
+
+def cli_commands() -> list[str]:
+    return list(typer.main.get_command(app).commands)
+
+
+def commented_results(block: str, namespace: dict) -> list[tuple[object, str]]:
+    """Run a README code block statement by statement; (value, comment) for each expression
+    statement whose line ends in a comment, as the README shows it."""
+    lines = block.splitlines()
+    results = []
+    for statement in ast.parse(block).body:
+        if isinstance(statement, ast.Expr):
+            value = eval(compile(ast.Expression(statement.value), "README.md", "eval"), namespace)
+            comment = lines[statement.lineno - 1].partition("  #")[2].strip()
+            if comment:
+                results.append((value, comment))
+        else:
+            exec(compile(ast.Module([statement], []), "README.md", "exec"), namespace)
+    return results
+
+
+def check_comment(value: object, comment: str, namespace: dict) -> bool:
+    """Whether the comment makes a claim this test checks (a shape, a number, a token list,
+    "0.65 on "deposit""); assert it holds."""
+    if shape := re.match(r"\((\d+(?:, \d+)*)\)", comment):
+        assert tuple(value.shape) == tuple(map(int, shape[1].split(", "))), comment
+    elif number := re.fullmatch(r"-?\d+\.(\d+)", comment):
+        assert round(float(value), len(number[1])) == float(comment), (float(value), comment)
+    elif weight := re.search(r"(\d+\.(\d+)) on \"(\w+)\"", comment):
+        got = float(value[namespace["run"].token_index(weight[3])])
+        assert round(got, len(weight[2])) == float(weight[1]), (got, comment)
+    elif listed := re.match(r"(\[.*), \.\.\.\]", comment):
+        prefix = ast.literal_eval(listed[1] + "]")
+        assert list(value[: len(prefix)]) == prefix, (value, comment)
+    else:
+        return False
+    return True
+
+
+def test_readme_python_examples_run_and_show_what_their_comments_say():
+    # Every ```python block, in order, in one namespace (the record() block reuses the first's
+    # imports), on the real default model; each shape, number and token list in a comment holds.
+    blocks = re.findall(r"^```python\n(.*?)^```", readme_text(), re.S | re.M)
+    assert len(blocks) >= 3
+    namespace: dict = {}
+    checked = [
+        comment
+        for block in blocks
+        for value, comment in commented_results(block, namespace)
+        if check_comment(value, comment, namespace)
+    ]
+    assert len(checked) >= 7, checked  # the claims above were found, not silently skipped
+
+
+def test_readme_documents_every_command_and_only_options_that_exist():
+    text = readme_text()
+    helps = {name: cli_help(name) for name in cli_commands()}
+    undocumented = set(helps) - set(re.findall(r"selfattn (\w+)", text))
+    assert not undocumented, "commands the README never shows as `selfattn NAME`"
+    assert all(name in cli_help() for name in helps)
+
+    # Every invocation, in shell blocks (continuation lines joined) and in inline code: its
+    # command exists and takes each of its flags.
+    shell = re.findall(r"^```sh\n(.*?)^```", text, re.S | re.M)
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    lines = [ln for block in shell for ln in block.replace("\\\n", " ").splitlines()]
+    lines += [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", prose)]
+    invocations = 0
+    for line in lines:
+        for call in re.finditer(r"(?:^|\s)selfattn (\w+)([^#]*)", line):
+            command, rest = call[1], re.sub(r'"[^"]*"', "", call[2])
+            assert command in helps, f"unknown command in the README: {line}"
+            for flag in re.findall(FLAG, rest):
+                assert has_flag(helps[command], flag), f"selfattn {command} has no {flag}: {line}"
+            invocations += 1
+    assert invocations >= 15, invocations
+
+    # The explain table: each flag is explain's, and the commands a row names "take it too".
+    explain = text.split("## Explain", 1)[1].split("\n## ", 1)[0]
+    for row in re.findall(r"^\| `-.*", explain, re.M):
+        first, described = row.split(" | ", 1)
+        also = re.search(r"\(((?:`\w+`(?:, | and )?)+) take (?:it|them) too\)", described)
+        for command in ["explain", *re.findall(r"`(\w+)`", also[1] if also else "")]:
+            for flag in re.findall(FLAG, first):
+                assert has_flag(helps[command], flag), f"selfattn {command} has no {flag}"
+
+    # Any other flag the README names belongs to some command.
+    unknown = {
+        flag
+        for flag in re.findall(r"(?<![\w-])(--[A-Za-z][\w-]*)", text)
+        if flag not in NOT_OURS and not any(has_flag(h, flag) for h in helps.values())
+    }
+    assert not unknown
