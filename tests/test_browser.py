@@ -6,6 +6,7 @@ reference computes with in float32.
 """
 
 import math
+import re
 import time
 from pathlib import Path
 
@@ -308,7 +309,7 @@ def test_a_decoders_masked_keys_look_masked_and_say_so(browser, tmp_path):
         """() => [...document.querySelector('.thumb').getContext('2d')
                   .getImageData(document.querySelector('.thumb').width - 1, 0, 1, 1).data]"""
     )
-    assert corner[:3] == [226, 232, 240]
+    assert corner[:3] == [212, 208, 203]  # view.css's --masked
     watched.check_clean()
 
 
@@ -360,4 +361,208 @@ def test_right_to_left_text_reads_right_to_left(browser, tmp_path):
         text,
     )
     assert left_of
+    watched.check_clean()
+
+
+# Every element's own text and the colour it is drawn on (its grounds composited from the page
+# down), for each below 4.5:1 (WCAG 2 AA): what it is, the ratio, and the two colours.
+LOW_CONTRAST = """() => {
+    const parse = (s) => {
+        const p = s.match(/rgba?\\(([^)]+)\\)/)[1].split(/[ ,/]+/).map(Number);
+        return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1];
+    };
+    const over = (top, under) =>
+        top.slice(0, 3).map((c, i) => c * top[3] + under[i] * (1 - top[3]));
+    const lum = (c) => {
+        const f = (x) => ((x /= 255) <= 0.03928 ? x / 12.92 : ((x + 0.055) / 1.055) ** 2.4);
+        return 0.2126 * f(c[0]) + 0.7152 * f(c[1]) + 0.0722 * f(c[2]);
+    };
+    const low = [];
+    for (const el of document.querySelectorAll('body *')) {
+        const own = [...el.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
+        const shown = el.checkVisibility({opacityProperty: true, visibilityProperty: true});
+        if (!own || !shown) continue;
+        if (el.closest('[aria-busy="true"], :disabled, .visually-hidden')) continue;
+        let ground = [255, 255, 255];
+        const chain = [];
+        for (let e = el; e; e = e.parentElement) chain.unshift(e);
+        for (const e of chain) ground = over(parse(getComputedStyle(e).backgroundColor), ground);
+        const ink = over(parse(getComputedStyle(el).color), ground);
+        const [a, b] = [lum(ink), lum(ground)].sort((x, y) => y - x);
+        const ratio = (a + 0.05) / (b + 0.05);
+        if (ratio < 4.5) {
+            low.push({what: el.id || el.className || el.tagName, text: el.textContent.slice(0, 30),
+                      ratio: +ratio.toFixed(2), ink: ink.map(Math.round),
+                      ground: ground.map(Math.round)});
+        }
+    }
+    return low;
+}"""
+# The page's ground and text colours, and the heatmap canvas's corner (its ground).
+GROUNDS = """() => {
+    const colour = (s) => s.match(/\\d+/g).slice(0, 3).map(Number);
+    const card = document.querySelector('.card');
+    const map = document.getElementById('heatmap');
+    return {page: colour(getComputedStyle(document.body).backgroundColor),
+            text: colour(getComputedStyle(document.body).color),
+            card: colour(getComputedStyle(card).backgroundColor),
+            map: [...map.getContext('2d').getImageData(1, 1, 1, 1).data].slice(0, 3)};
+}"""
+
+
+def emulate(page, **media) -> None:
+    """Playwright's emulate_media, then a frame: the page hears media changes as it renders."""
+    page.emulate_media(**media)
+    page.evaluate(
+        "() => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(done)))"
+    )
+
+
+def luminance(rgb) -> float:
+    def linear(c):
+        c /= 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (linear(c) for c in rgb)
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast(a, b) -> float:
+    high, low = sorted((luminance(a), luminance(b)), reverse=True)
+    return (high + 0.05) / (low + 0.05)
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_every_text_reads_at_4_5_to_1_in_light_and_in_dark(browser, tmp_path, scheme):
+    path, _ = write_page(tmp_path, causal=True, query_index=2)
+    watched = Watched(browser, path)
+    page = watched.page
+    emulate(page, color_scheme=scheme, reduced_motion="reduce")
+    grounds = page.evaluate(GROUNDS)
+    assert contrast(grounds["text"], grounds["page"]) >= 4.5
+    assert grounds["map"] == grounds["card"]  # the map's canvas follows the scheme too
+    dark = luminance(grounds["page"]) < 0.05 and luminance(grounds["card"]) < 0.05
+    assert dark == (scheme == "dark")
+    for head in ("2", "mean"):  # each row shades the tokens its own way: their text stays legible
+        page.select_option("#head", head)
+        for i in range(T):
+            page.hover(f".token[data-index='{i}']")
+            assert page.evaluate(LOW_CONTRAST) == [], (head, i)
+    page.hover("#heatmap", position={"x": 84 + 44 * 1.5, "y": 84 + 44 * 3.5})  # the tip
+    assert page.is_visible("#map-tip") and page.evaluate(LOW_CONTRAST) == []
+    page.focus(".token.selected")
+    ring = page.eval_on_selector(
+        ".token.selected", "(e) => getComputedStyle(e).boxShadow.match(/rgb\\([^)]+\\)/g)"
+    )
+    outer = [int(c) for c in re.findall(r"\d+", ring[-1])]
+    assert contrast(outer, grounds["card"]) >= 3  # the focus ring shows on the card
+    watched.check_clean()
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_the_maps_cells_its_legend_and_masked_keys_share_one_colour_scale(
+    browser, tmp_path, scheme
+):
+    path, (q, k, v) = write_page(tmp_path, causal=True)
+    watched = Watched(browser, path)
+    page = watched.page
+    emulate(page, color_scheme=scheme)
+    weights = reference(q, k, v, 1, 2, causal=True).weights
+    drawn = page.evaluate(
+        """([T, cell, margin]) => {
+            const pixels = (canvas, x, y, w) =>
+                [...canvas.getContext('2d').getImageData(x, y, w, 1).data];
+            const legend = pixels(document.getElementById('legend-bar'), 0, 0, 256);
+            const map = document.getElementById('heatmap');
+            const dpr = map.width / map.getBoundingClientRect().width;
+            const cells = [];
+            for (let i = 0; i < T; i++) {
+                cells.push([]);
+                for (let j = 0; j < T; j++) {
+                    const at = (n) => Math.floor((margin + (n + 0.5) * cell) * dpr);
+                    cells[i].push(pixels(map, at(j), at(i), 1).slice(0, 3));
+                }
+            }
+            const swatch = getComputedStyle(document.querySelector('.legend-masked .swatch'));
+            return {legend: [...Array(256).keys()].map((n) => legend.slice(4 * n, 4 * n + 3)),
+                    cells, masked: swatch.backgroundColor.match(/\\d+/g).map(Number),
+                    largest: document.getElementById('legend-largest').textContent};
+        }""",
+        [T, 44, 84],
+    )
+    legend, masked = drawn["legend"], drawn["masked"]
+    largest = weights.max().item()
+    assert drawn["largest"] == f"{largest:.3f}"
+    for i in range(T):
+        for j in range(T):
+            if j > i:  # a key after the query: masked, in the legend's masked colour
+                assert drawn["cells"][i][j] == masked, (i, j)
+            else:  # the legend's colour for its weight (one step either way: float32 vs 64)
+                n = round(weights[i, j].item() / largest * 255)
+                assert drawn["cells"][i][j] in legend[max(0, n - 1) : n + 2], (i, j)
+    # weight 0 recedes into the page: light on light, dark on dark
+    zero_first = luminance(legend[0]) > luminance(legend[255])
+    assert zero_first == (scheme == "light")
+    steps = [luminance(c) for c in legend]
+    assert steps == sorted(steps, reverse=zero_first)  # one direction: values stay ordered
+    # masked looks like no weight at all: far from every colour of the scale
+    assert min(max(abs(a - b) for a, b in zip(masked, c, strict=True)) for c in legend) >= 30
+    watched.check_clean()
+
+
+def test_print_is_light_in_dark_mode(browser, tmp_path):
+    path, _ = write_page(tmp_path)
+    watched = Watched(browser, path)
+    page = watched.page
+    emulate(page, color_scheme="dark")
+    dark = page.evaluate(GROUNDS)
+    assert luminance(dark["card"]) < 0.05 and dark["map"] == dark["card"]
+    emulate(page, media="print")  # print preview's media
+    printed = page.evaluate(GROUNDS)
+    assert printed["card"] == [255, 255, 255] and printed["map"] == [255, 255, 255]
+    emulate(page, media="screen")
+    assert page.evaluate(GROUNDS) == dark
+    page.evaluate("() => dispatchEvent(new Event('beforeprint'))")  # as window.print() does
+    assert page.evaluate(GROUNDS)["map"] == [255, 255, 255]
+    page.evaluate("() => dispatchEvent(new Event('afterprint'))")
+    assert page.evaluate(GROUNDS) == dark
+    watched.check_clean()
+
+
+def test_a_zoom_redraws_the_map_sharp_at_the_new_pixel_ratio(browser, tmp_path):
+    path, _ = write_page(tmp_path)
+    watched = Watched(browser, path)
+    page = watched.page
+    cdp = page.context.new_cdp_session(page)
+    sharp = """(ratio) => devicePixelRatio === ratio && ['heatmap', 'lines'].every((id) => {
+        const canvas = document.getElementById(id);  // backing pixels per CSS pixel
+        return Math.abs(canvas.width / canvas.getBoundingClientRect().width - ratio) < 0.01;
+    })"""
+    assert page.evaluate(sharp, 1)
+    for ratio, width in ((2, 1300), (3, 1200), (1.5, 1400)):  # a zoom: ratio and CSS width change
+        cdp.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": 1000, "deviceScaleFactor": ratio, "mobile": False},
+        )
+        page.wait_for_function(sharp, arg=ratio, timeout=5_000)
+    watched.check_clean()
+
+
+def test_the_maps_box_scrolls_to_the_chosen_row(browser, tmp_path):
+    n = 300  # 3 px cells: 936 px of map in a 760 px box
+    path, _ = write_page(tmp_path, tokens=[f"t{i}" for i in range(n)])
+    watched = Watched(browser, path)
+    page = watched.page
+    row_in_box = """(i) => {
+        const box = document.querySelector('.map-scroll').getBoundingClientRect();
+        const map = document.getElementById('heatmap').getBoundingClientRect();
+        const top = map.top + 36 + 3 * i;
+        return top >= box.top && top + 3 <= box.bottom;
+    }"""
+    page.focus("#heatmap")
+    page.keyboard.press("End")
+    assert page.get_attribute(".token.selected", "data-index") == str(n - 1)
+    assert page.evaluate(row_in_box, n - 1)
+    page.click(".token[data-index='2']")  # a token chosen in the strip: its row comes back
+    assert page.evaluate(row_in_box, 2)
     watched.check_clean()

@@ -16,6 +16,7 @@ import pytest
 from conftest import WatchedPage, needs_chromium
 from selfattn import server
 from selfattn.models.loading import load
+from test_browser import LOW_CONTRAST, emulate, luminance
 
 pytestmark = needs_chromium
 
@@ -356,10 +357,11 @@ def test_a_server_that_does_not_answer_is_said_so(browser, base_url):
     )
 
 
-def test_a_narrow_window_does_not_scroll_sideways(browser, base_url):
+@pytest.mark.parametrize("width", [400, 320])  # 320: the narrowest phones (WCAG's reflow)
+def test_a_narrow_window_does_not_scroll_sideways(browser, base_url, width):
     watched = Watched(browser, base_url)
     page = watched.page
-    page.set_viewport_size({"width": 400, "height": 800})
+    page.set_viewport_size({"width": width, "height": 800})
     four = (BANK, RIVER, "The bank raised its rates.", "She sat on the river bank.")
     sentences = "&".join(f"s={quote(s)}" for s in four)
     addresses = [
@@ -370,7 +372,7 @@ def test_a_narrow_window_does_not_scroll_sideways(browser, base_url):
     for result, address in addresses:
         watched.open(address)
         watched.wait(result)
-        assert page.evaluate("document.documentElement.scrollWidth") <= 400, address
+        assert page.evaluate("document.documentElement.scrollWidth") <= width, address
     bars = page.eval_on_selector_all(".bar-track", "(bars) => bars.map((b) => b.clientWidth)")
     assert min(bars) >= 40  # the table scrolls instead of squeezing its bars to nothing
     watched.check_clean()
@@ -478,3 +480,28 @@ def test_right_to_left_text_is_typed_and_shown_right_to_left(browser, base_url):
     page.fill("#explore-text", arabic)
     assert page.eval_on_selector("#explore-text", "(e) => getComputedStyle(e).direction") == "rtl"
     watched.check_clean()
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_every_view_reads_at_4_5_to_1_in_light_and_in_dark(browser, base_url, scheme):
+    watched = Watched(browser, base_url)
+    page = watched.page
+    emulate(page, color_scheme=scheme, reduced_motion="reduce")
+    ground = page.eval_on_selector("body", "(e) => getComputedStyle(e).backgroundColor")
+    dark = luminance([int(c) for c in ground[4:-1].split(",")]) < 0.05
+    assert dark == (scheme == "dark")
+    four = "&".join(f"s={quote(s)}" for s in (BANK, RIVER, "The bank raised its rates.", "A bank."))
+    for result, address in [
+        ("#app", f"/?text={quote(BANK)}&word=bank"),
+        ("#compare-result", f"/?view=compare&{four}&word=bank"),
+        ("#ablation-result", f"/?view=ablation&text={quote(BANK)}&word=bank&scale=1"),
+    ]:
+        watched.open(address)
+        watched.wait(result)
+        assert page.evaluate(LOW_CONTRAST) == [], address
+    page.fill("#ablation-word", "river")  # an error, and the notice of a text cut at the limit
+    page.click("#ablation-run")
+    page.wait_for_selector("#ablation-result[data-ready='error']", state="attached")
+    page.fill("#ablation-text", "x" * (server.MAX_CHARS + 1))
+    assert page.is_visible("#error") and page.is_visible("#ablation-text-limit")
+    assert page.evaluate(LOW_CONTRAST) == []

@@ -8,6 +8,7 @@
 
 (() => {
   const BLUES = ["#f7fbff", "#deebf7", "#c6dbef", "#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c", "#08306b"];
+  const LIGHT = { ground: "#ffffff", label: "#5b6b82", axis: "#334155", accent: "#2171b5", pin: "#f59e0b", masked: "#d4d0cb", ramp: BLUES };
   const TOP_K = 8; // lines drawn per query when there are more than ALL_LINES keys
   const ALL_LINES = 16;
   const OUTPUT_DIMS = 8; // output values listed; the norm covers the rest
@@ -131,8 +132,12 @@
 
   const fmt = (x, digits = 4) => (Number.isFinite(x) ? x.toFixed(digits) : String(x));
 
-  function colourRamp() {
-    const anchors = BLUES.map((hex) => [1, 3, 5].map((i) => parseInt(hex.slice(i, i + 2), 16)));
+  /** [r, g, b] of a #rrggbb colour. */
+  const channels = (hex) => [1, 3, 5].map((i) => parseInt(hex.slice(i, i + 2), 16));
+
+  /** 256 [r, g, b] steps through the anchors, weight 0 to the largest. */
+  function colourRamp(colours) {
+    const anchors = colours.map(channels);
     const lut = [];
     for (let n = 0; n < 256; n++) {
       const pos = (n / 255) * (anchors.length - 1);
@@ -142,10 +147,39 @@
     }
     return lut;
   }
-  const RAMP = colourRamp();
-  const shade = (x) => RAMP[Math.max(0, Math.min(255, Math.round(x * 255)))];
+  /**
+   * The canvases' colours, read from the style sheet (view.css: light, or dark where the reader
+   * asks for it, light again in print) so that the cells, the legend and the tokens share one scale.
+   * A page without those properties gets the light ones.
+   */
+  function readPalette() {
+    const style = getComputedStyle(document.documentElement);
+    const hex = (name, fallback) => {
+      const value = style.getPropertyValue(name).trim();
+      return /^#[0-9a-f]{6}$/i.test(value) ? value : fallback;
+    };
+    const ramp = style.getPropertyValue("--ramp").trim().split(/\s+/);
+    return {
+      ground: hex("--paper", LIGHT.ground),
+      label: hex("--muted", LIGHT.label),
+      axis: hex("--ink-soft", LIGHT.axis),
+      accent: channels(hex("--accent", LIGHT.accent)),
+      pin: hex("--pin", LIGHT.pin),
+      masked: channels(hex("--masked", LIGHT.masked)), // cells a causal mask hides: grey, not the scale's colour
+      ramp: colourRamp(ramp.length >= 2 && ramp.every((c) => /^#[0-9a-f]{6}$/i.test(c)) ? ramp : LIGHT.ramp),
+    };
+  }
+  let palette = null; // readPalette(), again whenever the colour scheme or print changes it
+  const shade = (x) => palette.ramp[Math.max(0, Math.min(255, Math.round(x * 255)))];
   const rgb = (x) => `rgb(${shade(x).join(",")})`;
-  const MASKED = [226, 232, 240]; // cells a causal mask hides: grey, not "weight 0" blue
+
+  /** Relative luminance (WCAG 2) of [r, g, b]. */
+  function luminance(colour) {
+    const linear = colour.map((c) => ((c /= 255) <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4));
+    return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2];
+  }
+  /** Black or white, whichever reads better on [r, g, b] (at least 4.5:1 on any colour). */
+  const inkOn = (colour) => (luminance(colour) > 0.18 ? "#000" : "#fff");
 
   function readHash() {
     const out = {};
@@ -197,6 +231,7 @@
 
     const ui = buildLayout(model);
     root.replaceChildren(ui.page);
+    palette = readPalette();
     const tokenEls = buildTokens(model, ui.flow);
     const thumbs = buildModelView(model, ui.grid);
 
@@ -212,13 +247,20 @@
       tokenEls.forEach((el, i) => markChosen(el, i === state.query, "aria-selected"));
       thumbs.forEach((el) => markChosen(el, +el.dataset.layer === state.layer && +el.dataset.head === state.head, "aria-checked"));
       if (state.head === "mean") thumbs[state.layer * model.heads].tabIndex = 0; // Tab still reaches the model view
-      drawHeatmap(ui.map, result.weights, model, state);
+      draw();
+      keepRowInView(ui.map.parentElement, model.length, state.query);
       ui.map.setAttribute("aria-label", describeMap(model, state, result.weights[state.query], headText));
-      showRow(state.hover ?? state.query);
       fillSteps(ui, model, result, state, tokenName);
       const fragment = `#layer=${state.layer}&head=${state.head}&query=${state.query}`;
       if (hash && location.hash !== fragment) history.replaceState(null, "", fragment);
       onChange?.({ layer: state.layer, head: state.head, query: state.query });
+    }
+
+    /** The canvases and the token colours for what is chosen, at the window's pixel ratio and colours. */
+    function draw() {
+      const largest = drawHeatmap(ui.map, current().weights, model, state);
+      drawLegend(ui.legend, state.shadeBy === "row" ? "each row's largest" : fmt(largest, 3));
+      showRow(state.hover ?? state.query);
     }
 
     function showRow(i) {
@@ -227,8 +269,9 @@
       tokenEls.forEach((el, j) => {
         const masked = isMasked(model, i, j);
         el.classList.toggle("masked", masked);
-        el.style.backgroundColor = j === i || masked ? "" : rgb((row[j] / largest) * 0.85);
-        el.style.color = row[j] / largest > 0.6 && j !== i ? "#fff" : "";
+        const plain = j === i || masked;
+        el.style.backgroundColor = plain ? "" : rgb((row[j] / largest) * 0.85);
+        el.style.color = plain ? "" : inkOn(shade((row[j] / largest) * 0.85));
         el.title = masked ? `masked: query ${i} may not look at later tokens` : `weight ${fmt(row[j])} from query ${i}`;
       });
       const order = [...row.keys()].sort((a, b) => row[b] - row[a]);
@@ -276,6 +319,22 @@
     if (hash) window.addEventListener("hashchange", () => select(readHash()), { signal });
     const redrawLines = () => showRow(state.hover ?? state.query);
     window.addEventListener("resize", redrawLines, { signal });
+    // A zoom or a move to another screen changes the pixel ratio: redraw sharp at the new one.
+    onPixelRatioChange(draw, signal);
+    // The colour scheme, and print (light, whatever the screen shows): new colours, drawn again.
+    const recolour = () => {
+      palette = readPalette();
+      paintThumbnails(model, thumbs);
+      draw();
+    };
+    const printing = (on) => () => {
+      document.documentElement.classList.toggle("printing", on);
+      recolour();
+    };
+    matchMedia("(prefers-color-scheme: dark)").addEventListener("change", recolour, { signal });
+    matchMedia("print").addEventListener("change", recolour, { signal });
+    window.addEventListener("beforeprint", printing(true), { signal });
+    window.addEventListener("afterprint", printing(false), { signal });
     ui.flow.addEventListener("scroll", redrawLines);
     document.addEventListener(
       "keydown",
@@ -299,6 +358,31 @@
     if (changes.query !== undefined) state.query = clamp(+changes.query, model.length);
     if (changes.shadeBy !== undefined) state.shadeBy = changes.shadeBy;
     if (changes.sortByWeight !== undefined) state.sortByWeight = changes.sortByWeight;
+  }
+
+  /**
+   * Call `callback` each time window.devicePixelRatio changes (browser zoom, another screen): a
+   * media query for the current ratio, made again for the new ratio after each change.
+   */
+  function onPixelRatioChange(callback, signal) {
+    const arm = () => {
+      const query = matchMedia(`(resolution: ${window.devicePixelRatio}dppx)`);
+      query.addEventListener("change", changed, { once: true, signal });
+    };
+    const changed = () => {
+      if (signal.aborted) return;
+      arm();
+      callback();
+    };
+    arm();
+  }
+
+  /** Scroll the map's box (not the page) just enough to show the query's row. */
+  function keepRowInView(box, T, query) {
+    const { cell, margin } = mapGeometry(T);
+    const top = margin + query * cell;
+    if (top < box.scrollTop) box.scrollTop = top - cell;
+    else if (top + cell > box.scrollTop + box.clientHeight) box.scrollTop = top + 2 * cell - box.clientHeight;
   }
 
   /** Chosen or not: its class, its ARIA state, and whether Tab reaches it (one per group). */
@@ -392,6 +476,20 @@
     const summary = h("div", { id: "row-summary", class: "row-summary" });
     const map = h("canvas", { id: "heatmap", role: "img", tabindex: "0" });
     const tip = h("div", { id: "map-tip", class: "tip", hidden: "" });
+    // the colour scale: the same colours as the cells, from weight 0 to what the darkest cell means
+    const legend = {
+      bar: h("canvas", { id: "legend-bar", class: "legend-bar", width: "256", height: "1", "aria-hidden": "true" }),
+      largest: h("span", { id: "legend-largest" }),
+    };
+    const legendLine = h(
+      "p",
+      { id: "map-legend", class: "legend" },
+      "weight 0 ",
+      legend.bar,
+      " ",
+      legend.largest,
+      ...(model.causal ? [h("span", { class: "legend-masked" }, h("span", { class: "swatch", "aria-hidden": "true" }), "masked")] : []),
+    );
     const stepsBody = h("tbody");
     const stepsFoot = h("tfoot");
     const steps = h(
@@ -427,6 +525,7 @@
           h("h2", {}, "Attention map"),
           h("p", { class: "hint" }, "rows: queries, columns: keys · click a row to select its query"),
           h("div", { class: "map-scroll" }, map, tip),
+          legendLine,
         ),
         h(
           "section",
@@ -447,7 +546,7 @@
         grid,
       ),
     );
-    return { page, layer, head, shadeBy, sort, selection, lines, flow, strip, summary, map, tip, stepsBody, stepsFoot, stepTitle, stepNote, output, grid };
+    return { page, layer, head, shadeBy, sort, selection, lines, flow, strip, summary, map, tip, legend, stepsBody, stepsFoot, stepTitle, stepNote, output, grid };
   }
 
   function buildTokens(model, flow) {
@@ -462,7 +561,6 @@
 
   function buildModelView(model, grid) {
     const n = model.thumbnails.size;
-    const bytes = bytesOf(model.thumbnails.data);
     grid.style.gridTemplateColumns = `max-content repeat(${model.heads}, 64px)`;
     grid.append(h("span"));
     for (let hd = 0; hd < model.heads; hd++) grid.append(h("span", { class: "axis" }, `h${hd}`));
@@ -472,18 +570,27 @@
       for (let hd = 0; hd < model.heads; hd++) {
         const name = `layer ${l}, head ${hd}`;
         const canvas = h("canvas", { class: "thumb", width: String(n), height: String(n), "data-layer": String(l), "data-head": String(hd), title: name, role: "radio", "aria-label": name });
-        const image = new ImageData(n, n);
-        const offset = (l * model.heads + hd) * n * n;
-        for (let p = 0; p < n * n; p++) {
-          const colour = maskedPool(model, n, Math.floor(p / n), p % n) ? MASKED : shade(bytes[offset + p] / 255);
-          image.data.set([...colour, 255], 4 * p);
-        }
-        canvas.getContext("2d").putImageData(image, 0, 0);
         grid.append(canvas);
         thumbs.push(canvas);
       }
     }
+    paintThumbnails(model, thumbs);
     return thumbs;
+  }
+
+  /** Each thumbnail's pooled weights in the palette's colours. */
+  function paintThumbnails(model, thumbs) {
+    const n = model.thumbnails.size;
+    const bytes = bytesOf(model.thumbnails.data);
+    thumbs.forEach((canvas, t) => {
+      const image = new ImageData(n, n);
+      const offset = t * n * n; // thumbs are in layer-major, head-minor order, as the payload
+      for (let p = 0; p < n * n; p++) {
+        const colour = maskedPool(model, n, Math.floor(p / n), p % n) ? palette.masked : shade(bytes[offset + p] / 255);
+        image.data.set([...colour, 255], 4 * p);
+      }
+      canvas.getContext("2d").putImageData(image, 0, 0);
+    });
   }
 
   /** A max-pooled thumbnail cell is masked when every cell it pools is (adaptive pooling's bins). */
@@ -503,7 +610,16 @@
     return { cell, labels, margin: labels ? 84 : 36 };
   }
 
-  /** The T×S map on one canvas (one pixel per cell, scaled up); masked cells in grey. */
+  /** The colour scale: 256 steps, weight 0 at the left; `largest` says what the right end means. */
+  function drawLegend(legend, largest) {
+    const image = new ImageData(256, 1);
+    for (let n = 0; n < 256; n++) image.data.set([...palette.ramp[n], 255], 4 * n);
+    legend.bar.getContext("2d").putImageData(image, 0, 0);
+    legend.largest.textContent = largest;
+  }
+
+  /** The T×S map on one canvas (one pixel per cell, scaled up); masked cells in grey. Returns the
+   *  largest weight, the colour scale's end. */
   function drawHeatmap(canvas, weights, model, state) {
     const T = weights.length;
     const tokens = model.tokens;
@@ -517,7 +633,7 @@
     canvas.style.height = `${side}px`;
     const ctx = canvas.getContext("2d");
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    ctx.fillStyle = "#fff";
+    ctx.fillStyle = palette.ground;
     ctx.fillRect(0, 0, width, side);
 
     const S = weights[0].length;
@@ -527,7 +643,7 @@
       const top = state.shadeBy === "row" ? Math.max(...row) || 1 : matrixMax;
       row.forEach((w, j) => {
         const masked = isMasked(model, i, j);
-        image.data.set([...(masked ? MASKED : shade(w / top)), 255], 4 * (i * S + j));
+        image.data.set([...(masked ? palette.masked : shade(w / top)), 255], 4 * (i * S + j));
       });
     });
     const cells = new OffscreenCanvas(S, T);
@@ -536,12 +652,12 @@
     ctx.drawImage(cells, margin, margin, T * cell, T * cell);
 
     if (labels) {
-      ctx.fillStyle = "#64748b";
+      ctx.fillStyle = palette.label;
       ctx.font = "italic 11px system-ui, sans-serif";
       ctx.fillText("rows: queries", 2, 12);
       ctx.fillText("columns: keys", 2, 26);
     }
-    ctx.fillStyle = "#334155";
+    ctx.fillStyle = palette.axis;
     ctx.font = `${Math.min(12, cell)}px system-ui, sans-serif`;
     if (labels) {
       const clip = (s) => (s.length > 10 ? `${s.slice(0, 9)}…` : s);
@@ -567,9 +683,10 @@
         ctx.fillText(String(i), margin + (i + 0.5) * cell, margin - 10);
       }
     }
-    ctx.strokeStyle = "#f59e0b";
+    ctx.strokeStyle = palette.pin;
     ctx.lineWidth = 2;
     ctx.strokeRect(margin - 1, margin + state.query * cell - 1, T * cell + 2, cell + 2);
+    return matrixMax;
   }
 
   /** Curves from the query token to its top keys over the token strip; width ∝ weight. */
@@ -591,7 +708,7 @@
     for (const j of top) {
       const [x1, y1] = anchor(tokenEls[j]);
       const strength = row[j] / largest;
-      ctx.strokeStyle = `rgba(33, 113, 181, ${0.25 + 0.7 * strength})`;
+      ctx.strokeStyle = `rgba(${palette.accent.join(", ")}, ${0.25 + 0.7 * strength})`;
       ctx.lineWidth = 1 + 4 * strength;
       ctx.beginPath();
       ctx.moveTo(x0, y0);
