@@ -5,9 +5,14 @@ error as one line of detail, the same JSON as the command line, and the bounded 
 import asyncio
 import importlib.util
 import json
+import os
+import re
+import signal
 import socket
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -441,6 +446,14 @@ def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads(monkeypatch):
     )  # the missing model was never reached
 
 
+def test_serve_on_an_address_it_cannot_listen_on_is_one_line_without_a_warning():
+    result = CliRunner().invoke(cli_app, ["serve", "--host", "host.invalid", "--model", "nowhere"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: cannot listen on host.invalid: ")
+    assert result.stderr.strip().endswith("; check --host")
+    assert "warning" not in result.stderr  # it listens nowhere, on the network or not
+
+
 def test_listen_binds_or_says_why():
     with server.listen("127.0.0.1", 0) as sock:
         host, port = sock.getsockname()
@@ -454,6 +467,151 @@ def test_serve_refuses_a_missing_model_in_one_line():
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert "no folder" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl+C on a real `selfattn serve`: one line, no traceback, exit status 130
+
+LONG = " ".join(["the bank"] * 220)  # about 440 tokens: a second or more on a CPU
+
+
+@pytest.fixture
+def started(tmp_path):
+    """``start()``: `selfattn serve` in a subprocess on a free port, once it answers; its
+    output goes to files (read after it exits), and it is killed if a test leaves it running."""
+    processes = []
+
+    def start() -> tuple[subprocess.Popen, str]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        out, err = (open(tmp_path / name, "w+") for name in ("stdout", "stderr"))  # noqa: SIM115
+        process = subprocess.Popen(
+            [sys.executable, "-m", "selfattn", "serve", "--port", str(port)],
+            stdout=out, stderr=err, env=os.environ | {"HF_HUB_OFFLINE": "1"},
+        )  # fmt: skip
+        process.out, process.err = out, err
+        processes.append(process)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                if httpx.get(f"{base}/api/models", timeout=2).status_code == 200:
+                    return process, base
+            except httpx.TransportError:
+                time.sleep(0.2)
+        pytest.fail(f"selfattn serve did not answer: {_output(process)}")
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        process.out.close()
+        process.err.close()
+
+
+def _output(process: subprocess.Popen) -> tuple[str, str]:
+    """(stdout, stderr) of a finished server."""
+    process.out.seek(0)
+    process.err.seek(0)
+    return process.out.read(), process.err.read()
+
+
+def _in_flight(base: str) -> tuple[list[threading.Thread], list]:
+    """As many slow requests as the server admits (its workers and queue), sent at once from
+    threads, once the server has read them all; their answers (a status, or the name of the
+    client's error) are appended to the list as they come."""
+    answers = []
+
+    def send():
+        try:
+            response = httpx.post(f"{base}/api/view", json={"text": LONG}, timeout=60)
+            answers.append(response.status_code)
+        except httpx.HTTPError as error:
+            answers.append(type(error).__name__)
+
+    threads = [threading.Thread(target=send) for _ in range(server.WORKERS + server.QUEUE)]
+    for thread in threads:
+        thread.start()
+    port = int(base.rpartition(":")[2])
+    deadline = time.monotonic() + 30
+    while _requests_read(port) < len(threads):
+        if time.monotonic() > deadline:
+            pytest.fail("the server did not read the slow requests")
+        time.sleep(0.02)
+    return threads, answers
+
+
+def _requests_read(port: int) -> int:
+    """The connections the server on 127.0.0.1:port has open with nothing left to read
+    (from /proc/net/tcp: local address, state ESTABLISHED, receive queue empty)."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        _, local, _, state, queues, *_ = line.split()
+        if local == f"0100007F:{port:04X}" and state == "01" and queues.endswith(":00000000"):
+            count += 1
+    return count
+
+
+needs_proc = pytest.mark.skipif(
+    not Path("/proc/net/tcp").exists(), reason="reads the server's connections in /proc"
+)
+
+
+IN_FLIGHT = re.compile(r"stopping: finishing (\d+) requests? in flight; Ctrl\+C again cancels them")
+
+
+@needs_proc
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_second_ctrl_c_cancels_the_requests_in_one_line(started):
+    process, base = started()
+    threads, answers = _in_flight(base)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(30) == 130
+    for thread in threads:
+        thread.join(30)
+    stdout, stderr = _output(process)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 2, stderr  # no traceback, no uvicorn log
+    first, second = lines
+    assert IN_FLIGHT.fullmatch(first), stderr
+    cancelled = int(re.fullmatch(r"stopped; (\d+) requests? cancelled", second)[1])
+    assert cancelled > 0
+    assert " 500 " not in stdout
+    # the requests cancelled see their connection close (no 500 is sent), the others finished
+    assert (
+        sorted(answers, key=str)
+        == [200] * (len(threads) - cancelled) + ["RemoteProtocolError"] * cancelled
+    )
+
+
+@needs_proc
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_ctrl_c_lets_the_requests_in_flight_finish(started):
+    process, base = started()
+    threads, answers = _in_flight(base)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(120) == 130
+    for thread in threads:
+        thread.join(30)
+    stdout, stderr = _output(process)
+    assert answers == [200] * len(threads)
+    assert IN_FLIGHT.fullmatch(stderr.strip()), stderr
+    assert stdout.count('"POST /api/view HTTP/1.1" 200') == len(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ctrl_c_on_an_idle_server_stops_it_silently(started):
+    process, _ = started()
+    process.send_signal(signal.SIGINT)
+    assert process.wait(30) == 130
+    assert _output(process)[1] == ""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -483,18 +483,18 @@ def serve(
     """
     from selfattn import server
 
-    if not server.is_local(host):
-        Console(stderr=True).print(
-            f"[bold yellow]warning:[/] listening on {host}: the explorer is reachable from the "
-            "network, by anyone who can reach this machine (it has no login)"
-        )
     with _user_errors():
         sock = server.listen(host, port)
+        if not server.is_local(host):  # once it listens there
+            Console(stderr=True).print(
+                f"[bold yellow]warning:[/] listening on {host}: the explorer is reachable from "
+                "the network, by anyone who can reach this machine (it has no login)"
+            )
         network = _load(model, checkpoint)
     console.print(
         f"selfattn explorer on {server.url(host, port)} ({network.name}; Ctrl+C stops it)"
     )
-    server.serve(network, host, sock)
+    raise typer.Exit(server.serve(network, host, sock))  # 130 after Ctrl+C
 
 
 def _one_line_paragraphs(doc: str) -> str:

@@ -32,21 +32,26 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import logging
 import re
+import signal
 import socket
+import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from importlib.resources import files
 from typing import Annotated, Any, Literal
 
 import torch
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
+from uvicorn.server import HANDLED_SIGNALS
 
 from selfattn import explain as explaining
 from selfattn.errors import SelfAttnError
@@ -463,11 +468,98 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(model: Model, host: str, sock: socket.socket) -> None:
-    """Serve the explorer with uvicorn on ``sock`` (from :func:`listen` on ``host``) until
-    interrupted."""
-    import uvicorn
+def serve(model: Model, host: str, sock: socket.socket) -> int:
+    """Serve the explorer with uvicorn on ``sock`` (from :func:`listen` on ``host``) until a
+    signal stops it; the exit status: 128 + that signal (130 for Ctrl+C), else 0.
 
+    Ctrl+C lets the requests in flight finish (saying so in one line when there are any); a
+    second Ctrl+C cancels them: their connections close, one line counts them, no traceback.
+    The log is the access log (one line a request) and warnings: uvicorn's start-up and
+    shutdown steps are left out.
+    """
     hosts = LOCAL_HOSTS if is_local(host) else ("*",)
-    config = uvicorn.Config(create_app(model, allowed_hosts=hosts), log_level="info")
-    uvicorn.Server(config).run(sockets=[sock])
+    app = Cancellable(create_app(model, allowed_hosts=hosts))
+    server = Server(uvicorn.Config(app, log_level="info"), app)
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    server.run(sockets=[sock])
+    return 128 + server.signal if server.signal else 0
+
+
+def say(line: str) -> None:
+    """One line for the person running the server (stderr, as uvicorn's log)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def count_requests(count: int) -> str:
+    return f"{count} request" + ("" if count == 1 else "s")
+
+
+class Cancellable:
+    """The app as uvicorn runs it: once ``cancelling``, a request cancelled ends quietly (its
+    connection is already closed) instead of as a 500 and a traceback in uvicorn's log."""
+
+    def __init__(self, app: Callable[..., Any]) -> None:
+        self.app = app
+        self.cancelling = False
+
+    async def __call__(self, scope: dict, receive: Callable[..., Any], send: Callable[..., Any]):
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self.cancelling:
+                raise
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server with a quiet Ctrl+C: the first lets the requests in flight finish, a
+    second cancels them; either way no traceback, and no signal raised again on the way out
+    (:func:`serve` returns the exit status instead)."""
+
+    def __init__(self, config: uvicorn.Config, app: Cancellable) -> None:
+        super().__init__(config)
+        self.app = app
+        self.signal = 0  # the first signal received
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.signal = self.signal or sig
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.server_state.tasks:
+            again = "; Ctrl+C again cancels them" if self.signal == signal.SIGINT else ""
+            in_flight = count_requests(len(self.server_state.tasks))
+            say(f"stopping: finishing {in_flight} in flight{again}")
+        graceful = asyncio.ensure_future(super().shutdown(sockets))
+        while not graceful.done() and not self.force_exit:
+            await asyncio.sleep(0.1)
+        if self.force_exit:
+            cancelled = await self.cancel_requests()
+            await graceful  # uvicorn then leaves the app's shutdown out: run it here
+            if not getattr(self.lifespan, "shutdown_event", asyncio.Event()).is_set():
+                await self.lifespan.shutdown()
+            say(f"stopped; {count_requests(cancelled)} cancelled")
+        await graceful
+
+    async def cancel_requests(self) -> int:
+        """Close every connection, then cancel the requests in flight: how many there were."""
+        tasks = [task for task in self.server_state.tasks if not task.done()]
+        self.app.cancelling = True
+        for connection in list(self.server_state.connections):
+            connection.transport.abort()  # the client sees the connection close
+        await asyncio.sleep(0)  # uvicorn marks each request disconnected: no 500 is sent
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return len(tasks)
