@@ -36,7 +36,11 @@ def invoke(*args: str):
 
 
 def explain_json(*args: str) -> dict:
-    result = invoke("explain", *args, "--json")
+    return cli_json("explain", *args)
+
+
+def cli_json(command: str, *args: str) -> dict:
+    result = invoke(command, *args, "--json")
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
 
@@ -645,3 +649,55 @@ def test_checkpoint_errors_are_one_line(trained, tmp_path):
         result = invoke(*args)
         lines = result.stderr.strip().splitlines()
         assert result.exit_code != 0 and len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_a_word_without_accents_finds_it_with_them():
+    # "cafe" finds "Café" (token 5, read "cafe" by MiniLM), in explain and in compare.
+    data = explain_json("Il caffè del Café", "--word", "cafe", "--layer", "0", "--head", "0")
+    assert data["query"] == {"index": 5, "token": "cafe"}
+    result = invoke("compare", "Il caffè del Café", "Un CAFÉ, per favore", "--word", "cafe")
+    assert result.exit_code == 0, result.output
+    missing = invoke("explain", "Il caffè del Café", "--word", "caffé")
+    assert "the words are: Il, caffè, del, Café" in missing.stderr
+
+
+def test_compare_reads_a_phrase_on_all_its_tokens(model):
+    # The vector of "river bank" is the mean over its tokens; so is the row of what it attends
+    # to (last layer, mean of heads, keys summed by word, 1e-6), and neither of its own
+    # words is listed, while the other "river" of the first sentence is (by token index).
+    sentences = [TWO_RIVERS, "The river bank was muddy."]
+    data = cli_json("compare", *sentences, "--word", "river bank")
+    for sentence, row in zip(sentences, data["attended"], strict=True):
+        run = model.run(sentence)
+        pieces = list(run.word_tokens("river bank"))
+        assert [run.tokens[i] for i in pieces] == ["river", "bank"]
+        weights = run.attention(run.n_layers - 1).mean(0)[pieces].mean(0)
+        others = {}
+        for token, word_id in enumerate(run.word_ids):
+            if word_id is not None and token not in pieces:
+                others.setdefault(word_id, []).append(token)
+        expected = sorted(((tokens[0], weights[tokens].sum().item()) for tokens in
+                           others.values()), key=lambda entry: -entry[1])[:3]  # fmt: skip
+        assert [entry["index"] for entry in row] == [index for index, _ in expected]
+        assert [entry["weight"] for entry in row] == pytest.approx(
+            [weight for _, weight in expected], abs=1e-6
+        )
+    assert 9 in [entry["index"] for entry in data["attended"][0]]  # the other river
+
+
+def test_compare_cosines_never_exceed_one():
+    # Two unit vectors' dot product in float64 rounds to 1.0000000000000002 for a word and
+    # itself; a cosine is clamped to [-1, 1].
+    data = cli_json("compare", "I don't like it", "You don't say", "--word", "don't")
+    cosines = torch.tensor([entry["cosine"] for entry in data["layers"]], dtype=torch.float64)
+    assert cosines.abs().max().item() <= 1.0
+    assert cosines.diagonal(dim1=1, dim2=2).min().item() == pytest.approx(1.0, abs=1e-12)
+
+
+def test_an_error_about_a_long_compared_sentence_quotes_its_start():
+    long = "bank " + "word " * 600
+    result = invoke("compare", long, RIVER, "--word", "bank")
+    assert result.exit_code != 0
+    line = result.stderr.strip()
+    assert line.startswith("Error: sentence 1 ('bank word word") and "…'): the text is" in line
+    assert len(line) < 250, line

@@ -1,5 +1,7 @@
 """Tokens line up with the words of the text through character offsets (exact comparisons)."""
 
+import re
+
 import pytest
 
 from selfattn.errors import SelfAttnError
@@ -99,3 +101,101 @@ def test_an_occurrence_cut_off_by_truncation_names_the_ones_read(wordpiece):
     assert "span" not in str(error.value)
     with pytest.raises(SelfAttnError, match="does not occur; put it earlier"):
         encoding.select("three")
+
+
+def test_a_query_without_accents_finds_the_word_with_them(wordpiece):
+    # "Smart" folding: no accent in the query, any accent in the text; an accent in the query,
+    # that spelling only (any case). MiniLM itself drops accents: caffè is "caf" "##fe".
+    text = "Il caffè del Café, poi un cafe e un CAFÉ."
+    encoding = wordpiece.encode(text)
+    cafe, accented = text.index("Café"), text.index("CAFÉ")
+    assert encoding.find("cafe") == (cafe, cafe + 4)
+    assert encoding.find("CAFE", occurrence=-1) == (accented, accented + 4)
+    assert encoding.find("café", occurrence=1) == (accented, accented + 4)
+    with pytest.raises(SelfAttnError, match="occurs 2 time"):
+        encoding.find("café", occurrence=2)  # not the plain "cafe"
+    assert [encoding.tokens[i] for i in encoding.select("caffe")] == ["caf", "##fe"]
+    assert encoding.select("caffè") == encoding.select("CAFFE")
+    with pytest.raises(SelfAttnError, match=r"not in the text\); the words are: Il, caffè, del"):
+        encoding.find("caffé")  # another accent is another word
+    perche = wordpiece.encode("È perché")
+    assert [perche.tokens[i] for i in perche.select("perche")] == ["perch", "##e"]
+
+
+def test_folding_keeps_offsets_exact_where_nfd_changes_lengths(wordpiece):
+    # Characters that NFD makes longer (ǘ and ệ: three each, 한: three jamo) before the
+    # words found, and a text already decomposed (e + U+0301): every span is the word's own
+    # characters in the text as given. Only NFD: the ligature ﬁ is not "fi".
+    decomposed_cafe = "Cafe\u0301"
+    text = f"Lǘ bank, Việt bank, 한국 bank, {decomposed_cafe} bank ﬁne"
+    encoding = wordpiece.encode(text)
+    banks = [m.start() for m in re.finditer("bank", text)]
+    assert [encoding.find("bank", n) for n in range(4)] == [(b, b + 4) for b in banks]
+    found = {"viet": "Việt", "VIỆT": "Việt", "lu": "Lǘ", "한국": "한국", "ﬁne": "ﬁne",
+             "cafe": decomposed_cafe, "café": decomposed_cafe}  # fmt: skip
+    for query, word in found.items():
+        start, end = encoding.find(query)
+        assert text[start:end] == word, query
+    assert [encoding.tokens[i] for i in encoding.select("cafe")] == ["cafe"]
+    with pytest.raises(SelfAttnError, match="not in the text"):
+        encoding.find("fine")
+    with pytest.raises(SelfAttnError, match="not in the text"):
+        encoding.find("한")  # a syllable is not a word's first jamo
+
+
+def test_accent_folding_counts_the_same_occurrences_past_truncation(wordpiece):
+    encoding = wordpiece.encode("Café one cafe two three CAFÉ", max_length=5)
+    assert encoding.tokens == ["[CLS]", "cafe", "one", "cafe", "[SEP]"]
+    with pytest.raises(SelfAttnError, match=r"occurrence 2 of the word 'cafe' is at character "
+                       r"24, past the first 13 .* occurrences 0\.\.1 of 3"):  # fmt: skip
+        encoding.select("cafe", occurrence=2)
+    with pytest.raises(SelfAttnError, match=r"'café' .* occurrences 0\.\.0 of 2"):
+        encoding.select("café", occurrence=-1)
+
+
+def test_a_word_keeps_its_combining_marks(wordpiece):
+    # Devanagari's vowel signs and a decomposed accent are marks, not \w to Python's re: a
+    # word runs through them, and a match may not start or end between a letter and its mark.
+    hindi = "मुझे हिंदी भाषा पसंद है"
+    encoding = wordpiece.encode(hindi)
+    assert [w.text for w in encoding.words] == ["मुझे", "हिंदी", "भाषा", "पसंद", "है"]
+    assert list(encoding.select("भाषा")) == [6, 7, 8, 9]
+    with pytest.raises(SelfAttnError, match="not in the text"):
+        encoding.find("षा")  # the end of भाषा, after the vowel sign ा
+    text = "Il caffe\u0300 e\u0300 buono"
+    assert [w.text for w in wordpiece.encode(text).words] == [
+        "Il", "caffe\u0300", "e\u0300", "buono",
+    ]  # fmt: skip
+
+
+def test_a_number_is_not_found_inside_a_longer_number(wordpiece):
+    # "1,000" and "3.50" are words of their own: "1" is the lone 1, "50" is in no word.
+    text = "I saw 1,000 birds at 3.50 each and 1 cat, then 2. Not 1.5 or 0,1 of them."
+    encoding = wordpiece.encode(text)
+    lone = text.index(" 1 ") + 1
+    assert encoding.find("1") == (lone, lone + 1)
+    with pytest.raises(SelfAttnError, match="occurs 1 time"):
+        encoding.find("1", occurrence=1)
+    assert encoding.find("2") == (text.index("2."), text.index("2.") + 1)  # a full stop
+    assert encoding.find("1,000") == (6, 11)
+    assert encoding.find("3.50") == (text.index("3.50"), text.index("3.50") + 4)
+    for part in ("50", "000", "5", "0"):
+        with pytest.raises(SelfAttnError, match="not in the text"):
+            encoding.find(part)
+
+
+def test_the_words_of_a_phrase_match_across_any_spaces(wordpiece):
+    text = "the river\nbank, the river  bank, the riverbank"
+    encoding = wordpiece.encode(text)
+    assert encoding.find("river bank") == (4, 14)
+    assert encoding.find("River Bank", occurrence=-1) == (20, 31)
+    with pytest.raises(SelfAttnError, match="occurs 2 time"):
+        encoding.find("river bank", occurrence=2)
+
+
+def test_straight_and_curly_apostrophes_find_each_other(wordpiece):
+    text = "l’amico e l'amica; don't"
+    encoding = wordpiece.encode(text)
+    assert encoding.find("l'amico") == (0, 7)
+    assert encoding.find("L’AMICA") == (10, 17)
+    assert encoding.find("don’t") == (19, 24)

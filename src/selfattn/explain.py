@@ -38,6 +38,7 @@ STOPWORDS = frozenset(
     "not no do does did has have had will would can could should so if then than".split()
 )
 HEAD_MEAN = "mean"
+SHOWN_SENTENCE = 60  # characters of a compared sentence that an error about it quotes
 
 
 class RecordedRun(Protocol):
@@ -463,11 +464,13 @@ class VectorRun(RecordedRun, Protocol):
 
 @contextmanager
 def _naming_sentence(number: int, text: str) -> Iterator[None]:
-    """An error about one of the compared sentences says which: "sentence 2 ('banks'): ..."."""
+    """An error about one of the compared sentences says which: "sentence 2 ('banks'): ...";
+    a long sentence by its first words, so that the error stays one readable line."""
     try:
         yield
     except SelfAttnError as error:
-        raise SelfAttnError(f"sentence {number} ({text!r}): {error}") from None
+        shown = text if len(text) <= SHOWN_SENTENCE else text[: SHOWN_SENTENCE - 1] + "…"
+        raise SelfAttnError(f"sentence {number} ({shown!r}): {error}") from None
 
 
 def compare_texts(
@@ -504,7 +507,8 @@ def compare(runs: list[VectorRun], word: str, top: int = 3, occurrence: int = 0)
         vectors.append(torch.stack(layers))
     vectors = torch.stack(vectors)  # (N, L+1, D)
     unit = torch.nn.functional.normalize(vectors.double(), dim=-1)
-    similarity = torch.einsum("ald,bld->lab", unit, unit)  # (L+1, N, N)
+    # Clamped: rounding may give 1.0000000000000002, not a cosine.
+    similarity = torch.einsum("ald,bld->lab", unit, unit).clamp(-1.0, 1.0)  # (L+1, N, N)
     last = n_layers - 2
     attended = [attended_words(run, run.word_tokens(word, occurrence), last, top) for run in runs]
     texts = [run.text for run in runs]
@@ -514,16 +518,21 @@ def compare(runs: list[VectorRun], word: str, top: int = 3, occurrence: int = 0)
 
 def attended_words(run: RecordedRun, pieces: range, layer: int, top: int) -> list[Attended]:
     """The words that the word made of ``pieces`` weighs most (mean of heads, merged); words
-    it may not attend (after it, in a decoder) are left out."""
+    it may not attend (after it, in a decoder) are left out. Its row is the mean of its
+    tokens' rows (a word's, as ``merge_words`` defines it; a phrase's, over all its words), and
+    no word it touches is listed."""
     groups = word_groups(run.tokens, run.word_ids)
     names = [name for name, _ in groups]
     trace = run.captures.layer(layer)[0].trace()
-    merged = merge_words(trace.weights.mean(0), [members for _, members in groups])  # (T, T)
+    membership = torch.zeros(len(run.tokens), len(groups), dtype=trace.weights.dtype)
+    for j, (_, members) in enumerate(groups):
+        membership[members, j] = 1.0
+    row = trace.weights.mean(0)[list(pieces)].mean(0) @ membership  # (W,) keys summed
     seen = ~never_attended(trace)[list(pieces)].all(0)  # (T,) keys some piece may attend
-    row = next(i for i, (_, members) in enumerate(groups) if pieces.start in members)
+    own = {j for j, (_, members) in enumerate(groups) if set(members) & set(pieces)}
     ranked = [
-        Attended(names[j], float(merged[row, j]), groups[j][1][0], names.count(names[j]) > 1)
-        for j in merged[row].argsort(descending=True).tolist()
-        if j != row and run.word_ids[groups[j][1][0]] is not None and seen[groups[j][1]].any()
+        Attended(names[j], float(row[j]), groups[j][1][0], names.count(names[j]) > 1)
+        for j in row.argsort(descending=True).tolist()
+        if j not in own and run.word_ids[groups[j][1][0]] is not None and seen[groups[j][1]].any()
     ]
     return ranked[:top]

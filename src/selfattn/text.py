@@ -2,15 +2,28 @@
 
 A checkpoint's ``tokenizer.json`` is read with Hugging Face ``tokenizers`` (word-piece for BERT,
 byte-level BPE for GPT-2). Words are found in the text itself, the same way for every
-tokenizer: runs of letters and digits (``don't`` and ``3.50`` stay whole), single punctuation
-marks and single Chinese characters (as BERT splits them: ``银行`` is two words). A token
-belongs to the words its character span overlaps, so a word split into pieces (``token`` +
-``##izer``) maps to all of them.
+tokenizer: runs of letters and digits with their combining marks (``don't`` and ``3.50`` stay
+whole), single punctuation marks and single Chinese characters (as BERT splits them: ``银行``
+is two words). A token belongs to the words its character span overlaps, so a word split
+into pieces (``token`` + ``##izer``) maps to all of them.
+
+Finding a word is whole-word, case-insensitive and "smart" about accents, as search tools
+are: a query without accents matches with or without them (``cafe`` finds ``Café``), a query
+with accents only that spelling (``café`` finds ``CAFÉ``, not ``cafe``). Both sides are
+compared in canonical decomposition (NFD, so a precomposed ``é`` and ``e`` + U+0301 are the
+same), with the nonspacing marks (category Mn) dropped for a query that has none. Only NFD,
+not NFKD: a ligature (``ﬁ``), a superscript (``²``) or a full-width letter stays a character
+of its own, since folding those would change more than accents (``m2`` would find ``m²``).
+A straight apostrophe and a curly one are the same (``l'amico`` finds ``l’amico``), the words
+of a phrase match across any spaces and line breaks, and a number is never found inside a
+longer one (``1`` is not the start of ``1,000``).
 """
 
 from __future__ import annotations
 
+import functools
 import re
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +39,7 @@ CJK = (
     "\U00020000-\U0002a6df\U0002a700-\U0002ceaf\U0002f800-\U0002fa1f"
 )
 LETTERS = rf"[^\W{CJK}]"  # a letter or digit that is not a CJK ideograph
-WORD_PATTERN = re.compile(rf"\d+(?:[.,]\d+)+|[{CJK}]|{LETTERS}+(?:['’]{LETTERS}+)*|[^\w\s]")
+APOSTROPHE = str.maketrans("’", "'")  # l'amico finds l’amico, and l’amico l'amico
 
 Span = tuple[int, int]  # (start, end) character positions, end excluded
 
@@ -86,9 +99,29 @@ class Encoding:
         return self.tokens_in(word_or_span)
 
     def _matches(self, word: str) -> list[Span]:
-        """Spans of every whole-word, case-insensitive match (CJK characters are words)."""
-        pattern = rf"(?<!{LETTERS}){re.escape(word.strip())}(?!{LETTERS})"
-        return [match.span() for match in re.finditer(pattern, self.text, re.IGNORECASE)]
+        """Spans of every whole-word, case-insensitive match (CJK characters are words), in
+        characters of ``text``; a query without accents also matches accented spellings, a
+        straight apostrophe a curly one (and back), the words of a phrase any spaces."""
+        query = word.strip()
+        strip = not any(unicodedata.category(ch) == "Mn" for ch in decomposed(query)[0])
+        folded_query = decomposed(query, strip)[0].translate(APOSTROPHE)
+        folded, owner = decomposed(self.text, strip)
+        folded = folded.translate(APOSTROPHE)  # the same length: owner still holds
+        # Not a part of a word, nor of a number (the 1 of 1,000); any spaces between words.
+        body = r"\s+".join(re.escape(part) for part in folded_query.split())
+        digits_before = r"(?<!\d[.,])" if folded_query[0].isdigit() else ""
+        digits_after = r"(?![.,]\d)" if folded_query[-1].isdigit() else ""
+        pattern = rf"(?<!{LETTERS}){digits_before}{body}(?!{LETTERS}){digits_after}"
+        spans = []
+        for match in re.finditer(pattern, folded, re.IGNORECASE):
+            start, end = match.span()
+            before = start > 0 and (owner[start - 1] == owner[start] or is_mark(folded[start - 1]))
+            after = end < len(folded) and (owner[end - 1] == owner[end] or is_mark(folded[end]))
+            if before or after:
+                continue  # it would cut a character, or a letter from its marks
+            # The end takes in the marks dropped after the match (those of "e" + U+0301).
+            spans.append((owner[start], owner[end] if end < len(folded) else len(self.text)))
+        return spans
 
     def _check_read(self, word: str, occurrence: int, span: Span) -> None:
         """An error naming the occurrences the model read, for one that truncation cut off."""
@@ -209,6 +242,28 @@ def join_pieces(pieces: list[str]) -> str:
     return word
 
 
+def decomposed(text: str, strip_marks: bool = False) -> tuple[str, list[int]]:
+    """``text`` in NFD, character by character, without nonspacing marks if ``strip_marks``
+    (``Café`` -> ``Cafe``), and for each character of the result the index of the character
+    of ``text`` it comes from (a precomposed ``é`` gives two, ``한`` three, a mark alone none)."""
+    if text.isascii():
+        return text, list(range(len(text)))
+    parts: list[str] = []
+    owner: list[int] = []
+    for i, ch in enumerate(text):
+        part = unicodedata.normalize("NFD", ch)
+        if strip_marks:
+            part = "".join(c for c in part if unicodedata.category(c) != "Mn")
+        parts.append(part)
+        owner.extend([i] * len(part))
+    return "".join(parts), owner
+
+
+def is_mark(ch: str) -> bool:
+    """A combining mark (Unicode category M): an accent, a vowel sign."""
+    return unicodedata.category(ch)[0] == "M"
+
+
 def quoted_characters(chars: Iterable[str], shown: int = 20) -> str:
     """Characters, sorted, the first ``shown`` of them quoted: "'XYZ' and 3 more"."""
     ordered = sorted(set(chars))
@@ -216,11 +271,34 @@ def quoted_characters(chars: Iterable[str], shown: int = 20) -> str:
     return f"{''.join(ordered[:shown])!r}{more}"
 
 
+@functools.cache
+def word_pattern() -> re.Pattern[str]:
+    """Runs of letters and digits with their combining marks (the accent of a decomposed
+    ``e`` + U+0301, Devanagari's vowel signs: not ``\\w`` to ``re``), numbers, one CJK
+    character, one punctuation mark. Built on first use: listing the marks takes 50 ms."""
+    marks = "".join(f"{chr(first)}-{chr(last)}" for first, last in _mark_ranges())
+    letters = rf"{LETTERS}(?:{LETTERS}|[{marks}])*"
+    return re.compile(rf"\d+(?:[.,]\d+)+|[{CJK}]|{letters}(?:['’]{letters})*|[^\w\s]")
+
+
+def _mark_ranges() -> list[tuple[int, int]]:
+    """(first, last) code points of each run of combining marks (Unicode category M)."""
+    ranges: list[tuple[int, int]] = []
+    for code in (*range(0x20000), *range(0xE0100, 0xE01F0)):  # marks stop there
+        if unicodedata.category(chr(code))[0] != "M":
+            continue
+        if ranges and ranges[-1][1] == code - 1:
+            ranges[-1] = (ranges[-1][0], code)
+        else:
+            ranges.append((code, code))
+    return ranges
+
+
 def align_words(text: str, offsets: list[Span]) -> tuple[list[Word], list[int | None]]:
     """The words of ``text`` that some token overlaps, and each token's (first) word."""
     words: list[Word] = []
     word_ids: list[int | None] = [None] * len(offsets)
-    for match in WORD_PATTERN.finditer(text):
+    for match in word_pattern().finditer(text):
         start, end = match.span()
         hits = [i for i, (s, e) in enumerate(offsets) if s < end and e > start]
         if not hits:
