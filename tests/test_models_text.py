@@ -1,6 +1,8 @@
 """Tokens line up with the words of the text through character offsets (exact comparisons)."""
 
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -74,6 +76,36 @@ def test_truncation_keeps_special_tokens_and_drops_cut_words(wordpiece):
         wordpiece.encode("one").ids,
     ]
     assert wordpiece.decode(encoding.ids) == "one two"
+
+
+class _SlowBackend:
+    """A tokenizer whose encodes take a while: another thread runs in the meantime."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def encode_batch(self, texts):
+        encoded = self.backend.encode_batch(texts)
+        time.sleep(0.3)
+        return encoded
+
+
+def test_a_truncated_encode_does_not_cut_another_threads_text():
+    """Truncation is the backend's state: while one thread encodes with max_length, another
+    encoding without it still gets all its tokens (the explorer serves from several threads;
+    tokenizers 0.22 raised "Already borrowed" there)."""
+    folder, _ = resolve("minilm")
+    tokenizer = Tokenizer(_SlowBackend(Tokenizer.from_file(folder / "tokenizer.json").backend))
+    text = "one two three four five"
+    with ThreadPoolExecutor(2) as pool:
+        cut = pool.submit(tokenizer.encode, text, 4)
+        time.sleep(0.1)
+        whole = pool.submit(tokenizer.encode, text)
+        assert len(cut.result().tokens) == 4
+        assert len(whole.result().tokens) == 7
 
 
 def test_align_words_without_tokens_for_a_word():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -147,6 +148,9 @@ class Tokenizer:
 
     def __init__(self, backend: tokenizers.Tokenizer) -> None:
         self.backend = backend
+        # The truncation setting lives in the backend, shared by every thread (the explorer
+        # serves from several): set, encode and reset happen under this lock.
+        self._lock = threading.Lock()
         self.backend.no_truncation()
         self.backend.no_padding()
         self.byte_level = isinstance(backend.decoder, decoders.ByteLevel)
@@ -193,6 +197,10 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=True)
 
     def _encode_batch(self, texts: list[str], max_length: int | None) -> list:
+        with self._lock:
+            return self._encode_batch_locked(texts, max_length)
+
+    def _encode_batch_locked(self, texts: list[str], max_length: int | None) -> list:
         if max_length is not None:
             self.backend.enable_truncation(max_length)
         try:
