@@ -11,6 +11,7 @@ SDPA happens to be exact.
 """
 
 import dataclasses
+import importlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -334,6 +335,31 @@ def _why_not(q=None, k=None, v=None, mask=None, dropout_p=0.0) -> str | None:
     q, k, v = (torch.randn(7, 16) if x is None else x for x in (q, k, v))
     call = make_call(q, k, v, mask, False, "dot", None, dropout_p)
     return BACKENDS["triton"].why_not(call)
+
+
+@pytest.mark.parametrize(
+    "version, interpreting, needed",
+    [("3.0.0", False, "3.4"), ("3.3.1", False, "3.4"), ("3.4.0", False, None),
+     ("3.6.0", True, "3.7"), ("3.7.1", True, None), ("3.10.0+git1a2b", True, None)],
+)  # fmt: skip
+def test_a_triton_too_old_is_a_reason_naming_the_version_needed(
+    monkeypatch, version, interpreting, needed
+):
+    """torch 2.4 pins triton 3.0, whose autotune has no do_bench: the kernels' module would
+    raise a TypeError on import. The reason names the version found and the one needed."""
+    import triton
+
+    attention_module = importlib.import_module("selfattn.attention")
+    monkeypatch.setattr(triton, "__version__", version)
+    reason = attention_module._triton_too_old(interpreting)
+    if needed is None:
+        assert reason is None
+    else:
+        assert f"triton {needed}, found {version}" in reason
+        assert f"pip install -U 'triton>={needed}'" in reason
+    if interpreting:  # what the dispatcher says, and so what backend="triton" raises
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert _why_not() == reason
 
 
 def test_a_triton_that_fails_to_import_is_a_reason_not_a_traceback(monkeypatch):

@@ -42,6 +42,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -263,6 +264,29 @@ def _triton(call: AttentionCall) -> Tensor:
     )
 
 
+# The oldest Triton that compiles the kernels (tensor descriptors, autotune's do_bench), and
+# the oldest whose CPU interpreter runs them; checked with benchmarks/triton_sm90.py and the
+# interpreter tests (3.3 lacks tl.make_tensor_descriptor; 3.6's interpreter fails on the loops).
+TRITON_MIN = (3, 4)
+TRITON_MIN_INTERPRETER = (3, 7)
+
+
+def _triton_too_old(interpreting: bool) -> str | None:
+    """Why the installed triton is too old for the kernels (importing only triton), or None."""
+    import triton
+
+    found = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    needed = TRITON_MIN_INTERPRETER if interpreting else TRITON_MIN
+    if found is None or tuple(map(int, found.groups())) >= needed:
+        return None
+    wanted = ".".join(map(str, needed))
+    where = "its CPU interpreter runs the kernels from" if interpreting else "the kernels need"
+    return (
+        f"backend 'triton': {where} triton {wanted}, found {triton.__version__}; "
+        f"pip install -U 'triton>={wanted}' (torch pins its triton: upgrade torch with it)"
+    )
+
+
 def _triton_why_not(call: AttentionCall) -> str | None:
     """Why the Triton kernels cannot compute this call exactly as the reference, or None."""
     if importlib.util.find_spec("triton") is None:
@@ -275,6 +299,9 @@ def _triton_why_not(call: AttentionCall) -> str | None:
             "only under Triton's interpreter: set TRITON_INTERPRET=1 before importing triton)"
         )
     try:
+        too_old = _triton_too_old(interpreting=os.environ.get("TRITON_INTERPRET") == "1")
+        if too_old is not None:
+            return too_old
         from selfattn.kernels.triton_attention import unsupported_reason
     except ImportError as error:  # installed, but broken or built for another torch
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else "ImportError"
