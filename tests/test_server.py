@@ -248,7 +248,7 @@ def test_explain_errors(client, body, status, words):
         (b"{not json", NOT_JSON),
         (b'{"text": "\xff\xfe"}', NOT_JSON),  # not UTF-8
         (b'{"x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", NOT_JSON),  # too deep to parse
-        (b"", "the request body is empty; send a JSON object"),
+        (b"", "the request body must be a JSON object"),
         (b"null", "the request body must be a JSON object"),
         (json.dumps([BANK]).encode(), "the request body must be a JSON object"),
         (b"42", "the request body must be a JSON object"),

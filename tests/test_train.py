@@ -713,9 +713,9 @@ def test_top_k_one_or_a_tiny_temperature_samples_the_greedy_continuation(wanderi
 def test_top_k_sampling_never_leaves_the_top_k_logits(wandering, top_k):
     """8 rows x 40 steps at temperature 2 (the window slides at 16): each sampled token ranks
     among its step's top k logits, recomputed by an uncached forward of that step's window.
-    The k-th and (k+1)-th logits differ by > 1e-4 at every step, far above the ~1e-6 that
-    cached and uncached logits differ by, so the ranks are unambiguous. Every rank < k is
-    drawn (the sampler is not just the argmax); without top-k, tokens rank far lower."""
+    A logit beats the sampled one only by more than 1e-5, ten times the ~1e-6 that cached and
+    uncached logits differ by. Every rank < k is drawn (the sampler is not just the argmax);
+    without top-k, tokens rank far lower."""
     model, prompt = wandering
     window = model.config.block_size
 
@@ -725,9 +725,7 @@ def test_top_k_sampling_never_leaves_the_top_k_logits(wandering, top_k):
                 [model(ids[:, :t][:, -window:]).logits[:, -1] for t in range(5, ids.shape[1])],
                 dim=1,
             )  # (B, steps, vocab)
-        top = logits.topk(top_k + 1).values
-        assert (top[..., -2] - top[..., -1]).min() > 1e-4
-        return (logits > logits.gather(-1, ids[:, 5:, None])).sum(-1)
+        return (logits > logits.gather(-1, ids[:, 5:, None]) + 1e-5).sum(-1)
 
     sampled = ranks(model.generate(prompt, 40, temperature=2.0, top_k=top_k, seed=3))
     assert sampled.max() < top_k

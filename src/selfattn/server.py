@@ -375,7 +375,8 @@ PLAIN_DETAILS = {
     ("sentences", "too_long"): SENTENCE_COUNT,
     ("head.int", "int_type"): HEAD_CHOICE,
     ("head.literal['mean']", "literal_error"): HEAD_CHOICE,
-    ("", "missing"): f"the request body is empty; send a JSON object ({FIELDS})",
+    # an empty body (and, with older FastAPI, a body of null)
+    ("", "missing"): f"the request body must be a JSON object ({FIELDS})",
     ("", "model_attributes_type"): f"the request body must be a JSON object ({FIELDS})",
 }
 FASTAPI_PARSE_ERROR = "There was an error parsing the body"  # FastAPI's 400 for undecodable JSON
