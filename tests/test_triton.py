@@ -161,6 +161,34 @@ def test_mask_offsets_past_two_to_the_31():
     assert_matches_reference(*_inputs(t, s, 16), mask=mask, causal=True)
 
 
+def test_a_head_spanning_more_than_two_to_the_31_is_refused():
+    """Within a head the kernels address rows in int32: query rows 2³¹ / 8 elements apart (a
+    (B, T, H, D) projection of ~1M tokens at width 2,048 is as far) are refused, so auto takes
+    another backend, rather than read wild. The 4 GiB spanned stay unallocated."""
+    t, row_stride = 9, 2**31 // 8
+    storage = torch.empty(row_stride * (t - 1) + 16, dtype=torch.float16)
+    q = storage.as_strided((1, 1, t, 16), (0, 0, row_stride, 1))
+    k = v = torch.zeros(1, 1, t, 16, dtype=torch.float16)
+    reason = _why_not(q, k, v)
+    assert "a head here spans 2,147,483,663 elements (more than 2³¹)" in reason
+    with pytest.raises(ValueError, match="more than 2³¹"):
+        attention(q, k, v, backend="triton")
+
+
+def test_outputs_laid_out_like_the_inputs_count_in_the_span(monkeypatch):
+    """The output and gradients are written laid out like the query, key and value (heads
+    interleaved for a transposed projection), value-dim wide: their span counts too (a limit
+    of 1,000 elements here stands in for 2³¹)."""
+    from selfattn.kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "MAX_HEAD_OFFSET", 1_000)
+    assert _why_not(*(torch.randn(1, 2, 33, 16) for _ in range(3))) is None  # 527 each
+    q, k, v = (torch.randn(1, 33, 2, 16).transpose(1, 2) for _ in range(3))  # rows 32 apart
+    assert "spans 1,039 elements" in _why_not(q, k, v)
+    q, k, v = torch.randn(1, 33, 16), torch.randn(1, 8, 16), torch.randn(1, 8, 40)
+    assert "spans 1,319 elements" in _why_not(q, k, v)  # the output: 33 rows of 40
+
+
 def test_double_backward_is_refused():
     q, k, v = (x.float().requires_grad_() for x in _inputs(7, 9, 16)[:3])
     out = attention(q, k, v, backend="triton")

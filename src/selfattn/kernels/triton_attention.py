@@ -65,6 +65,7 @@ MAX_HEAD_DIM = 256
 # CUDA caps a grid's second axis at 65,535; the kernels put the heads (outer · inner) there, so
 # more heads than that go in several launches (see ``triton_attention``).
 MAX_GRID_HEADS = 65_535
+MAX_HEAD_OFFSET = 2**31 - 1  # within a head, Q/K/V/O rows are addressed in int32
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Triton's interpreter holds bfloat16 tiles as the uint16 words of their bits (numpy has no
@@ -891,9 +892,24 @@ def _empty_heads(like: Tensor, last_dim: int) -> Tensor:
     when ``like`` is a (B, T, H, D) projection seen as (B, H, T, D), so that the caller's
     transpose back to (B, T, H·D) is a view, as it is with torch's SDPA; contiguous otherwise."""
     outer, inner, t, _ = like.shape
-    if inner > 1 and like.stride(1) < like.stride(2):
+    if _interleaved(like):
         return like.new_empty((outer, t, inner, last_dim)).transpose(1, 2)
     return like.new_empty((outer, inner, t, last_dim))
+
+
+def _interleaved(heads: Tensor) -> bool:
+    """Whether (..., H, T, D) heads are a (..., T, H, D) projection seen through a transpose."""
+    return heads.dim() > 2 and heads.shape[-3] > 1 and heads.stride(-3) < heads.stride(-2)
+
+
+def _largest_offset(heads: Tensor, written_width: int) -> int:
+    """The farthest element of one head of (..., T, D) ``heads`` from the head's first one, in
+    ``heads`` and in an output or gradient ``written_width`` wide laid out like it
+    (``_empty_heads``): the kernels address rows within a head in int32."""
+    rows, width = heads.shape[-2:]
+    given = (rows - 1) * abs(heads.stride(-2)) + (width - 1) * abs(heads.stride(-1))
+    written_row = heads.shape[-3] * written_width if _interleaved(heads) else written_width
+    return max(given, (rows - 1) * written_row + written_width - 1)
 
 
 def _device_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
@@ -1140,6 +1156,17 @@ def unsupported_reason(
         )
     if mask is not None and mask.dtype != torch.bool and mask.requires_grad:
         return "the Triton kernels do not compute gradients for a float mask"
+    head_dim, value_dim = query.shape[-1], value.shape[-1]
+    farthest = max(  # the output is laid out like the query, value_dim wide
+        _largest_offset(query, max(head_dim, value_dim)),
+        _largest_offset(key, head_dim),
+        _largest_offset(value, value_dim),
+    )
+    if farthest > MAX_HEAD_OFFSET:
+        return (
+            f"the Triton kernels index within a head in int32, and a head here spans "
+            f"{farthest:,} elements (more than 2³¹); use backend='sdpa' or 'chunked'"
+        )
     return None
 
 
