@@ -13,10 +13,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
@@ -98,7 +100,8 @@ def test_explain_occurrence_picks_that_word(client, model, occurrence):
     tokens = model.run(TWO_BANKS).tokens
     banks = [i for i, token in enumerate(tokens) if token == "bank"]
     assert len(banks) == 2
-    assert response.json()["query"] == {"index": banks[occurrence], "token": "bank"}
+    query = response.json()["query"]
+    assert (query["index"], query["token"]) == (banks[occurrence], "bank")
 
 
 @pytest.mark.parametrize("occurrence", [0, -1])
@@ -398,17 +401,115 @@ def test_busy_is_a_503_with_retry_after(model, monkeypatch):
     assert response.headers["retry-after"] == "1"
 
 
-async def _always_busy(self, function, *args):
+async def _always_busy(self, function, *args, **options):
     raise server.Busy
+
+
+def _post(port: int, text: str) -> socket.socket:
+    """A raw POST /api/view to 127.0.0.1:port, its connection left open for the answer."""
+    body = json.dumps({"text": text}).encode()
+    connection = socket.create_connection(("127.0.0.1", port), timeout=30)
+    head = (
+        "POST /api/view HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    connection.sendall(head.encode() + body)
+    return connection
+
+
+def _status(connection: socket.socket) -> int:
+    """The status of the answer on ``connection`` (read to its end), which it closes."""
+    with connection:
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+    return int(answer.split(b" ", 2)[1])
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {seconds} s")
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(60)
+def test_requests_whose_client_left_before_their_run_are_dropped(model, monkeypatch):
+    """A real uvicorn, one worker held busy: two queued requests whose clients hang up give
+    their places back at once (not after the worker got to them) and never run; a run that
+    started finishes."""
+    ran, started, release = [], threading.Event(), threading.Event()
+
+    def view(_model, body):
+        ran.append(body.text)
+        started.set()
+        release.wait(30)
+        return server.as_json({"text": body.text})
+
+    admitted, released = [], []
+    run, free = server.Pool.run, server.Pool._release
+
+    async def counted_run(self, *args, **options):
+        admitted.append(args[2].text)
+        return await run(self, *args, **options)
+
+    def counted_release(self, future):
+        released.append(future)
+        free(self, future)
+
+    monkeypatch.setattr(server, "_view", view)
+    monkeypatch.setattr(server.Pool, "run", counted_run)
+    monkeypatch.setattr(server.Pool, "_release", counted_release)
+    app = server.create_app(model, workers=1, queue=2)
+    sock = server.listen("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    uvicorn_server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]})
+    thread.start()
+    try:
+        _wait_for(lambda: uvicorn_server.started, 20, "uvicorn did not start")
+        first = _post(port, "first")
+        assert started.wait(20), "the first run did not start"
+        leaving = [_post(port, f"left {i}") for i in range(2)]
+        _wait_for(lambda: len(admitted) == 3, 10, "the queued requests were not admitted")
+        for connection in leaving:
+            connection.close()
+        # their places come back while the worker is still busy with the first
+        _wait_for(lambda: len(released) == 2, 5, "abandoned requests kept their places")
+        assert all(future.cancelled() for future in released)
+        after = _post(port, "after")  # admitted, not 503: the queue has room again
+        _wait_for(lambda: len(admitted) == 4, 10, "the next request was not admitted")
+        release.set()
+        assert (_status(first), _status(after)) == (200, 200)
+    finally:
+        release.set()
+        uvicorn_server.should_exit = True
+        thread.join(20)
+        sock.close()
+    assert ran == ["first", "after"]  # the requests whose client left never ran
 
 
 # ---------------------------------------------------------------------------------------------
 # the command
 
 
+class Bound:
+    """What `server.listen` returns, without binding: the address asked for."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.address = (host, port)
+
+    def getsockname(self) -> tuple[str, int]:
+        return self.address
+
+    def __eq__(self, other: object) -> bool:
+        return other == self.address
+
+
 def test_serve_warns_when_listening_beyond_this_machine(cli, monkeypatch):
     served = {}
-    monkeypatch.setattr(server, "listen", lambda host, port: (host, port))
+    monkeypatch.setattr(server, "listen", Bound)
     monkeypatch.setattr(server, "serve", lambda model, host, sock: served.update(at=sock))
     result = CliRunner().invoke(cli_app, ["serve", "--host", "0.0.0.0", "--port", "8123"])
     assert result.exit_code == 0, result.output
@@ -426,7 +527,7 @@ def test_serve_warns_when_listening_beyond_this_machine(cli, monkeypatch):
 
 
 def test_serve_takes_a_trained_checkpoint(monkeypatch, tmp_path):
-    monkeypatch.setattr(server, "listen", lambda host, port: (host, port))
+    monkeypatch.setattr(server, "listen", Bound)
     monkeypatch.setattr(server, "serve", lambda *args: pytest.fail("served without a model"))
     result = CliRunner().invoke(cli_app, ["serve", "--checkpoint", str(tmp_path / "nowhere")])
     assert result.exit_code == 1
@@ -458,6 +559,8 @@ def test_listen_binds_or_says_why():
     with server.listen("127.0.0.1", 0) as sock:
         host, port = sock.getsockname()
         assert host == "127.0.0.1" and port > 0
+        # it listens already: a client that read the start line connects (uvicorn accepts later)
+        socket.create_connection((host, port), timeout=5).close()
     with pytest.raises(SelfAttnError, match="check --host"):
         server.listen("host.invalid", 0)
 

@@ -196,18 +196,23 @@ def train(
     if result.interrupted:
         if _is_main_process():
             console.print(
-                f"Interrupted at step {result.step}: checkpoint saved in {out} (--resume)."
+                f"Interrupted at step {result.step}: checkpoint saved in {out} (--resume).",
+                soft_wrap=True,
             )
         raise typer.Exit(130)
     if not _is_main_process():
         return
     if result.step == result.start_step:
-        console.print(f"Nothing to do: {out} is already at step {result.step} (--max-iters).")
+        console.print(
+            f"Nothing to do: {out} is already at step {result.step} (--max-iters).",
+            soft_wrap=True,
+        )
         return
     last = result.history[-1]
     console.print(
         f"step {result.step}: val loss {last['val']:.4f}; {result.ms_per_iter:.1f} ms/iter, "
-        f"{result.tokens_per_second:,.0f} tokens/s; checkpoint in {out}"
+        f"{result.tokens_per_second:,.0f} tokens/s; checkpoint in {out}",
+        soft_wrap=True,
     )
 
 
@@ -257,14 +262,28 @@ def generate(
 # explain, compare, view: the main job
 
 MODEL_HELP = "Model: 'minilm' (all-MiniLM-L6-v2, the default) or a Hugging Face-style folder."
+DEFAULT_MODEL = "minilm"
 CHECKPOINT_HELP = "A `selfattn train --out` directory, instead of --model."
 TRUNCATE_HELP = "Cut text longer than the model's positions."
 JSON_HELP = "Print one JSON object with every number."
 EXPLAIN_EPILOG = 'Example: selfattn explain "I went to the bank to deposit money." --word bank'
 
 
+def _one_model(model: str | None, checkpoint: Path | None) -> None:
+    """Refuse --model and --checkpoint together (which one was meant is not ours to guess)."""
+    if model is not None and checkpoint is not None:
+        raise _fail(
+            "give --model or --checkpoint, not both: --model for a pretrained model ('minilm' "
+            "or a Hugging Face folder), --checkpoint for a `selfattn train --out` directory",
+            2,
+        )
+
+
 def _load(model: str | None, checkpoint: Path | None):
-    """The model to look into (pretrained, or trained here), with a status line on stderr."""
+    """The model to look into (pretrained, or trained here; 'minilm' when neither is given),
+    with a status line on stderr."""
+    if model is None and checkpoint is None:
+        model = DEFAULT_MODEL
     label = str(checkpoint) if checkpoint is not None else model
     with Console(stderr=True).status(f"Loading {label}…"):
         if checkpoint is not None:
@@ -304,7 +323,7 @@ def _write(path: Path, write: Callable[[Path], object]) -> None:
     except OSError as error:
         raise _fail(f"cannot write {path}: {error.strerror or error}") from None
     page = " (open it in a browser; it needs no network)" if path.suffix == ".html" else ""
-    Console(stderr=True).print(f"wrote {path}{page}")
+    Console(stderr=True).print(f"wrote {path}{page}", soft_wrap=True)  # a path, uncut
 
 
 def _save_text(text: str, path: Path) -> None:
@@ -316,7 +335,8 @@ def _note_truncation(run) -> None:
     if run.read_text != run.text:
         Console(stderr=True).print(
             f"note: the text was cut to the model's {len(run.tokens)} tokens (--truncate): "
-            f"its first {len(run.read_text):,} of {len(run.text):,} characters"
+            f"its first {len(run.read_text):,} of {len(run.text):,} characters",
+            soft_wrap=True,
         )
 
 
@@ -347,7 +367,7 @@ def explain(
     head: Annotated[
         str | None, typer.Option(help="Head number or 'mean'; default: the most telling one.")
     ] = None,
-    model: Annotated[str, typer.Option(help=MODEL_HELP)] = "minilm",
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP, show_default=False)] = None,
     checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
     words: Annotated[
         bool, _flag("--words", "Merge word pieces: keys summed, queries averaged.")
@@ -377,6 +397,7 @@ def explain(
     from selfattn import explain as explaining
     from selfattn.viz import report
 
+    _one_model(model, checkpoint)
     if word is not None and index is not None:
         raise _fail("give either --word or --index, not both", 2)
     if similarity is not None and similarity not in ("dot", "cosine"):
@@ -417,7 +438,7 @@ def compare(
         int,
         typer.Option(help="Which occurrence of --word in each sentence (0 = first, -1 = last)."),
     ] = 0,
-    model: Annotated[str, typer.Option(help=MODEL_HELP)] = "minilm",
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP, show_default=False)] = None,
     checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
     truncate: Annotated[bool, _flag("--truncate", TRUNCATE_HELP)] = False,
     as_json: Annotated[bool, _flag("--json", JSON_HELP)] = False,
@@ -431,6 +452,7 @@ def compare(
     from selfattn import explain as explaining
     from selfattn.viz import report
 
+    _one_model(model, checkpoint)
     if len(sentences) < 2:
         raise _fail("give at least two sentences to compare", 2)
     with _user_errors():
@@ -448,7 +470,7 @@ def compare(
 def view(
     text: Annotated[str, typer.Argument(metavar="TEXT", help="The sentence to explore.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="The HTML file to write.")],
-    model: Annotated[str, typer.Option(help=MODEL_HELP)] = "minilm",
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP, show_default=False)] = None,
     checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
     truncate: Annotated[bool, _flag("--truncate", TRUNCATE_HELP)] = False,
 ) -> None:
@@ -456,6 +478,7 @@ def view(
     from selfattn import explain as explaining
     from selfattn.viz import report
 
+    _one_model(model, checkpoint)
     _check_output(output, "--output")
     with _user_errors():
         network = _load(model, checkpoint)
@@ -467,12 +490,14 @@ def view(
 
 @app.command(epilog="Example: selfattn serve, then open http://127.0.0.1:8000/")
 def serve(
-    model: Annotated[str, typer.Option(help=MODEL_HELP)] = "minilm",
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP, show_default=False)] = None,
     checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
     host: Annotated[
         str, typer.Option(help="Address to listen on; other than 127.0.0.1, the network sees it.")
     ] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
+    port: Annotated[
+        int, typer.Option(min=0, max=65535, help="Port to listen on; 0: a free one (printed).")
+    ] = 8000,
 ) -> None:
     """Explore self-attention in the browser: a local web app over one model.
 
@@ -483,16 +508,20 @@ def serve(
     """
     from selfattn import server
 
+    _one_model(model, checkpoint)
     with _user_errors():
         sock = server.listen(host, port)
+        port = sock.getsockname()[1]  # the one chosen by the system for --port 0
         if not server.is_local(host):  # once it listens there
             Console(stderr=True).print(
                 f"[bold yellow]warning:[/] listening on {host}: the explorer is reachable from "
-                "the network, by anyone who can reach this machine (it has no login)"
+                "the network, by anyone who can reach this machine (it has no login)",
+                soft_wrap=True,  # one line in a log too (a console that is no terminal is 80 wide)
             )
         network = _load(model, checkpoint)
-    console.print(
-        f"selfattn explorer on {server.url(host, port)} ({network.name}; Ctrl+C stops it)"
+    console.print(  # one line: a URL cut in two in a log opens nothing
+        f"selfattn explorer on {server.url(host, port)} ({network.name}; Ctrl+C stops it)",
+        soft_wrap=True,
     )
     raise typer.Exit(server.serve(network, host, sock))  # 130 after Ctrl+C
 

@@ -17,7 +17,8 @@ Safety, because a browser tab is an untrusted client:
   (413) before any work starts.
 - Model runs happen on a small thread pool under ``torch.inference_mode()``; at most
   ``workers + queue`` requests are admitted, the rest get 503 "busy" at once, so a burst
-  waits in a bounded queue instead of piling up memory.
+  waits in a bounded queue instead of piling up memory. A request whose client leaves before
+  its run starts is dropped and frees its place in the queue.
 - Every error is one line of ``detail``: user mistakes (``SelfAttnError``, ``ValueError``,
   ``IndexError``) are 400 with their message, anything else is a generic 500 whose traceback
   goes to the server's log only.
@@ -38,7 +39,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from importlib.resources import files
@@ -63,6 +64,7 @@ MAX_SENTENCES = 4
 MAX_BODY = 256 * 2**10  # bytes: 4 texts at the limit, every character \u-escaped, fit
 WORKERS = 2  # model runs at once (the CPU has few cores; more only queue inside torch)
 QUEUE = 8  # requests admitted beyond the running ones; the next get 503
+Receive = Callable[[], Awaitable[dict]]  # an ASGI receive
 OCCURRENCE = "Which occurrence of word (0 = first, -1 = last)."
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]")  # names in a Host header (IPv6 in brackets)
 HOST_HEADER = re.compile(r"(?P<name>\[[0-9a-f:.]+\]|[^:\[\]]+)(?::\d+)?", re.IGNORECASE)
@@ -143,6 +145,16 @@ class Busy(Exception):
     """Every worker and queue slot is taken (503)."""
 
 
+class Abandoned(Exception):
+    """The client left before its model run started: the run is dropped (nobody reads it)."""
+
+
+async def _client_leaves(receive: Receive) -> bool:
+    """Whether the client went away: once the body is read, the next ASGI message is
+    ``http.disconnect``, sent when the connection closes (or once the response is sent)."""
+    return (await receive())["type"] == "http.disconnect"
+
+
 class Pool:
     """A few threads for model runs, and a bound on the requests admitted to wait for them."""
 
@@ -152,15 +164,35 @@ class Pool:
         self.admitted = 0
         self.lock = threading.Lock()
 
-    async def run(self, function: Callable[..., Any], *args: Any) -> Any:
-        """``function(*args)`` on a worker under inference mode; Busy when the queue is full."""
+    async def run(
+        self, function: Callable[..., Any], *args: Any, receive: Receive | None = None
+    ) -> Any:
+        """``function(*args)`` on a worker under inference mode; Busy when the queue is full.
+
+        ``receive``: the request's ASGI receive, to hear its client leave; a run that has not
+        started then is dropped (Abandoned) and frees its slot at once. A run already started
+        finishes, its answer unread (a thread cannot be stopped midway).
+        """
         with self.lock:
             if self.admitted >= self.capacity:
                 raise Busy
             self.admitted += 1
         future = self.executor.submit(_inference, function, *args)
-        future.add_done_callback(self._release)  # also when the client leaves mid-request
-        return await asyncio.wrap_future(future)
+        future.add_done_callback(self._release)  # when it ran, failed or was cancelled
+        result = asyncio.wrap_future(future)
+        if receive is None:
+            return await result
+        leaving = asyncio.ensure_future(_client_leaves(receive))
+        try:
+            done, _ = await asyncio.wait((result, leaving), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the request was cancelled: so is its run, if waiting
+            future.cancel()
+            raise
+        finally:
+            leaving.cancel()
+        if leaving in done and not leaving.exception() and leaving.result() and future.cancel():
+            raise Abandoned
+        return await result
 
     def _release(self, _future: object) -> None:
         with self.lock:
@@ -308,27 +340,27 @@ def create_app(
     app.add_api_route("/api/models", models, methods=["HEAD"], include_in_schema=False)
 
     @app.post("/api/explain")
-    async def explain(body: ExplainRequest) -> Response:
+    async def explain(body: ExplainRequest, request: Request) -> Response:
         """What `selfattn explain --json` prints for the same options: every step's numbers.
 
         ``weights`` = softmax(``scaled``), ``output`` = weights @ ``values``; with
         ``similarity``/``scale``, ``alternative`` holds the head recomputed that way.
         """
         check_size(model, body.text)
-        return await pool.run(_explain, model, body)
+        return await pool.run(_explain, model, body, receive=request.receive)
 
     @app.post("/api/view")
-    async def view(body: Selection) -> Response:
+    async def view(body: Selection, request: Request) -> Response:
         """The live page's payload: q, k, v of every layer and head (see selfattn.viz.html)."""
         check_size(model, body.text)
-        return await pool.run(_view, model, body)
+        return await pool.run(_view, model, body, receive=request.receive)
 
     @app.post("/api/compare")
-    async def compare(body: CompareRequest) -> Response:
+    async def compare(body: CompareRequest, request: Request) -> Response:
         """What `selfattn compare --json` prints: the word's cosine similarity, layer by layer."""
         for sentence in body.sentences:
             check_size(model, sentence)
-        return await pool.run(_compare, model, body)
+        return await pool.run(_compare, model, body, receive=request.receive)
 
     return app
 
@@ -421,6 +453,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def too_large(_request: Request, error: TooLarge) -> JSONResponse:
         return error_reply(413, _one_line(error))
 
+    @app.exception_handler(Abandoned)
+    async def abandoned(_request: Request, _error: Abandoned) -> JSONResponse:
+        # never delivered (the connection is closed) nor logged: uvicorn drops it
+        return error_reply(499, "the client left before its run started; it was dropped")
+
     @app.exception_handler(Busy)
     async def busy(_request: Request, _error: Busy) -> JSONResponse:
         return error_reply(503, "the explorer is busy; retry in a moment", **{"Retry-After": "1"})
@@ -452,8 +489,10 @@ def url(host: str, port: int) -> str:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` for :func:`serve`: a port in use (or an address this
-    machine does not have) is then a one-line error before the model loads."""
+    """A socket listening on ``host:port`` for :func:`serve`: a port in use (or an address this
+    machine does not have) is then a one-line error before the model loads. Port 0 is a free
+    one, chosen by the system (``sock.getsockname()[1]``). Connections wait in its backlog
+    until uvicorn accepts them: the address can be opened as soon as it is printed."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
@@ -462,6 +501,7 @@ def listen(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
+        sock.listen(2048)  # uvicorn's backlog
     except OSError as error:
         sock.close()
         fix = "pick another --port" if error.errno == errno.EADDRINUSE else "check --host"

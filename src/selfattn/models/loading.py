@@ -52,6 +52,11 @@ HF_ACTIVATIONS = {  # Hugging Face's names -> ours (selfattn.layers.ACTIVATIONS)
 
 def resolve(name_or_path: str | Path) -> tuple[Path, str]:
     """The checkpoint folder and a display name; ``"minilm"`` is the installed default model."""
+    if not str(name_or_path).strip():  # Path("") is the current folder: never what was meant
+        raise SelfAttnError(
+            f"the model name is empty ({str(name_or_path)!r}); pass 'minilm' or a checkpoint "
+            "folder ('.' for the current one)"
+        )
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path, path.resolve().name
@@ -69,9 +74,16 @@ def resolve(name_or_path: str | Path) -> tuple[Path, str]:
     )
 
 
+def shown(path: Path) -> str:
+    """``path`` for a message: a bare file name says which folder it is in (the current one)."""
+    if path.is_absolute() or len(path.parts) > 1:
+        return str(path)
+    return f"{path} in the current folder ({Path.cwd()})"
+
+
 def read_json(path: Path, what: str) -> dict:
     if not path.is_file():
-        raise SelfAttnError(f"{path} is missing; the folder needs the checkpoint's {what}")
+        raise SelfAttnError(f"{shown(path)} is missing; the folder needs the checkpoint's {what}")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -285,7 +297,7 @@ def read_checkpoint(path: Path, architecture: Architecture) -> dict[str, Tensor]
     """The checkpoint's tensors under our rule names: prefix stripped, buffers and heads dropped."""
     if not path.is_file():
         raise SelfAttnError(
-            f"{path} is missing; the folder needs model.safetensors (convert other formats "
+            f"{shown(path)} is missing; the folder needs model.safetensors (convert other formats "
             "with save_pretrained, which writes safetensors)"
         )
     try:
