@@ -176,6 +176,59 @@ def test_a_word_split_into_pieces_says_which_piece_is_explained():
     whole = " ".join(invoke("explain", MONEY, "--word", "bank", "--layer", "0", "--head", "4")
                      .stdout.split())  # fmt: skip
     assert "query 5 'bank': similarity" in whole
+    data = explain_json("That was unbelievably good.", "--word", "unbelievably",
+                        "--layer", "0", "--head", "0")  # fmt: skip
+    assert data["query"]["note"] == "piece 1 of 5 of 'unbelievably'"
+    assert "note" not in explain_json(MONEY, "--word", "bank", "--layer", "0")["query"]
+
+
+ONE_TOKEN_SHOWN = "explain shows one query token: --index N shows another"
+
+
+@pytest.mark.parametrize(
+    ("text", "word", "query", "note"),
+    [
+        (
+            "We sat on the river bank.",
+            "river bank",
+            "5 'river'",
+            "first token of 'river bank', 2 words to the model at tokens 5..6",
+        ),
+        (
+            "A well-known fact.",
+            "well-known",
+            "2 'well'",
+            "first token of 'well-known', 3 words to the model at tokens 2..4",
+        ),
+        # MiniLM has no piece for 银: [UNK], named by its character
+        (
+            "我去银行存钱。",
+            "银行",
+            "3 '银' ([UNK])",
+            "first token of '银行', 2 words to the model at tokens 3..4",
+        ),
+        (
+            "That was unbelievably good.",
+            "Unbelievably  good",
+            "3 'un'",
+            "first token of 'unbelievably good', 2 words to the model at tokens 3..8",
+        ),
+    ],
+    ids=["phrase", "hyphenated", "two CJK words", "phrase of pieces"],
+)
+def test_a_word_the_model_reads_as_several_says_only_its_first_token_is_explained(
+    text, word, query, note
+):
+    # --word finds the whole text, but explain shows one query token: the first. It says so
+    # in the query line, in the JSON's query note and under the mean of heads' bars.
+    args = (text, "--word", word, "--layer", "0")
+    result = invoke("explain", *args, "--head", "0")
+    assert result.exit_code == 0, result.output
+    shown = " ".join(result.stdout.split())
+    assert f"query {query} ({note}; {ONE_TOKEN_SHOWN}" in shown
+    assert explain_json(*args)["query"]["note"].startswith(f"{note}; {ONE_TOKEN_SHOWN}")
+    mean = " ".join(invoke("explain", *args, "--head", "mean").stdout.split())
+    assert f"({note}; {ONE_TOKEN_SHOWN}" in mean
 
 
 def test_top_keys_name_a_repeated_token_by_its_index():
@@ -234,9 +287,10 @@ def test_the_head_for_a_word_in_pieces_is_chosen_on_the_word_row(model, query):
     )
 
 
-def fake_run(tokens, word_ids, query: int | list[int], rows: dict[tuple[int, int], list]):
+def fake_run(tokens, word_ids, query: int | list[int], rows: dict[tuple[int, int], list], **text):
     """A recorded run whose layer/head weights are given: ``rows[(layer, head)]`` is the row
-    of the query token(s) (one row for all, or one per token); every other row is uniform."""
+    of the query token(s) (one row for all, or one per token); every other row is uniform.
+    ``text``: the run's ``text`` and ``offsets``, where a test needs them."""
     n_layers = 1 + max(layer for layer, _ in rows)
     n_heads = 1 + max(head for _, head in rows)
     t = len(tokens)
@@ -247,7 +301,7 @@ def fake_run(tokens, word_ids, query: int | list[int], rows: dict[tuple[int, int
             weights[head, query] = torch.tensor(rows[layer, head])
         layers.append([SimpleNamespace(weights=lambda weights=weights: weights)])
     captures = SimpleNamespace(n_layers=n_layers, layer=lambda index: layers[index])
-    return SimpleNamespace(tokens=tokens, word_ids=word_ids, captures=captures)
+    return SimpleNamespace(tokens=tokens, word_ids=word_ids, captures=captures, **text)
 
 
 def test_choose_head_counts_only_other_content_words():
@@ -271,6 +325,43 @@ def test_choose_head_counts_only_other_content_words():
     assert (layer, head) == (1, 1)
     assert "'banks' (the mean of its 2 pieces' rows) puts" in choice and "0.50" in choice
     assert explaining.choose_head(run, query=3, layer=0)[:2] == (0, 0)  # 0.2 beats 0.1
+
+
+def test_choose_head_does_not_count_an_unknown_token_as_a_content_word():
+    # [UNK] stands for text the model has no piece for (here an emoji): it tells the model
+    # nothing but "unknown". Head 0 puts 0.8 on it and 0.1 on "rain", head 1 0.3 on "rain".
+    tokens = ["[CLS]", "love", "[UNK]", "rain", "[SEP]"]
+    run = fake_run(
+        tokens,
+        [None, 0, 1, 2, None],
+        query=1,
+        rows={  #     CLS  love  UNK  rain  SEP
+            (0, 0): [0.05, 0.0, 0.8, 0.1, 0.05],
+            (0, 1): [0.35, 0.0, 0.0, 0.3, 0.35],
+        },
+        text="love 🙂 rain",
+        offsets=[(0, 0), (0, 4), (5, 6), (7, 11), (0, 0)],
+    )
+    assert explaining.content_tokens(tokens, run.word_ids) == [1, 3]
+    layer, head, choice = explaining.choose_head(run, query=1)
+    assert (layer, head) == (0, 1) and "0.30" in choice
+    # An unknown query is named by the text it stands for.
+    assert "(chosen: '🙂' ([UNK]) puts the most weight" in explaining.choose_head(run, 2)[2]
+
+
+def test_an_unknown_token_is_named_by_the_text_it_stands_for():
+    # MiniLM reads the emoji as [UNK]; "hello🙂" (no space) is one [UNK] for both words.
+    result = invoke("explain", "I love it 🙂 so much", "--word", "🙂")
+    assert result.exit_code == 0, result.output
+    shown = " ".join(result.stdout.split())
+    assert "query 4 '🙂' ([UNK]): similarity" in shown
+    assert "(chosen: '🙂' ([UNK]) puts the most weight here" in shown
+    assert "4:[UNK]" in shown  # the tokens are still the model's
+    both = " ".join(invoke("explain", "hello🙂 there", "--word", "hello🙂").stdout.split())
+    assert "query 1 'hello🙂' ([UNK]): similarity" in both
+    merged = invoke("explain", "I love it 🙂 so much", "--word", "🙂", "--head", "mean", "--words")
+    assert "'🙂' ([UNK]), layer" in merged.stdout  # the titles of the bars too
+    assert "'🙂' ([UNK]) by word (pieces merged)" in merged.stdout
 
 
 @pytest.mark.parametrize("query", [2, 3], ids=["first piece", "second piece"])
@@ -522,6 +613,7 @@ def test_compare_tells_a_repeated_attended_word_apart():
         (["explain", MONEY, "--word", "bank", "--scale", "nan"], "finite"),
         (["explain", MONEY, "--word", "bank", "--scale", "1e308"], "overflow"),
         (["explain", MONEY, "--scale", "2"], "one query of one head"),
+        (["explain", MONEY, "--occurrence", "2"], "no word is given"),
         (
             ["explain", MONEY, "--word", "bank", "--head", "mean", "--scale", "2"],
             "instead of 'mean'",
@@ -568,7 +660,7 @@ def test_an_occurrence_past_the_last_is_a_clear_error(model):
     assert "\n" not in str(e.value)
 
 
-NO_QUERY = "give the word to explain (--word) or its token index (--index)"
+NO_QUERY = "give the query's token index (query=)"
 NO_HEAD = "give a head number instead of 'mean' (or no head, to have one chosen)"
 
 
@@ -591,6 +683,33 @@ def test_another_similarity_or_scale_names_what_is_missing(money_run, options, m
     assert "\n" not in message and missing in message
     if missing == NO_QUERY:
         assert "head" not in message.split(": ", 1)[1]  # nothing asked of the head
+
+
+@pytest.mark.parametrize("options", [{"scale": 1.0}, {"similarity": "cosine", "head": 2}], ids=str)
+def test_explain_text_names_the_query_options_of_python_and_the_command_line(model, options):
+    # explain_text is what the CLI and the server call: its errors fit both.
+    with pytest.raises(ValueError, match="for one query of one head") as error:
+        explaining.explain_text(model, MONEY, **options)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "(word= or index=; --word or --index on the command line)" in message
+    result = invoke("explain", MONEY, *(f"--{key}={value}" for key, value in options.items()))
+    assert result.exit_code != 0 and "(word= or index=; --word or --index" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "occurrence"),
+    [({}, 5), ({}, -1), ({"index": 3}, 1), ({}, 10**23)],
+    ids=str,
+)
+def test_an_occurrence_without_a_word_is_refused(model, options, occurrence):
+    # occurrence counts the matches of a word: without one it meant nothing and was ignored.
+    with pytest.raises(ValueError, match="no word is given") as error:
+        explaining.explain_text(model, MONEY, occurrence=occurrence, **options)
+    message = str(error.value)
+    assert "\n" not in message and "give the word too (word=, --word" in message
+    assert f"occurrence {occurrence} " in message
+    explaining.explain_text(model, MONEY, index=3, occurrence=0, layer=0, head=0)  # the default
 
 
 @pytest.mark.parametrize("scale", [1e308, -1e308])
@@ -654,7 +773,7 @@ def test_checkpoint_errors_are_one_line(trained, tmp_path):
 def test_a_word_without_accents_finds_it_with_them():
     # "cafe" finds "Café" (token 5, read "cafe" by MiniLM), in explain and in compare.
     data = explain_json("Il caffè del Café", "--word", "cafe", "--layer", "0", "--head", "0")
-    assert data["query"] == {"index": 5, "token": "cafe"}
+    assert data["query"] == {"index": 5, "token": "cafe"}  # one word, one token: no note
     result = invoke("compare", "Il caffè del Café", "Un CAFÉ, per favore", "--word", "cafe")
     assert result.exit_code == 0, result.output
     missing = invoke("explain", "Il caffè del Café", "--word", "caffé")

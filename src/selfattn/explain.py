@@ -6,8 +6,13 @@ shown (scores, scaled, weights, output) is a step of the same computation the mo
 
 Choosing what to show, when the user does not say: the layer and head where the query word
 puts the most weight on *other content words* — not itself, not special tokens
-(``[CLS]``, ``[SEP]``), not punctuation, not a short list of English stop words. Without a
-query word, the same measure averaged over every content token.
+(``[CLS]``, ``[SEP]``), not punctuation, not a short list of English stop words, not an
+unknown token (``[UNK]``: the model reads only "some unknown text" there). Without a query
+word, the same measure averaged over every content token.
+
+An unknown token is named by the characters it stands for, ``'🙂' ([UNK])``. A ``word`` that
+the model reads as several words (a phrase, ``well-known``, ``银行``) is explained on its
+first token, and :attr:`Explanation.phrase_note` says so.
 
 Masked keys (a decoder's causal mask: query i sees keys 0..i only) get weight exactly 0;
 :attr:`Explanation.masked` says which they are, so that no view mistakes them for keys the
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -37,6 +42,7 @@ STOPWORDS = frozenset(
     "its this that these those i we you he she they me my our your his her their there here "
     "not no do does did has have had will would can could should so if then than".split()
 )
+UNKNOWN_TOKENS = frozenset({"[UNK]", "<unk>"})  # what a tokenizer reads text it has no piece for
 HEAD_MEAN = "mean"
 SHOWN_SENTENCE = 60  # characters of a compared sentence that an error about it quotes
 
@@ -48,9 +54,12 @@ class RecordedRun(Protocol):
     read_text: str  # the part of ``text`` the model read (``truncate`` may cut it)
     tokens: list[str]
     word_ids: list[int | None]
+    offsets: list[tuple[int, int]]  # each token's characters in ``text``; (0, 0) if special
     captures: Recording
 
     def token_index(self, word: str, occurrence: int = 0) -> int: ...
+
+    def word_tokens(self, word: str, occurrence: int = 0) -> range: ...
 
 
 class TextModel(Protocol):
@@ -80,6 +89,15 @@ class Steps:
 
 
 @dataclass(frozen=True)
+class Phrase:
+    """Text asked for as ``word`` that the model reads as several words."""
+
+    text: str
+    tokens: list[int]
+    words: int  # how many words the model reads in it
+
+
+@dataclass(frozen=True)
 class Explanation:
     model: str
     text: str
@@ -96,6 +114,34 @@ class Explanation:
     query_word: tuple[str, list[int]] | None  # the query's word and its tokens (its pieces)
     causal: bool  # a decoder: each query sees only the keys up to itself
     masked: Tensor  # (T, S) bool: True where the query may not attend the key (weight 0)
+    query_phrase: Phrase | None = None  # the word asked for, when the model reads several
+    unknown: dict[int, str] = field(default_factory=dict)  # [UNK] token -> the text it stands for
+
+    @property
+    def phrase_note(self) -> str | None:
+        """Why the query is one token of the text asked for, when that text is several words."""
+        phrase = self.query_phrase
+        if phrase is None:
+            return None
+        return (
+            f"first token of '{phrase.text}', {phrase.words} words to the model at tokens "
+            f"{phrase.tokens[0]}..{phrase.tokens[-1]}; explain shows one query token: "
+            "--index N shows another"
+        )
+
+    @property
+    def piece_note(self) -> str | None:
+        """Which piece of its word the query token is, when the tokenizer split the word."""
+        if self.query_word is None or len(self.query_word[1]) == 1:
+            return None
+        word, members = self.query_word
+        return (
+            f"piece {members.index(self.query) + 1} of {len(members)} of {self.name(word, members)}"
+        )
+
+    def name(self, text: str, tokens: list[int]) -> str:
+        """A token or word as quoted in prose: 'bank', or '🙂' ([UNK]) for an unknown token."""
+        return quoted(text, tokens, self.tokens, self.unknown)
 
     @property
     def masked_keys(self) -> list[int]:
@@ -107,6 +153,17 @@ class Explanation:
         """The query's row of weights (head mean included)."""
         return None if self.query is None else self.attention[self.query]
 
+    def _query_json(self) -> dict | None:
+        """The query's index and token, with a ``note`` when it is only a part of the word
+        asked for: the first token of a phrase, or one piece of a word."""
+        if self.query is None:
+            return None
+        query: dict = {"index": self.query, "token": self.tokens[self.query]}
+        notes = [note for note in (self.phrase_note, self.piece_note) if note is not None]
+        if notes:
+            query["note"] = "; ".join(notes)
+        return query
+
     def to_json(self) -> dict:
         """One JSON object: ``weights`` = softmax(``scaled``), ``output`` = weights @ values."""
         steps = self.steps
@@ -117,9 +174,7 @@ class Explanation:
             "head": HEAD_MEAN if self.head is None else self.head,
             "choice": self.choice,
             "tokens": self.tokens,
-            "query": None
-            if self.query is None
-            else {"index": self.query, "token": self.tokens[self.query]},
+            "query": self._query_json(),
             "similarity": steps.similarity if steps else None,
             "scale": steps.scale if steps else None,
             "scores": _list(steps.scores) if steps else None,
@@ -191,7 +246,7 @@ def explain(
                 f"head {head!r} is out of range: this model has heads 0..{n_heads - 1}, or 'mean'"
             )
     if similarity is not None or scale is not None:
-        _check_experiment(query, head)
+        _check_experiment(query is not None, head, "the query's token index (query=)")
     choice = "(as asked)"
     if layer is None or head is None:
         layer, head_index, choice = choose_head(run, query, layer, head)
@@ -227,6 +282,7 @@ def explain(
         query_word=None if query is None else word_of(run.tokens, run.word_ids, query),
         causal=capture.causal,
         masked=never_attended(trace),
+        unknown=unknown_texts(run),
     )
 
 
@@ -236,12 +292,18 @@ def never_attended(trace: AttentionTrace) -> Tensor:
     return hidden.all(0) if hidden.dim() == 3 else hidden
 
 
-def _check_experiment(query: int | None, head: int | str | None) -> None:
+QUERY_OPTIONS = (
+    "the word to explain or its token index (word= or index=; --word or --index on the "
+    "command line)"
+)
+
+
+def _check_experiment(has_query: bool, head: int | str | None, query_options: str) -> None:
     """Refuse another similarity or scale without one query of one head, naming what is
-    missing (a head left out is chosen, so only 'mean' is in the way)."""
+    missing (a head left out is chosen, so only 'mean' is in the way) and how to give it."""
     missing = []
-    if query is None:
-        missing.append("the word to explain (--word) or its token index (--index)")
+    if not has_query:
+        missing.append(query_options)
     if head == HEAD_MEAN:
         missing.append("a head number instead of 'mean' (or no head, to have one chosen)")
     if missing:
@@ -268,11 +330,53 @@ def explain_text(
     """
     if word is not None and index is not None:
         raise ValueError("give either a word or a token index, not both")
+    if word is None and occurrence != 0:
+        raise ValueError(
+            f"occurrence {occurrence} counts the matches of a word, and no word is given: give "
+            "the word too (word=, --word on the command line) or leave the occurrence out"
+        )
+    if options.get("similarity") is not None or options.get("scale") is not None:
+        _check_experiment(word is not None or index is not None, options.get("head"), QUERY_OPTIONS)
     run = model.run(text, truncate=truncate)
-    query = run.token_index(word, occurrence) if word is not None else index
+    phrase = None
+    if word is not None:
+        tokens = run.word_tokens(word, occurrence)
+        query = tokens.start
+        phrase = phrase_of(run, tokens)
+    else:
+        query = index
     if query is not None and not 0 <= query < len(run.tokens):
         raise IndexError(f"token index {query} is out of range: tokens 0..{len(run.tokens) - 1}")
-    return run, explain(run, model_name=model.name, query=query, **options)
+    explanation = explain(run, model_name=model.name, query=query, **options)
+    return run, replace(explanation, query_phrase=phrase)
+
+
+def phrase_of(run: RecordedRun, tokens: range) -> Phrase | None:
+    """The text of ``tokens`` as a :class:`Phrase` when the model reads several words in it;
+    None for one word (whole, or in pieces)."""
+    words = len({run.word_ids[i] for i in tokens} - {None})
+    if words < 2:
+        return None
+    start, end = run.offsets[tokens.start][0], run.offsets[tokens.stop - 1][1]
+    return Phrase(" ".join(run.text[start:end].split()), list(tokens), words)
+
+
+def unknown_texts(run: RecordedRun) -> dict[int, str]:
+    """The characters each unknown token (``[UNK]``) of the run stands for, by token index."""
+    return {
+        i: run.text[slice(*run.offsets[i])]
+        for i, token in enumerate(run.tokens)
+        if token in UNKNOWN_TOKENS
+    }
+
+
+def quoted(name: str, members: list[int], tokens: list[str], unknown: dict[int, str]) -> str:
+    """A token or word (``name``, made of the tokens ``members``) as quoted in prose: 'bank';
+    one with an unknown token by the text it stands for, '🙂' ([UNK])."""
+    if not any(i in unknown for i in members):
+        return f"'{name}'"
+    stands_for = "".join(unknown.get(i, tokens[i].removeprefix("##")) for i in members)
+    return f"'{stands_for.strip()}' ({name})"
 
 
 def query_steps(trace: AttentionTrace, query: int) -> Steps:
@@ -289,11 +393,13 @@ def query_steps(trace: AttentionTrace, query: int) -> Steps:
 
 
 def content_tokens(tokens: list[str], word_ids: list[int | None]) -> list[int]:
-    """Tokens that carry meaning: not special, not punctuation, not a stop word."""
+    """Tokens that carry meaning: not special, not unknown ([UNK]), not punctuation, not a
+    stop word."""
     return [
         i
         for i, (token, word) in enumerate(zip(tokens, word_ids, strict=True))
         if word is not None
+        and token not in UNKNOWN_TOKENS
         and any(ch.isalnum() for ch in token)
         and token.strip().lstrip("#").lower() not in STOPWORDS
     ]
@@ -351,9 +457,10 @@ def _measured_rows(
     if query is None:
         return content or list(range(len(run.tokens))), "the words put"
     name, pieces = word_of(run.tokens, run.word_ids, query)
+    named = quoted(name, pieces, run.tokens, unknown_texts(run))
     if len(pieces) == 1:
-        return pieces, f"'{name}' puts"
-    return pieces, f"'{name}' (the mean of its {len(pieces)} pieces' rows) puts"
+        return pieces, f"{named} puts"
+    return pieces, f"{named} (the mean of its {len(pieces)} pieces' rows) puts"
 
 
 def word_groups(tokens: list[str], word_ids: list[int | None]) -> list[tuple[str, list[int]]]:

@@ -79,7 +79,7 @@ def print_explanation(console: Console, e: Explanation) -> None:
         steps = e.steps
         console.print(
             Text(
-                f"\nquery {e.query} '{labels[e.query]}'{_piece_note(e)}: similarity "
+                f"\nquery {e.query} {_query_name(e, labels)}{_query_note(e)}: similarity "
                 f"({steps.similarity}) with every key, scaled by {steps.scale:.4g}, softmax "
                 "to weights",
                 style="bold",
@@ -104,14 +104,17 @@ def print_explanation(console: Console, e: Explanation) -> None:
         if e.alternative is not None:
             console.print(_alternative_table(e))
     elif e.query is not None:
-        console.print(weights_bars(labels, e.weights, f"'{labels[e.query]}', {_where(e)}"))
+        console.print(weights_bars(labels, e.weights, f"{_query_name(e, labels)}, {_where(e)}"))
+        if _query_note(e):
+            console.print(Text(_query_note(e).strip(), style="dim"))
         _print_masked_note(console, e)
         console.print("[dim]the step-by-step needs one head: pass --head N[/]")
 
     labels, matrix = _labels(e)
     if e.groups is not None and e.query is not None:
         row = next(i for i, (_, members) in enumerate(e.groups) if e.query in members)
-        console.print(weights_bars(labels, matrix[row], f"'{labels[row]}' by word (pieces merged)"))
+        named = e.name(labels[row], e.groups[row][1])
+        console.print(weights_bars(labels, matrix[row], f"{named} by word (pieces merged)"))
     console.print(heatmap(labels, labels, matrix, f"attention, {_where(e)}{_causal_note(e)}"))
 
 
@@ -140,13 +143,19 @@ def _listed(attended: list[Attended]) -> str:
     return ", ".join(f"{key.label} {key.weight:.2f}" for key in attended)
 
 
-def _piece_note(e: Explanation) -> str:
-    """Which piece of its word the query token is, when the tokenizer split the word."""
-    word, members = e.query_word
-    if len(members) == 1:
-        return ""
-    merged = "merged by word below" if e.groups is not None else "--words merges them"
-    return f" (piece {members.index(e.query) + 1} of {len(members)} of '{word}'; {merged})"
+def _query_name(e: Explanation, labels: list[str]) -> str:
+    """The query token as quoted: 'bank', or '🙂' ([UNK]) by the text an unknown one stands for."""
+    return e.name(labels[e.query], [e.query])
+
+
+def _query_note(e: Explanation) -> str:
+    """What the query token is of the text asked for: the first token of a phrase (the model
+    reads several words), and the piece of its word when the tokenizer split the word."""
+    notes = [e.phrase_note] if e.phrase_note is not None else []
+    if e.piece_note is not None:
+        merged = "merged by word below" if e.groups is not None else "--words merges them"
+        notes.append(f"{e.piece_note}; {merged}")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def _alternative_table(e: Explanation) -> Table:
