@@ -349,6 +349,14 @@ def test_choose_head_does_not_count_an_unknown_token_as_a_content_word():
     assert "(chosen: '🙂' ([UNK]) puts the most weight" in explaining.choose_head(run, 2)[2]
 
 
+def test_function_words_are_not_content_words():
+    """'because' and 'too' glue a sentence together; a head that weighs them is not one that
+    links meanings ("it was too tired because ..." once chose a head for 'because')."""
+    tokens = ["[CLS]", "it", "was", "too", "tired", "because", "of", "the", "street", "[SEP]"]
+    word_ids = [None, 0, 1, 2, 3, 4, 5, 6, 7, None]
+    assert explaining.content_tokens(tokens, word_ids) == [4, 8]
+
+
 def test_an_unknown_token_is_named_by_the_text_it_stands_for():
     # MiniLM reads the emoji as [UNK]; "hello🙂" (no space) is one [UNK] for both words.
     result = invoke("explain", "I love it 🙂 so much", "--word", "🙂")

@@ -40,7 +40,9 @@ from selfattn.text import join_pieces
 STOPWORDS = frozenset(
     "a an the to of and or but in on at by for with from into as is are was were be been it "
     "its this that these those i we you he she they me my our your his her their there here "
-    "not no do does did has have had will would can could should so if then than".split()
+    "not no do does did has have had will would can could should so if then than "
+    "am being him them us because too very just also when while where what which who whom "
+    "how why all any each some such only about after before over under up out off again".split()
 )
 UNKNOWN_TOKENS = frozenset({"[UNK]", "<unk>"})  # what a tokenizer reads text it has no piece for
 HEAD_MEAN = "mean"
