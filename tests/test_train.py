@@ -9,6 +9,7 @@ sums differs).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import pytest
 import safetensors.torch
 import torch
 import torch.multiprocessing as mp
+from rich.console import Console
 from safetensors.torch import load_file, save_model
 from torch import Tensor, nn
 from typer.testing import CliRunner
@@ -46,6 +48,7 @@ from selfattn.train import (
     train_gpt,
 )
 from selfattn.train import checkpoint as checkpoint_module
+from selfattn.train import loop as loop_module
 from selfattn.train import run as run_module
 
 CORPUS = (
@@ -273,6 +276,69 @@ def test_ctrl_c_stops_between_steps_and_saves(corpus):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_ctrl_c_before_the_first_step_saves_step_zero_and_resumes_exactly(
+    corpus, tmp_path, monkeypatch
+):
+    """Ctrl-C after the step-0 evaluation, before step 1: `selfattn train` said "checkpoint
+    saved" but saved nothing (no --resume possible). Now step 0 is saved, and resuming it to 20
+    steps gives the losses, weights and evaluation history of 20 straight steps."""
+    args = ["train", "--data", str(corpus), "--preset", "tiny"]
+    straight = train_gpt(corpus, tmp_path / "straight", preset="tiny", overrides={"max_iters": 20})
+    out = tmp_path / "out"
+    with monkeypatch.context() as patch:
+        patch.setattr(loop_module, "_stop_requested", lambda stop, step, *_: step == 0)
+        result = CliRunner().invoke(app, [*args, "--out", str(out), "--max-iters", "20"])
+    assert result.exit_code == 130, result.output
+    assert f"Interrupted at step 0: checkpoint saved in {out}" in result.output
+    assert load_checkpoint(out)[3].step == 0
+    resumed = train_gpt(corpus, out, overrides={"max_iters": 20}, resume=True)
+    assert resumed.result.losses == straight.result.losses
+    assert resumed.result.history == straight.result.history  # one step-0 evaluation, same val
+    for (name, a), b in zip(
+        straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+def test_the_progress_bar_shows_no_nan_before_the_first_loss(corpus, monkeypatch):
+    """Before its first log step the bar showed "loss nan" and "0 tok/s" (a fresh run stopped
+    at step 0 printed that as its last line; every run showed it for --log-interval steps),
+    which reads as a diverging run: now "loss -" and "- tok/s"."""
+    monkeypatch.setattr(loop_module, "_stop_requested", lambda stop, step, *_: step == 0)
+    output = io.StringIO()
+    model = _Bigram()
+    config = _cycle_config(max_iters=20, eval_interval=10, eval_iters=1)
+    console = Console(file=output, width=200)
+    train(model, configure_optimizer(model, config), _Cycle(), config, console=console)
+    bar = [line for line in output.getvalue().splitlines() if line.startswith("train")]
+    assert bar and "loss -  lr" in bar[-1] and "- tok/s" in bar[-1], output.getvalue()
+    assert "nan" not in output.getvalue()
+
+
+def test_a_second_ctrl_c_cannot_cut_the_interrupts_save_short():
+    """Ctrl-C at step 2 stops the loop; a second Ctrl-C while step 2 is being saved (an
+    impatient user, a large model) is ignored and the save completes (it raised
+    KeyboardInterrupt inside the save: the CLI then said "nothing saved", the steps were lost)."""
+    torch.manual_seed(0)
+    model = _Bigram()
+    config = _cycle_config(max_iters=20, eval_interval=10, eval_iters=1)
+    saved = []
+
+    def save(step, history):
+        if step == 2:
+            _interrupt()  # delivered at once, in the middle of the save
+        saved.append(step)
+
+    try:
+        result = train(
+            model, configure_optimizer(model, config), _Cycle({2: _interrupt}), config, save=save
+        )
+    except KeyboardInterrupt:  # (not to pytest, which would take it as its own Ctrl-C)
+        pytest.fail(f"the second Ctrl-C cut the save short: saved {saved}")
+    assert result.interrupted and result.step == 2 and saved == [2]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -458,6 +524,34 @@ def test_bad_inputs_give_one_clear_line(corpus, trained, tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    ("text", "split"),
+    [("a", "0-character training split (the first 90%)"),
+     ("ab" * 50, "10-character validation split (the last 10%)")],
+)  # fmt: skip
+def test_text_too_short_for_the_block_names_the_split_that_is(tmp_path, text, split):
+    """One character: 0 train, 1 held out; the message spoke of a 1-character validation
+    split, as if the held-out part were the one too short."""
+    data = tmp_path / "short.txt"
+    data.write_text(text)
+    line = _error_line(["train", "--data", str(data), "--out", str(tmp_path / "out"), "--preset",
+                        "tiny"])  # fmt: skip
+    assert f"characters give a {split}, and each split needs at least 17" in line, line
+
+
+def test_out_naming_one_checkpoint_folder_is_refused(corpus, trained):
+    """--out runs/x/step-… (a folder `generate --checkpoint` takes) with --resume trained and
+    nested step folders inside it, which the next save into runs/x deleted."""
+    step_folder = checkpoint_module.checkpoint_dir(trained)
+    before = sorted(path.name for path in step_folder.iterdir())
+    args = ["train", "--data", str(corpus), "--out", str(step_folder), "--max-iters", "31"]
+    for resume in (["--resume"], []):
+        line = _error_line([*args, *resume])
+        assert "is one checkpoint folder, not a training folder" in line, line
+        assert f"pass the folder that holds it, {trained.resolve()}, as --out" in line, line
+    assert sorted(path.name for path in step_folder.iterdir()) == before
+
+
 def test_an_unknown_override_lists_the_valid_names(corpus, tmp_path):
     with pytest.raises(SelfAttnError) as error:
         train_gpt(corpus, tmp_path / "out", preset="tiny", overrides={"max_iter": 3})
@@ -586,11 +680,17 @@ def _damage(trained: Path, tmp_path: Path, name: str, change) -> Path:
         ("config.json", lambda data: data["model"].update(n_embd=64), "model.safetensors: size"),
         ("model.safetensors", lambda data: data[:1000], "model.safetensors: Error while"),
         ("rng.safetensors", lambda data: b"", "rng.safetensors: "),
+        (
+            "model.safetensors",
+            lambda data: _change_tensor(data, "final_norm.weight", float("nan")),
+            "model.safetensors: final_norm.weight holds values that are not finite",
+        ),
     ],
 )
 def test_a_damaged_checkpoint_names_the_file(trained, corpus, tmp_path, name, change, problem):
     """generate and resume: one line naming the damaged file (a KeyError, TypeError or
-    IndexError traceback, or torch's 20-line size-mismatch list, before)."""
+    IndexError traceback, or torch's 20-line size-mismatch list, before; a NaN weight, which
+    training never saves, generated garbage and made the resume say "training diverged")."""
     out = _damage(trained, tmp_path, name, change)
     for args in (
         ["generate", "--checkpoint", str(out), "All:", "--max-new-tokens", "5"],
@@ -598,6 +698,40 @@ def test_a_damaged_checkpoint_names_the_file(trained, corpus, tmp_path, name, ch
     ):
         line = _error_line(args)
         assert "is unreadable: " + problem in line and "another --out" in line, line
+
+
+def _change_tensor(data: bytes, key: str, value: Tensor | float | None) -> bytes:
+    """A safetensors file with tensor ``key`` removed (None), replaced, or filled with a value."""
+    tensors = safetensors.torch.load(data)
+    if value is None:
+        del tensors[key]
+    elif isinstance(value, float):
+        tensors[key] = torch.full_like(tensors[key], value)
+    else:
+        tensors[key] = value
+    return safetensors.torch.save(tensors)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        ("rank0.torch", None, "no 'rank0.torch' entry"),
+        ("rank0.batches.val", None, "no 'rank0.batches.val' entry"),
+        ("rank0.torch", torch.zeros(3, dtype=torch.uint8), "Expected a CPUGeneratorImplState"),
+        ("rank0.batches.train", torch.zeros(3), "RNG state must be a torch.ByteTensor"),
+    ],
+)
+def test_damaged_generator_states_are_one_line_on_resume(
+    trained, corpus, tmp_path, key, value, problem
+):
+    """rng.safetensors read but missing an entry, or holding a tensor that is no generator
+    state: one line naming the file (a KeyError, RuntimeError or TypeError traceback, before)."""
+    out = _damage(
+        trained, tmp_path, "rng.safetensors", lambda data: _change_tensor(data, key, value)
+    )
+    args = ["train", "--data", str(corpus), "--out", str(out), "--resume", "--max-iters", "31"]
+    line = _error_line(args)
+    assert "is unreadable: rng.safetensors: " + problem in line and "another --out" in line, line
 
 
 def test_an_optimizer_state_of_another_shape_is_refused(trained, corpus, tmp_path):

@@ -150,7 +150,7 @@ def load_checkpoint(
     config = _read(directory, "config.json", lambda _: RunConfig.from_json(saved_config))
     tokenizer = _read(directory, "tokenizer.json", CharTokenizer.load)
     if tokenizer.vocab_size != config.model.vocab_size:
-        raise _damaged(
+        raise damaged(
             directory,
             "tokenizer.json",
             f"{tokenizer.vocab_size} characters for a vocabulary of {config.model.vocab_size} "
@@ -169,8 +169,17 @@ def load_checkpoint(
         "model.safetensors",
         lambda file: safetensors.torch.load_model(model, str(file)),
     )
+    _refuse_non_finite(directory, "model.safetensors", model.state_dict())
     state = TrainingState(step, history, optimizer, rng)
     return model.to(device).eval(), tokenizer, config, state
+
+
+def _refuse_non_finite(directory: Path, name: str, tensors: dict[str, Tensor]) -> None:
+    """Training never saves a weight that is not finite (it stops instead): one is a changed
+    file, which would otherwise generate garbage or look like a diverging resume."""
+    for key, value in tensors.items():
+        if value.is_floating_point() and not bool(value.isfinite().all()):
+            raise damaged(directory, name, f"{key} holds values that are not finite (NaN or inf)")
 
 
 def _read(directory: Path, name: str, read: Callable[[Path], T]) -> T:
@@ -178,17 +187,17 @@ def _read(directory: Path, name: str, read: Callable[[Path], T]) -> T:
     try:
         return read(directory / name)
     except (OSError, KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as error:
-        raise _damaged(directory, name, _one_line(error)) from None
+        raise damaged(directory, name, one_line(error)) from None
 
 
-def _damaged(directory: Path, name: str, problem: str) -> SelfAttnError:
+def damaged(directory: Path, name: str, problem: str) -> SelfAttnError:
     return SelfAttnError(
         f"checkpoint {directory} is unreadable: {name}: {problem}; it was changed or cut short "
         "after training wrote it: restore it, or train again into another --out"
     )
 
 
-def _one_line(error: Exception) -> str:
+def one_line(error: Exception) -> str:
     """An exception as one line: a missing key by name, a list of problems by its first."""
     if isinstance(error, KeyError):
         return f"no {error.args[0]!r} entry"

@@ -117,10 +117,15 @@ class TextData:
         data = cls(tokenizer, ids[:n_train], ids[n_train:])
         shortest = min(len(data.train), len(data.val))
         if shortest < block_size + 1:
+            split = (  # the validation split, except in a text of one character
+                "training split (the first 90%)"
+                if len(data.train) < len(data.val)
+                else "validation split (the last 10%)"
+            )
             raise SelfAttnError(
                 f"{source} is too short for block size {block_size}: its {len(ids)} characters "
-                f"give a {len(data.val)}-character validation split (the last 10%), and each "
-                f"split needs at least {block_size + 1}; use more text or a smaller --block-size"
+                f"give a {shortest}-character {split}, and each split needs at least "
+                f"{block_size + 1}; use more text or a smaller --block-size"
             )
         return data
 

@@ -162,8 +162,10 @@ def train(
     Evaluates at step 0 (fresh runs), every ``eval_interval`` steps and at the end, calling
     ``save(step, history)`` after each evaluation; ``save`` runs on every rank (it may gather
     state) and is expected to write on rank 0 only. SIGINT/SIGTERM stop the loop between two
-    steps (on every rank at the same step), then ``save`` runs and the result says
-    ``interrupted``. A non-finite validation loss, training loss or weight raises
+    steps (on every rank at the same step), then ``save`` runs (a further signal cannot cut it
+    short; a fresh run stopped before its first step saves step 0) and the result says
+    ``interrupted``. A ``history`` that already holds step 0 (a checkpoint of step 0) is not
+    evaluated again. A non-finite validation loss, training loss or weight raises
     :class:`SelfAttnError` on every rank instead of saving, so the last checkpoint stays good.
     Progress goes to ``console`` (None: no output).
     """
@@ -180,12 +182,13 @@ def train(
         return result
     wall_start = time.perf_counter()
     model.train()
-    if start_step == 0:
+    if start_step == 0 and not history:  # (a checkpoint of step 0 holds this evaluation)
         history.append({"step": 0, "val": evaluate(model, batches, config.eval_iters)})
         _report(console, history[-1])
     step_losses: list[Tensor] = []
     window = 0  # index in step_losses of the first step since the last evaluation
     saved_step = start_step
+    saved = start_step > 0  # a resumed run's start is a checkpoint already; a fresh one's is not
     with _stop_on_signals() as stop, _progress(console, config, start_step) as progress:
         while result.step < config.max_iters:
             if _stop_requested(stop, result.step, config, device):
@@ -202,7 +205,13 @@ def train(
             result.train_seconds += time.perf_counter() - tick
             if log and progress is not None:
                 rate = (step - start_step) * result.tokens_per_step / result.train_seconds
-                progress.update(progress.task_ids[0], completed=step, loss=last, lr=lr, rate=rate)
+                progress.update(
+                    progress.task_ids[0],
+                    completed=step,
+                    loss=f"{last:.4f}",
+                    lr=lr,
+                    rate=f"{rate:,.0f}",
+                )
             if step % config.eval_interval == 0 or step == config.max_iters:
                 record = {
                     "step": step,
@@ -217,10 +226,11 @@ def train(
                 _report(console if progress is None else progress.console, record)
                 if save is not None:
                     save(step, history)
-                    saved_step = step
-    if result.interrupted and save is not None and saved_step != result.step:
-        _check_savable(model, step_losses[window:], result.step, saved_step, device)
-        save(result.step, history)
+                    saved_step, saved = step, True
+        # still inside the signal handlers: a second Ctrl-C cannot cut the interrupt's save short
+        if result.interrupted and save is not None and not (saved and saved_step == result.step):
+            _check_savable(model, step_losses[window:], result.step, saved_step, device)
+            save(result.step, history)
     result.losses = torch.stack(step_losses).tolist() if step_losses else []
     result.wall_seconds = time.perf_counter() - wall_start
     return result
@@ -305,8 +315,8 @@ def _progress(
         TextColumn("[bold]train"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}  lr {task.fields[lr]:.2e}"),
-        TextColumn("{task.fields[rate]:,.0f} tok/s"),
+        TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]:.2e}"),
+        TextColumn("{task.fields[rate]} tok/s"),
         TimeRemainingColumn(),
         console=console,
     )
@@ -314,9 +324,9 @@ def _progress(
         "train",
         total=config.max_iters,
         completed=start,
-        loss=float("nan"),
+        loss="-",  # until the first log step ("nan" here read as a diverging run)
         lr=learning_rate(start, config),
-        rate=0.0,
+        rate="-",
     )
     with progress:
         yield progress

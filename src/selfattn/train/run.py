@@ -6,6 +6,7 @@ checkpoints (with an exact resume) and torch.distributed. The loop itself stays 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,10 +18,15 @@ from selfattn.errors import SelfAttnError
 from selfattn.models.gpt import GPT, GPTConfig
 from selfattn.train import distributed
 from selfattn.train.checkpoint import (
+    FORMAT,
+    LATEST,
     RunConfig,
     TrainingState,
+    checkpoint_dir,
+    damaged,
     has_checkpoint,
     load_checkpoint,
+    one_line,
     save_checkpoint,
 )
 from selfattn.train.data import CharTokenizer, RandomBatches, TextData, read_text
@@ -79,6 +85,7 @@ def _train_gpt(
     console: Console | None,
 ) -> TrainedRun:
     checkpoint = None
+    _refuse_a_step_folder(out)
     if resume:
         if not has_checkpoint(out):
             raise SelfAttnError(
@@ -122,7 +129,7 @@ def _train_gpt(
     optimizer = configure_optimizer(model, settings)
     if state is not None:
         _load_optimizer_state(optimizer, state.optimizer, out)
-        _restore_rng(state.rng, context, batches, console)
+        _restore_rng(state.rng, context, batches, console, out)
 
     def save(step: int, history: list[dict[str, float]]) -> None:
         states = distributed.gather(_rng_state(batches, context))
@@ -164,6 +171,27 @@ def _resumed_data(
             f"resume with the text it was trained on ({trained_on})"
         )
     return TextData.from_text(text, block_size, tokenizer, source=path)
+
+
+def _refuse_a_step_folder(out: Path) -> None:
+    """--out naming one checkpoint folder (config.json, no LATEST) would nest the next
+    checkpoints inside it, where the next save into its parent deletes them."""
+    if (out / LATEST).is_file() or not _is_our_config(out / "config.json"):
+        return
+    parent = out.resolve().parent
+    where = (
+        f"pass the folder that holds it, {parent}, as --out"
+        if (parent / LATEST).is_file()
+        else f"put it in a folder of its own with a {LATEST} file naming it, and pass that"
+    )
+    raise SelfAttnError(f"--out {out} is one checkpoint folder, not a training folder; {where}")
+
+
+def _is_our_config(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _make_out_dir(out: Path) -> None:
@@ -235,7 +263,10 @@ def _restore_rng(
     context: distributed.Context,
     batches: RandomBatches,
     console: Console | None,
+    out: Path,
 ) -> None:
+    """Put this rank's saved generator states back; one line naming rng.safetensors if its
+    entries are missing or are not generator states (the file was changed)."""
     saved_ranks = {key.split(".", 1)[0] for key in rng}
     if console is not None and len(saved_ranks) != context.world_size:
         console.print(
@@ -246,9 +277,19 @@ def _restore_rng(
     mine = {key.removeprefix(prefix): value for key, value in rng.items() if key.startswith(prefix)}
     if not mine:
         return
-    batches.load_state_dict(
-        {key.removeprefix("batches."): value for key, value in mine.items() if "batches." in key}
-    )
-    torch.set_rng_state(mine["torch"])
-    if "cuda" in mine and context.device.type == "cuda":
-        torch.cuda.set_rng_state(mine["cuda"], context.device)
+    missing = [name for name in ("batches.train", "batches.val", "torch") if name not in mine]
+    try:
+        if missing:
+            raise KeyError(prefix + missing[0])
+        batches.load_state_dict(
+            {
+                key.removeprefix("batches."): value
+                for key, value in mine.items()
+                if "batches." in key
+            }
+        )
+        torch.set_rng_state(mine["torch"])
+        if "cuda" in mine and context.device.type == "cuda":
+            torch.cuda.set_rng_state(mine["cuda"], context.device)
+    except (KeyError, TypeError, RuntimeError) as error:
+        raise damaged(checkpoint_dir(out), "rng.safetensors", one_line(error)) from None
