@@ -198,23 +198,21 @@ class Tokenizer:
 
     def _encode_batch(self, texts: list[str], max_length: int | None) -> list:
         with self._lock:
-            return self._encode_batch_locked(texts, max_length)
-
-    def _encode_batch_locked(self, texts: list[str], max_length: int | None) -> list:
-        if max_length is not None:
-            self.backend.enable_truncation(max_length)
-        try:
-            return self.backend.encode_batch(texts)
-        except Exception as error:  # e.g. a character-level vocabulary without [UNK]
-            unknown = {ch for text in texts for ch in text} - self._known_characters()
-            if unknown:
-                raise SelfAttnError(
-                    f"characters not in the model's vocabulary: {quoted_characters(unknown)}; "
-                    "use only characters the model was trained on"
-                ) from None
-            raise SelfAttnError(f"the tokenizer cannot encode the text: {error}") from None
-        finally:
-            self.backend.no_truncation()
+            if max_length is not None:
+                self.backend.enable_truncation(max_length)
+            try:
+                return self.backend.encode_batch(texts)
+            except Exception as error:  # e.g. a character-level vocabulary without [UNK]
+                unknown = {ch for text in texts for ch in text} - self._known_characters()
+                if unknown:
+                    raise SelfAttnError(
+                        f"characters not in the model's vocabulary: "
+                        f"{quoted_characters(unknown)}; use only characters the model was "
+                        "trained on"
+                    ) from None
+                raise SelfAttnError(f"the tokenizer cannot encode the text: {error}") from None
+            finally:
+                self.backend.no_truncation()
 
     def _known_characters(self) -> set[str]:
         return {token for token in self.backend.get_vocab() if len(token) == 1}
