@@ -289,6 +289,15 @@ def _latest_dir(out_dir: Path) -> Path:
     )
 
 
+def is_checkpoint_folder(path: Path) -> bool:
+    """Whether ``path`` is one checkpoint folder: a config.json of ours (not a training
+    folder with LATEST, not a Hugging Face folder)."""
+    try:
+        return _read_json(Path(path) / "config.json").get("format") == FORMAT
+    except (OSError, ValueError):
+        return False
+
+
 def has_checkpoint(path: Path) -> bool:
     path = Path(path)
     return (path / LATEST).is_file() or (path / "config.json").is_file()

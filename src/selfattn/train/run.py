@@ -6,7 +6,6 @@ checkpoints (with an exact resume) and torch.distributed. The loop itself stays 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,13 +17,13 @@ from selfattn.errors import SelfAttnError
 from selfattn.models.gpt import GPT, GPTConfig
 from selfattn.train import distributed
 from selfattn.train.checkpoint import (
-    FORMAT,
     LATEST,
     RunConfig,
     TrainingState,
     checkpoint_dir,
     damaged,
     has_checkpoint,
+    is_checkpoint_folder,
     load_checkpoint,
     one_line,
     save_checkpoint,
@@ -176,7 +175,7 @@ def _resumed_data(
 def _refuse_a_step_folder(out: Path) -> None:
     """--out naming one checkpoint folder (config.json, no LATEST) would nest the next
     checkpoints inside it, where the next save into its parent deletes them."""
-    if (out / LATEST).is_file() or not _is_our_config(out / "config.json"):
+    if (out / LATEST).is_file() or not is_checkpoint_folder(out):
         return
     parent = out.resolve().parent
     where = (
@@ -185,13 +184,6 @@ def _refuse_a_step_folder(out: Path) -> None:
         else f"put it in a folder of its own with a {LATEST} file naming it, and pass that"
     )
     raise SelfAttnError(f"--out {out} is one checkpoint folder, not a training folder; {where}")
-
-
-def _is_our_config(path: Path) -> bool:
-    try:
-        return json.loads(path.read_text(encoding="utf-8")).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def _make_out_dir(out: Path) -> None:
