@@ -189,6 +189,27 @@ def test_outputs_laid_out_like_the_inputs_count_in_the_span(monkeypatch):
     assert "spans 1,319 elements" in _why_not(q, k, v)  # the output: 33 rows of 40
 
 
+def test_a_gradient_spanning_more_than_the_limit_reaches_the_kernels_packed(monkeypatch):
+    """The gradient autograd hands the backward may be laid out as the caller likes: one whose
+    head spans past the int32 limit (1,000 elements here, standing in for 2³¹) is packed
+    before the kernels read it, and the gradients stay right (within twice SDPA's error)."""
+    from selfattn.kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "MAX_HEAD_OFFSET", 1_000)
+    seen = []  # the span of each gradient the kernels were given
+    backward = triton_attention._backward
+
+    def spying_backward(grad_out, *rest):
+        seen.append(triton_attention._span(grad_out))
+        return backward(grad_out, *rest)
+
+    monkeypatch.setattr(triton_attention, "_backward", spying_backward)
+    q, k, v, _ = _inputs(33, 33, 16, lead=(1, 2))
+    grad = torch.randn(1, 2, 33, 64)[..., :16]  # rows 64 apart: 32 · 64 + 15 = 2,063
+    assert_matches_reference(q, k, v, grad)
+    assert seen and max(seen) <= 1_000, seen
+
+
 def test_double_backward_is_refused():
     q, k, v = (x.float().requires_grad_() for x in _inputs(7, 9, 16)[:3])
     out = attention(q, k, v, backend="triton")

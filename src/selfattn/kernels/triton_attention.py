@@ -902,14 +902,19 @@ def _interleaved(heads: Tensor) -> bool:
     return heads.dim() > 2 and heads.shape[-3] > 1 and heads.stride(-3) < heads.stride(-2)
 
 
-def _largest_offset(heads: Tensor, written_width: int) -> int:
-    """The farthest element of one head of (..., T, D) ``heads`` from the head's first one, in
-    ``heads`` and in an output or gradient ``written_width`` wide laid out like it
-    (``_empty_heads``): the kernels address rows within a head in int32."""
+def _span(heads: Tensor) -> int:
+    """The farthest element of one head of (..., T, D) ``heads`` from the head's first one:
+    the kernels address rows within a head in int32."""
     rows, width = heads.shape[-2:]
-    given = (rows - 1) * abs(heads.stride(-2)) + (width - 1) * abs(heads.stride(-1))
+    return (rows - 1) * abs(heads.stride(-2)) + (width - 1) * abs(heads.stride(-1))
+
+
+def _largest_offset(heads: Tensor, written_width: int) -> int:
+    """The span of one head (``_span``) of ``heads`` and of an output or gradient
+    ``written_width`` wide laid out like it (``_empty_heads``), whichever is larger."""
+    rows = heads.shape[-2]
     written_row = heads.shape[-3] * written_width if _interleaved(heads) else written_width
-    return max(given, (rows - 1) * written_row + written_width - 1)
+    return max(_span(heads), (rows - 1) * written_row + written_width - 1)
 
 
 def _device_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
@@ -1113,6 +1118,8 @@ class _FusedAttention(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         query, key, value, out, lse, mask = ctx.saved_tensors
         refuse_double_backward("triton", grad_out, query, key, value)
+        if _span(grad_out) > MAX_HEAD_OFFSET:  # packed, it spans no more than the output did
+            grad_out = grad_out.contiguous()
         grads = _backward(grad_out, query, key, value, out, lse, mask, *ctx.settings)
         return (*grads, None, None, None, None, None)
 
