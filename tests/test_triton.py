@@ -227,6 +227,26 @@ def test_any_leading_dims(lead):
     assert_matches_reference(*_inputs(7, 33, 16, lead=lead), mask=mask)
 
 
+@pytest.mark.parametrize(
+    "mask_shape, stored",
+    [((2, 1, 1, 1, 64), 6 * 64), ((3, 1, 33, 64), 6 * 33 * 64), ((2, 3, 4, 1, 64), 24 * 64)],
+    ids=["key-padding", "per-group", "per-head"],
+)
+def test_a_mask_over_five_dim_inputs_is_copied_at_its_own_size_only(mask_shape, stored):
+    """Merging the outer leading dims of (2, 3, 4) heads into one may copy the mask, but only
+    at its own size in the heads, queries and keys: a key-padding mask takes 2 · 3 · 64 bytes,
+    not the 2 · 3 · 4 · 33 · 64 of a full one, and a per-head one is not copied. Results within
+    twice SDPA's error."""
+    from selfattn.kernels.triton_attention import _kernel_mask
+
+    lead = (2, 3, 4)
+    mask = torch.rand(*mask_shape, generator=torch.Generator().manual_seed(8)) > 0.3
+    view, inner, _ = _kernel_mask(mask, torch.Size(lead), 33, 64, torch.device("cpu"))
+    assert view.shape == (6, 4, 33, 64) and inner == 4
+    assert view.untyped_storage().nbytes() == stored
+    assert_matches_reference(*_inputs(33, 64, 16, lead=lead), mask=mask)
+
+
 @pytest.mark.parametrize("lead", [(5, 2), (9,)], ids=["batch-by-heads", "heads-over-the-cap"])
 def test_more_heads_than_a_grid_axis_takes_go_in_several_launches(monkeypatch, lead):
     """CUDA caps the grid axis that holds the heads at 65,535 (a cap of 4 here): more heads go

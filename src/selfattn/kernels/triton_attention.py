@@ -1131,15 +1131,20 @@ def _kernel_mask(
 
     ``inner`` is the last leading dim (heads, usually; 1 if there are more than one launch
     takes); a key-padding mask of shape (B, 1, 1, S) thus stays (B, 1, 1, S) in memory, read
-    with strides (S, 0, 0, 1).
+    with strides (S, 0, 0, 1). Only merging the outer leading dims (of 5-D inputs and up)
+    may copy, and then only at the mask's own size in the other three.
     """
     inner = lead[-1] if len(lead) > 0 and lead[-1] <= MAX_GRID_HEADS else 1
     if mask is None:
         return None, inner, MASK_NONE
-    outer = math.prod(lead) // inner
+    outer_dims = lead[:-1] if inner > 1 else lead
+    outer = math.prod(outer_dims)
     if mask.dtype != torch.bool:  # the kernels add it in base 2, in float32
         mask = finite_bias(mask.to(device), torch.finfo(torch.float32).max / (2 * LOG2E))
-    view = mask.to(device).expand(*lead, t, s).reshape(outer, inner, t, s)
+    mask = mask.to(device).reshape((1,) * (len(lead) + 2 - mask.dim()) + mask.shape)
+    own = mask.shape[len(outer_dims) :]  # (inner?, T, S), 1 where the mask broadcasts
+    merged = mask.expand(*outer_dims, *own).reshape(outer, math.prod(own[:-2]), *own[-2:])
+    view = merged.expand(outer, inner, t, s)
     if mask.dtype == torch.bool:
         return view.view(torch.uint8), inner, MASK_BOOL
     return view, inner, MASK_FLOAT
