@@ -176,7 +176,7 @@ def test_ctrl_c_never_saves_non_finite_weights_or_loss(poisoned, problem):
     with pytest.raises(SelfAttnError, match=re.escape(kept)):
         train(
             model, configure_optimizer(model, config), batches, config,
-            save=lambda step, history: saved.append(step),
+            save=lambda step, *_: saved.append(step),
         )  # fmt: skip
     assert saved == [3, 6]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -194,7 +194,7 @@ def test_a_run_ending_with_a_non_finite_training_loss_is_not_saved():
     with pytest.raises(SelfAttnError, match=re.escape(kept)):
         train(
             model, configure_optimizer(model, config), batches, config,
-            save=lambda step, history: saved.append(step),
+            save=lambda step, *_: saved.append(step),
         )  # fmt: skip
     assert saved == [3]
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -209,6 +209,75 @@ def test_resume_gives_the_same_losses_as_straight_training(corpus, tmp_path):
     assert first.result.losses + second.result.losses == straight.result.losses
     for (name, a), b in zip(
         straight.model.state_dict().items(), second.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+EVERY_TEN = {"max_iters": 30, "eval_interval": 10}  # evaluations at steps 0, 10, 20 and 30
+
+
+def _ctrl_c_at_step_15(corpus: Path, out: Path, monkeypatch) -> None:
+    """Train EVERY_TEN into ``out`` until Ctrl-C stops it after step 15 (it saves step 15)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(loop_module, "_stop_requested", lambda stop, step, *_: step == 15)
+        run = train_gpt(corpus, out, preset="tiny", overrides=EVERY_TEN)
+    assert run.result.interrupted and load_checkpoint(out)[3].step == 15
+
+
+def test_a_run_interrupted_between_evaluations_resumes_to_the_same_history(
+    corpus, tmp_path, monkeypatch
+):
+    """Ctrl-C at step 15, resume to 30: the evaluation history equals 30 straight steps', float
+    for float (CPU, same seed: the same ops on the same values). Step 20's train loss, the mean
+    of steps 11-20, used to be the mean of 16-20: the checkpoint now holds steps 11-15's losses."""
+    straight = train_gpt(corpus, tmp_path / "straight", preset="tiny", overrides=EVERY_TEN)
+    out = tmp_path / "out"
+    _ctrl_c_at_step_15(corpus, out, monkeypatch)
+    resumed = train_gpt(corpus, out, overrides=EVERY_TEN, resume=True)
+    assert [record["step"] for record in resumed.result.history] == [0, 10, 20, 30]
+    assert resumed.result.history == straight.result.history
+    assert load_checkpoint(out)[3].history == straight.result.history
+
+
+def test_a_checkpoint_without_its_losses_since_the_last_evaluation_still_resumes(
+    corpus, tmp_path, monkeypatch
+):
+    """A step-15 checkpoint from before state.json held the losses of steps 11-15: the resume
+    runs, and step 20's evaluation records its validation loss but no train loss (the mean of
+    16-20 would claim to be that of 11-20); step 30's is whole again, equal to a straight run's."""
+    straight = train_gpt(corpus, tmp_path / "straight", preset="tiny", overrides=EVERY_TEN)
+    out = tmp_path / "out"
+    _ctrl_c_at_step_15(corpus, out, monkeypatch)
+    state_file = checkpoint_module.checkpoint_dir(out) / "state.json"
+    state = json.loads(state_file.read_text())
+    state.pop("losses_since_eval", None)
+    state_file.write_text(json.dumps(state))
+    history = train_gpt(corpus, out, overrides=EVERY_TEN, resume=True).result.history
+    expected = straight.result.history
+    assert history[2] == {"step": 20, "val": expected[2]["val"]}
+    assert history[:2] + history[3:] == expected[:2] + expected[3:]
+
+
+def test_a_seed_given_on_resume_is_noted_and_not_recorded(corpus, tmp_path):
+    """--seed 7 when resuming a seed-1337 run: one note on stderr, and config.json keeps 1337
+    (it said 7, a seed that was never used: the saved generator states go on either way, so
+    the weights equal those of a resume with the run's own --seed 1337, which gets no note)."""
+    noted, same = tmp_path / "noted", tmp_path / "same"
+    train_gpt(corpus, noted, preset="tiny", overrides={"max_iters": 10})
+    save_checkpoint(same, *load_checkpoint(noted))
+    args = ["train", "--data", str(corpus), "--resume", "--max-iters", "20"]
+    result = CliRunner().invoke(app, [*args, "--out", str(noted), "--seed", "7"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert (
+        result.stderr.startswith("note: --seed 7 is ignored: ") and "(seed 1337)" in result.stderr
+    )
+    result = CliRunner().invoke(app, [*args, "--out", str(same), "--seed", "1337"])
+    assert result.exit_code == 0 and result.stderr == "", result.stderr
+    model, _, config, _ = load_checkpoint(noted)
+    assert config.train.seed == 1337
+    for (name, a), b in zip(
+        model.state_dict().items(), load_checkpoint(same)[0].state_dict().values(), strict=True
     ):
         assert torch.equal(a, b), name
 
@@ -270,7 +339,7 @@ def test_ctrl_c_stops_between_steps_and_saves(corpus):
     saved = []
     result = train(
         model, configure_optimizer(model, preset.train), InterruptAtSeven(), preset.train,
-        save=lambda step, history: saved.append(step),
+        save=lambda step, *_: saved.append(step),
     )  # fmt: skip
     assert result.interrupted and result.step == 7 and saved == [7]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -324,7 +393,7 @@ def test_a_second_ctrl_c_cannot_cut_the_interrupts_save_short():
     config = _cycle_config(max_iters=20, eval_interval=10, eval_iters=1)
     saved = []
 
-    def save(step, history):
+    def save(step, *_):
         if step == 2:
             _interrupt()  # delivered at once, in the middle of the save
         saved.append(step)
@@ -424,7 +493,7 @@ def _ddp_poison_worker(rank: int, port: int, out: Path) -> None:
     try:
         train(
             nn.parallel.DistributedDataParallel(model), optimizer, batches, config,
-            save=lambda step, history: saved.append(step),
+            save=lambda step, *_: saved.append(step),
         )  # fmt: skip
         outcome = "no error"
     except SelfAttnError as error:
@@ -599,6 +668,30 @@ def test_a_latest_file_naming_a_missing_folder_says_so(trained, tmp_path):
         assert "is missing" in line and step_dir in line and "no LATEST" not in line, line
 
 
+@pytest.mark.parametrize("pointer", ["relative", "absolute", "link"])
+def test_a_latest_file_pointing_outside_its_folder_is_refused(trained, corpus, tmp_path, pointer):
+    """LATEST naming a checkpoint outside --out (../elsewhere/step-…, an absolute path, or a
+    step-… link to it): generate and resume refuse it in one line naming the folder's own
+    step folder, as for a LATEST naming a missing one; both used to read the other run."""
+    elsewhere = save_checkpoint(tmp_path / "elsewhere", *load_checkpoint(trained))
+    out = tmp_path / "out"
+    own = save_checkpoint(out, *load_checkpoint(trained)).name
+    name = {"relative": f"../elsewhere/{elsewhere.name}", "absolute": str(elsewhere)}.get(
+        pointer, "step-9999999-link"
+    )
+    if pointer == "link":
+        (out / name).symlink_to(elsewhere)
+    (out / "LATEST").write_text(name + "\n")
+    for args in (
+        ["generate", "--checkpoint", str(out), "All:"],
+        ["train", "--data", str(corpus), "--out", str(out), "--resume", "--max-iters", "31"],
+    ):
+        line = _error_line(args)
+        assert f"points at checkpoint folder {name[:80]!r}, which is outside {out}" in line, line
+        assert f"e.g. {own}" in line, line
+    assert [entry.name for entry in out.glob("step-*") if entry.name != name] == [own]
+
+
 def test_an_unusable_out_data_or_device_fails_before_training(corpus, tmp_path):
     """--out a file (or under one), --data a folder, --device cuda without CUDA: one line
     before any step (an --out file used to fail with a traceback after the whole run)."""
@@ -676,6 +769,11 @@ def _damage(trained: Path, tmp_path: Path, name: str, change) -> Path:
     [
         ("state.json", lambda data: data.pop("history"), "state.json: no 'history' entry"),
         ("state.json", lambda data: data.update(step="x"), "state.json: the step is 'x'"),
+        (
+            "state.json",
+            lambda data: data.update(losses_since_eval=[2.5]),
+            "state.json: the losses since the last evaluation are not 0 finite numbers",
+        ),
         ("tokenizer.json", lambda data: data.update(chars="abc"), "tokenizer.json: 3 characters"),
         ("config.json", lambda data: data["model"].update(n_embd=64), "model.safetensors: size"),
         ("model.safetensors", lambda data: data[:1000], "model.safetensors: Error while"),

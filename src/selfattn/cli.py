@@ -118,7 +118,8 @@ TRAIN_HELP = {
     "eval_iters": "Held-out batches per evaluation.",
     "log_interval": "Steps between progress-bar updates (under torchrun, also between checks "
     "for Ctrl-C).",
-    "seed": "Seed of the initial weights and the batch order (each process offsets it).",
+    "seed": "Seed of the initial weights and the batch order (each process offsets it); a "
+    "resumed run keeps its checkpoint's.",
     "n_layer": "Transformer blocks.",
     "n_head": "Attention heads per block.",
     "n_embd": "Embedding width (a multiple of --n-head).",

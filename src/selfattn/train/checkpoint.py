@@ -9,7 +9,8 @@ Layout of ``OUT/`` (what ``selfattn train --out OUT`` writes)::
         tokenizer.json           the character vocabulary
         optimizer.safetensors    AdamW's per-parameter tensors (moments, step counts)
         rng.safetensors          generator states per rank, for an exact resume
-        state.json               step, evaluation history, optimizer hyper-parameters
+        state.json               step, evaluation history, training losses since the last
+                                 evaluation, optimizer hyper-parameters
 
 A checkpoint is written into a temporary directory, synced, renamed into place, and only then
 does ``LATEST`` point at it (``os.replace``); an interruption at any moment leaves the previous
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -80,6 +82,7 @@ class TrainingState:
     history: list[dict[str, float]]
     optimizer: dict  # an optimizer state_dict
     rng: dict[str, Tensor]  # "rank{r}.{name}" -> generator state (uint8)
+    losses_since_eval: list[float] | None = None  # training, since history[-1]; None: unknown
 
 
 def save_checkpoint(
@@ -106,7 +109,12 @@ def save_checkpoint(
         )
         _write_json(
             tmp / "state.json",
-            {"step": state.step, "history": state.history, "optimizer_param_groups": groups},
+            {
+                "step": state.step,
+                "history": state.history,
+                "losses_since_eval": state.losses_since_eval,
+                "optimizer_param_groups": groups,
+            },
         )
         for path in tmp.iterdir():
             path.chmod(0o644)  # safetensors writes 0o600: readable like the JSON files
@@ -156,7 +164,7 @@ def load_checkpoint(
             f"{tokenizer.vocab_size} characters for a vocabulary of {config.model.vocab_size} "
             "in config.json",
         )
-    step, history, groups = _read(directory, "state.json", _read_state)
+    step, history, losses_since_eval, groups = _read(directory, "state.json", _read_state)
     optimizer = _read(
         directory,
         "optimizer.safetensors",
@@ -170,7 +178,7 @@ def load_checkpoint(
         lambda file: safetensors.torch.load_model(model, str(file)),
     )
     _refuse_non_finite(directory, "model.safetensors", model.state_dict())
-    state = TrainingState(step, history, optimizer, rng)
+    state = TrainingState(step, history, optimizer, rng, losses_since_eval)
     return model.to(device).eval(), tokenizer, config, state
 
 
@@ -216,17 +224,36 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _read_state(path: Path) -> tuple[int, list[dict[str, float]], list[dict]]:
-    """The step, evaluation history and optimizer parameter groups of ``state.json``."""
+def _read_state(
+    path: Path,
+) -> tuple[int, list[dict[str, float]], list[float] | None, list[dict]]:
+    """The step, evaluation history, training losses since the last evaluation (None in a
+    checkpoint saved before they were) and optimizer parameter groups of ``state.json``."""
     saved = _read_json(path)
     step, history, groups = saved["step"], saved["history"], saved["optimizer_param_groups"]
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    losses = saved.get("losses_since_eval")
+    if not _is_count(step):
         raise ValueError(f"the step is {step!r}, not a count of steps")
-    if not isinstance(history, list) or not all(isinstance(item, dict) for item in history):
+    if not isinstance(history, list) or not all(
+        isinstance(item, dict) and _is_count(item.get("step")) for item in history
+    ):
         raise ValueError("the history is not a list of evaluations")
+    steps_since_eval = step - (history[-1]["step"] if history else 0)
+    if losses is not None and not (
+        isinstance(losses, list)
+        and len(losses) == steps_since_eval
+        and all(isinstance(loss, float) and math.isfinite(loss) for loss in losses)
+    ):
+        raise ValueError(
+            f"the losses since the last evaluation are not {steps_since_eval} finite numbers"
+        )
     if not isinstance(groups, list) or not all(isinstance(item, dict) for item in groups):
         raise ValueError("the optimizer parameter groups are not a list of objects")
-    return step, history, groups
+    return step, history, losses, groups
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def load_model(path: Path, device: torch.device | str = "cpu", backend: str = "auto") -> Model:
@@ -261,23 +288,28 @@ def checkpoint_dir(path: Path) -> Path:
 
 
 def _latest_dir(out_dir: Path) -> Path:
-    """The checkpoint directory that ``out_dir/LATEST`` names; a one-line error if it is gone."""
+    """The checkpoint directory that ``out_dir/LATEST`` names; a one-line error if it is gone
+    or is not a folder inside ``out_dir`` (a hand-edited ``../elsewhere/step-…``)."""
     latest = out_dir / LATEST
     try:
         name = latest.read_text(encoding="utf-8").strip()
     except (OSError, ValueError) as error:
         raise SelfAttnError(f"{latest} is unreadable: {error}") from None
     target = out_dir / name
-    if name and (target / "config.json").is_file():
+    if name and not _is_inside(out_dir, target):
+        problem = f"is outside {out_dir} (only step folders inside it are read)"
+    elif name and (target / "config.json").is_file():
         return target
-    if name and target.is_dir():
+    elif name and target.is_dir():
         problem = f"holds no checkpoint (no config.json in {target})"
     else:
         problem = f"is missing from {out_dir}"
     existing = sorted(
         entry.name
         for entry in out_dir.iterdir()
-        if entry.name.startswith("step-") and (entry / "config.json").is_file()
+        if entry.name.startswith("step-")
+        and _is_inside(out_dir, entry)
+        and (entry / "config.json").is_file()
     )
     fix = (
         f"write the name of an existing step folder (e.g. {existing[-1]}) into {LATEST}"
@@ -287,6 +319,14 @@ def _latest_dir(out_dir: Path) -> Path:
     raise SelfAttnError(
         f"{latest} points at checkpoint folder {name[:80]!r}, which {problem}; {fix}"
     )
+
+
+def _is_inside(out_dir: Path, folder: Path) -> bool:
+    """Whether ``folder``, with its links followed, is an entry of ``out_dir`` itself."""
+    try:
+        return folder.resolve().parent == out_dir.resolve()
+    except (OSError, ValueError, RuntimeError):  # a link loop, a NUL byte in a hand-edited name
+        return False
 
 
 def is_checkpoint_folder(path: Path) -> bool:

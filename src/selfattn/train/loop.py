@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -125,7 +126,7 @@ class TrainResult:
     start_step: int
     step: int  # steps completed in total
     losses: list[float]  # training loss of each step this call took (this rank's batch)
-    history: list[dict[str, float]]  # evaluations so far: step, train (recent mean), val
+    history: list[dict[str, float]]  # evaluations: step, train (mean since the previous), val
     interrupted: bool = False
     train_seconds: float = 0.0  # time in training steps, without evaluation and checkpoints
     wall_seconds: float = 0.0
@@ -142,7 +143,7 @@ class TrainResult:
         return steps * self.tokens_per_step / self.train_seconds if steps else float("nan")
 
 
-SaveFn = Callable[[int, list[dict[str, float]]], None]
+SaveFn = Callable[[int, list[dict[str, float]], list[float] | None], None]
 
 
 def train(
@@ -153,19 +154,25 @@ def train(
     *,
     start_step: int = 0,
     history: list[dict[str, float]] | None = None,
+    losses_since_eval: list[float] | None = None,
     save: SaveFn | None = None,
     console: Console | None = None,
 ) -> TrainResult:
     """Train from ``start_step`` up to ``config.max_iters`` steps (none, and no output, when
     ``start_step`` is already there: the result then has ``step == start_step``).
 
-    Evaluates at step 0 (fresh runs), every ``eval_interval`` steps and at the end, calling
-    ``save(step, history)`` after each evaluation; ``save`` runs on every rank (it may gather
-    state) and is expected to write on rank 0 only. SIGINT/SIGTERM stop the loop between two
-    steps (on every rank at the same step), then ``save`` runs (a further signal cannot cut it
-    short; a fresh run stopped before its first step saves step 0) and the result says
-    ``interrupted``. A ``history`` that already holds step 0 (a checkpoint of step 0) is not
-    evaluated again. A non-finite validation loss, training loss or weight raises
+    Evaluates at step 0 (fresh runs), every ``eval_interval`` steps and at the end, recording
+    the mean training loss since the previous evaluation and the validation loss, and calling
+    ``save(step, history, losses_since_eval)`` after each one; ``save`` runs on every rank (it
+    may gather state) and is expected to write on rank 0 only. SIGINT/SIGTERM stop the loop
+    between two steps (on every rank at the same step), then ``save`` runs (a further signal
+    cannot cut it short; a fresh run stopped before its first step saves step 0) and the result
+    says ``interrupted``. A ``history`` that already holds step 0 (a checkpoint of step 0) is
+    not evaluated again. ``losses_since_eval`` are the training losses of the steps between the
+    last evaluation in ``history`` and ``start_step`` (what ``save`` was given), so that a
+    resumed run records the same means as a straight one; None when they are unknown: then the
+    next evaluation records no training loss, unless ``start_step`` is the last evaluation's
+    step. A non-finite validation loss, training loss or weight raises
     :class:`SelfAttnError` on every rank instead of saving, so the last checkpoint stays good.
     Progress goes to ``console`` (None: no output).
     """
@@ -187,6 +194,7 @@ def train(
         _report(console, history[-1])
     step_losses: list[Tensor] = []
     window = 0  # index in step_losses of the first step since the last evaluation
+    carried = _carried_losses(losses_since_eval, start_step, history)  # steps before start_step
     saved_step = start_step
     saved = start_step > 0  # a resumed run's start is a checkpoint already; a fresh one's is not
     with _stop_on_signals() as stop, _progress(console, config, start_step) as progress:
@@ -213,27 +221,46 @@ def train(
                     rate=f"{rate:,.0f}",
                 )
             if step % config.eval_interval == 0 or step == config.max_iters:
-                record = {
-                    "step": step,
-                    "train": torch.stack(step_losses[window:]).mean().item(),
-                    "val": evaluate(model, batches, config.eval_iters),
-                }
+                since_eval = _since_eval(carried, step_losses[window:])
+                record: dict[str, float] = {"step": step}
+                if since_eval is not None:
+                    record["train"] = statistics.fmean(since_eval)
+                record["val"] = evaluate(model, batches, config.eval_iters)
                 _check_finite(record, saved_step)
                 if save is not None:
                     _check_savable(model, step_losses[window:], step, saved_step, device)
                 history.append(record)
-                window = len(step_losses)
+                window, carried = len(step_losses), []
                 _report(console if progress is None else progress.console, record)
                 if save is not None:
-                    save(step, history)
+                    save(step, history, carried)
                     saved_step, saved = step, True
         # still inside the signal handlers: a second Ctrl-C cannot cut the interrupt's save short
         if result.interrupted and save is not None and not (saved and saved_step == result.step):
             _check_savable(model, step_losses[window:], result.step, saved_step, device)
-            save(result.step, history)
+            save(result.step, history, _since_eval(carried, step_losses[window:]))
     result.losses = torch.stack(step_losses).tolist() if step_losses else []
     result.wall_seconds = time.perf_counter() - wall_start
     return result
+
+
+def _carried_losses(
+    given: list[float] | None, start_step: int, history: list[dict[str, float]]
+) -> list[float] | None:
+    """The training losses since the last evaluation that precede ``start_step``: ``given``;
+    none when ``start_step`` is that evaluation's (or a fresh run's) step; else unknown."""
+    if given is not None:
+        return list(given)
+    last_evaluation = history[-1]["step"] if history else 0
+    return [] if start_step == last_evaluation else None
+
+
+def _since_eval(carried: list[float] | None, recent: list[Tensor]) -> list[float] | None:
+    """The training losses since the last evaluation: ``carried`` from before this call, then
+    ``recent`` (one device sync); None while the carried ones are unknown."""
+    if carried is None:
+        return None
+    return carried + (torch.stack(recent).tolist() if recent else [])
 
 
 def _step(

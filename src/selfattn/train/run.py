@@ -6,6 +6,7 @@ checkpoints (with an exact resume) and torch.distributed. The loop itself stays 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +57,8 @@ def train_gpt(
     """Train (or with ``resume``, continue) a GPT on ``data``, writing checkpoints to ``out``.
 
     The settings are the preset's (default ``shakespeare-char-cpu``; when resuming, the
-    checkpoint's) with ``overrides`` applied (model fields and :class:`TrainConfig` fields).
+    checkpoint's) with ``overrides`` applied (model fields and :class:`TrainConfig` fields),
+    except that a resumed run keeps the checkpoint's seed: its generator states continue.
     Under torchrun each rank trains on its own batches; rank 0 writes and prints.
     """
     context = distributed.setup(device)
@@ -99,6 +101,7 @@ def _train_gpt(
 
     if checkpoint is not None:
         _, tokenizer, saved, _ = checkpoint
+        overrides = _keep_saved_seed(overrides, saved.train.seed, console)
         base = Preset.from_configs(saved.preset, saved.model, saved.train)
         preset = (get_preset(preset_name) if preset_name else base).override(**overrides)
         data = _resumed_data(data_path, preset.train.block_size, tokenizer, saved.data)
@@ -130,13 +133,15 @@ def _train_gpt(
         _load_optimizer_state(optimizer, state.optimizer, out)
         _restore_rng(state.rng, context, batches, console, out)
 
-    def save(step: int, history: list[dict[str, float]]) -> None:
+    def save(
+        step: int, history: list[dict[str, float]], losses_since_eval: list[float] | None
+    ) -> None:
         states = distributed.gather(_rng_state(batches, context))
         if context.is_main:
             rng = {
                 f"rank{r}.{k}": v for r, per_rank in enumerate(states) for k, v in per_rank.items()
             }
-            state = TrainingState(step, history, optimizer.state_dict(), rng)
+            state = TrainingState(step, history, optimizer.state_dict(), rng, losses_since_eval)
             try:
                 save_checkpoint(out, model, data.tokenizer, config, state)
             except OSError as error:
@@ -152,6 +157,7 @@ def _train_gpt(
         settings,
         start_step=state.step if state else 0,
         history=state.history if state else None,
+        losses_since_eval=state.losses_since_eval if state else None,
         save=save,
         console=console,
     )
@@ -170,6 +176,28 @@ def _resumed_data(
             f"resume with the text it was trained on ({trained_on})"
         )
     return TextData.from_text(text, block_size, tokenizer, source=path)
+
+
+def _keep_saved_seed(
+    overrides: dict[str, object], saved_seed: int, console: Console | None
+) -> dict[str, object]:
+    """``overrides`` with the checkpoint's seed, the one a resumed run's random numbers come
+    from (its saved generator states; fresh ones, for ranks it has none for, seeded from it),
+    so that the recorded config names no seed that was not used; a note if another was given."""
+    seed = overrides.get("seed", saved_seed)
+    if seed != saved_seed:
+        _note(
+            console,
+            f"--seed {seed} is ignored: a resumed run continues the checkpoint's random "
+            f"generators (seed {saved_seed}); train into a new --out for another seed",
+        )
+    return {**overrides, "seed": saved_seed}
+
+
+def _note(console: Console | None, message: str) -> None:
+    """One line on stderr, where the CLI's notes go; nothing without a console (no output)."""
+    if console is not None:
+        print(f"note: {message}", file=sys.stderr)
 
 
 def _refuse_a_step_folder(out: Path) -> None:
@@ -260,10 +288,11 @@ def _restore_rng(
     """Put this rank's saved generator states back; one line naming rng.safetensors if its
     entries are missing or are not generator states (the file was changed)."""
     saved_ranks = {key.split(".", 1)[0] for key in rng}
-    if console is not None and len(saved_ranks) != context.world_size:
-        console.print(
-            f"note: the checkpoint was written by {len(saved_ranks)} processes, this run has "
-            f"{context.world_size}; batches continue from fresh seeds where states are missing"
+    if len(saved_ranks) != context.world_size:
+        _note(
+            console,
+            f"the checkpoint was written by {len(saved_ranks)} processes, this run has "
+            f"{context.world_size}; batches continue from fresh seeds where states are missing",
         )
     prefix = f"rank{context.rank}."
     mine = {key.removeprefix(prefix): value for key, value in rng.items() if key.startswith(prefix)}
