@@ -303,7 +303,8 @@ def test_trace_from_a_fused_backend_is_a_clear_error():
         ({"v": (4, 2)}, "same length"),
         ({"backend": "nope"}, "unknown attention backend"),
         ({"similarity": "euclid"}, "unknown similarity"),
-        ({"mask": torch.ones(5, 5, dtype=torch.bool)}, "does not broadcast"),
+        ({"mask": torch.ones(5, 5, dtype=torch.bool)}, "does not broadcast.*that size or 1"),
+        ({"q": (2, 3, 4), "k": (1, 3, 4), "v": (1, 3, 2)}, "same leading.*repeat_interleave"),
         ({"mask": torch.ones(3, 3, dtype=torch.long)}, "boolean"),
         ({"dtype_k": torch.float32}, "share a dtype"),
         ({"dropout_p": 1.5}, "dropout_p"),
@@ -331,6 +332,20 @@ def test_scale_is_any_one_number(scale):
     torch.testing.assert_close(  # float64, the same computation: 1e-12
         attention(q, k, v, scale=scale), attention(q, k, v, scale=0.5), atol=1e-12, rtol=0
     )
+
+
+def test_a_scale_that_needs_a_gradient_is_refused_not_silently_detached():
+    """A learnable scale (a tensor requiring grad) got no gradient: it was read as a float.
+    Refused with one line naming the way to learn it; under no_grad it is just a number
+    (float64, 1e-12)."""
+    q, k, v = qkv((2,), 3, 4, 5, 2)
+    learned = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"requires grad.*multiply the query by it") as error:
+        attention(q, k, v, scale=learned)
+    assert "\n" not in str(error.value)
+    with torch.no_grad():
+        output = attention(q, k, v, scale=learned)
+    torch.testing.assert_close(output, attention(q, k, v, scale=0.5), atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("backend", [*EXACT_BACKENDS, "chunked"])

@@ -19,6 +19,7 @@ import torch
 
 from selfattn.attention import attention, choose_backend, make_call
 from selfattn.kernels import chunked_attention
+from selfattn.kernels.chunked import finite_bias
 
 SHAPES = [  # (T, S, D): primes, S != T both ways
     (7, 7, 5),
@@ -252,6 +253,37 @@ def test_all_keys_masked_gives_zero_key_and_value_gradients():
     )
     for result in results:
         assert (result == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("value", [-1e39, -1e300])
+def test_a_float64_mask_beyond_the_compute_range_masks_as_on_the_explicit_path(dtype, value):
+    """A float64 mask on float32 (or float16, computed in float32) inputs is added in float32,
+    as the explicit path adds it: values beyond its range are -inf, so a row all at them is
+    empty (output 0) and keys at them get weight 0. They used to be clamped to a finite bias,
+    and at -1e300 cancelled to 0: the masked keys were attended. Tolerance: 1e-6 (float32),
+    1e-3 (float16) against the explicit path."""
+    query, key, value_ = _inputs(5, 6, 4, dtype)
+    mask = torch.zeros(5, 6, dtype=torch.float64)
+    mask[1] = value  # an empty row
+    mask[2, :3] = value  # half of a row masked
+    expected = attention(query, key, value_, mask=mask, backend="explicit")
+    output = attention(query, key, value_, mask=mask, backend="chunked")
+    assert (output[..., 1, :] == 0).all()
+    atol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(output.float(), expected.float(), atol=atol, rtol=0)
+
+
+def test_finite_bias_clamps_values_far_beyond_the_limit_and_passes_gradients():
+    """-1e300 clamped to -1e38 is -1e38 (it was bias + (clamp - bias) = 0: cancelled in
+    float64); ±inf and values within the limit stay; every gradient is 1. Exact."""
+    bias = torch.tensor([-1e300, 1e300, -1e39, 5.0, -math.inf], dtype=torch.float64)
+    bias.requires_grad_()
+    clamped = finite_bias(bias, 1e38)
+    expected = torch.tensor([-1e38, 1e38, -1e38, 5.0, -math.inf], dtype=torch.float64)
+    assert torch.equal(clamped.detach(), expected)
+    clamped.sum().backward()
+    assert torch.equal(bias.grad, torch.ones_like(bias))
 
 
 @pytest.mark.parametrize("similarity", ["dot", "cosine"])

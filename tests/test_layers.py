@@ -193,6 +193,26 @@ def test_single_head_takes_a_mask_per_sequence():
     torch.testing.assert_close(rec[0].weights(head=0, batch=4), weights[1, 1], atol=1e-12, rtol=0)
 
 
+def test_recorded_weights_of_a_mask_shared_along_a_leading_dim():
+    # x (A, B, T, d) with a mask (B, T, T), the same for every A: the run was right, but the
+    # recorded mask kept (B, 1, T, T) against q folded to (A·B, 1, T, d), and reading the
+    # weights raised a RuntimeError (expand). Now every folded item a·B + b has mask[b]
+    # (float64, 1e-12 against the formula).
+    torch.manual_seed(9)
+    layer = SelfAttention(6, d_k=4).double()
+    x = torch.randn(2, 3, 5, 6, dtype=torch.float64)
+    mask = torch.rand(3, 5, 5) > 0.4
+    mask[..., 0] = True
+    q, k = x @ layer.W_q.weight.T, x @ layer.W_k.weight.T
+    scaled = (q @ k.transpose(-2, -1) / math.sqrt(4)).masked_fill(~mask, -math.inf)
+    weights = torch.softmax(scaled, dim=-1).flatten(0, 1)  # (A·B, T, T)
+    with record(layer) as rec:
+        layer(x, mask=mask)
+    for item in range(6):
+        recorded = rec[0].weights(head=0, batch=item)
+        torch.testing.assert_close(recorded, weights[item], atol=1e-12, rtol=0)
+
+
 def test_single_head_is_the_formula_of_the_guide():
     # Q = X W_q, K = X W_k, V = X W_v; softmax(Q Kᵀ / sqrt(d_k)) V; tolerance 1e-12.
     torch.manual_seed(2)

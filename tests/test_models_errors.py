@@ -138,6 +138,13 @@ def test_unsupported_activation(tmp_path):
     refused(tmp_path, "unsupported hidden_act 'swish'.*supported: gelu, gelu_new")
 
 
+def test_a_causal_bert_is_refused_not_run_both_ways(tmp_path):
+    # Hugging Face's BertModel with is_decoder true attends causally; it used to load and run
+    # bidirectionally here, its hidden states silently off by ~2 (random weights).
+    write(tmp_path, {**BERT, "is_decoder": True}, bert_tensors())
+    refused(tmp_path, "unsupported is_decoder true in config.json")
+
+
 def test_missing_tensors(tmp_path):
     tensors = bert_tensors()
     del tensors["encoder.layer.1.output.dense.bias"], tensors["embeddings.LayerNorm.weight"]

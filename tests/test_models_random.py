@@ -6,6 +6,8 @@ and past the 48-position window to Hugging Face's argmax over the last 48 ids, s
 The name maps are checked key by key and shape by shape against both models' state dicts.
 """
 
+import json
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -114,6 +116,23 @@ def test_random_gpt2_logits_and_states_match(gpt2_folder):
         torch.testing.assert_close(mine, hf_state, atol=1e-4, rtol=0)
     final = model.network.final_norm(ours.hidden_states[-1])
     torch.testing.assert_close(final, theirs.hidden_states[-1], atol=1e-4, rtol=0)
+
+
+def test_gpt2_config_without_its_activation_takes_hugging_face_default(gpt2_folder, tmp_path):
+    """A GPT-2 config.json without activation_function means gelu_new (GPT2Config's default);
+    it used to mean exact gelu: logits 1e-3 off. Now 1e-4 absolute, as for the full config."""
+    folder, hf = gpt2_folder
+    assert hf.config.activation_function == "gelu_new"
+    for name in ("model.safetensors", "tokenizer.json"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    del config["activation_function"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    input_ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = selfattn.load(tmp_path)(input_ids).logits
+        theirs = hf(input_ids).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("use_cache", [True, False])

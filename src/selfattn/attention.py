@@ -480,7 +480,8 @@ def make_call(
     if not query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
         raise ValueError(
             "query, key and value must have the same leading dims, got "
-            f"{tuple(query.shape[:-2])}, {tuple(key.shape[:-2])}, {tuple(value.shape[:-2])}"
+            f"{tuple(query.shape[:-2])}, {tuple(key.shape[:-2])}, {tuple(value.shape[:-2])}; "
+            "expand the smaller ones (fewer key/value heads: repeat_interleave them over dim -3)"
         )
     if query.shape[-1] == 0:
         raise ValueError("query and key have a head dim of 0; attention needs at least 1")
@@ -494,7 +495,9 @@ def make_call(
             raise ValueError(f"mask has more dims ({mask.dim()}) than the scores ({len(target)})")
         if not _broadcasts_to(mask.shape, target):
             raise ValueError(
-                f"mask of shape {tuple(mask.shape)} does not broadcast to (..., T, S) = {target}"
+                f"mask of shape {tuple(mask.shape)} does not broadcast to (..., T, S) = {target}; "
+                "give each axis, counted from the right, that size or 1 (a padding mask (B, S) "
+                "for (B, H, T, S) scores: mask[:, None, None, :])"
             )
         if mask.dtype != torch.bool and not mask.is_floating_point():
             raise ValueError(f"mask must be boolean (True = may attend) or float, got {mask.dtype}")
@@ -514,7 +517,16 @@ def _broadcasts_to(shape: torch.Size, target: tuple[int, ...]) -> bool:
 
 
 def _finite(scale: object) -> float:
-    """``scale`` as a float (a Python, NumPy or one-element torch number), if finite."""
+    """``scale`` as a float (a Python, NumPy or one-element torch number), if finite.
+
+    A tensor that needs a gradient is refused: as a float its gradient would be silently lost.
+    """
+    if isinstance(scale, Tensor) and scale.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "scale is a tensor that requires grad, but attention takes a number (its gradient "
+            "would be lost); to learn a scale, multiply the query by it and pass scale=1.0 "
+            "(for cosine, L2-normalise query and key yourself and pass similarity='dot')"
+        )
     try:
         number = math.nan if isinstance(scale, str) else float(scale)
     except (TypeError, ValueError, RuntimeError):

@@ -80,8 +80,9 @@ class AttentionModule(nn.Module):
 
 
 def _mask_as_4d(mask: Tensor | None, query: Tensor) -> Tensor | None:
-    """A mask of more than 4 dims with query's leading dims folded as :func:`as_4d` folds them."""
-    if mask is None or mask.dim() <= 4:
+    """The mask with query's leading dims folded as :func:`as_4d` folds them, where it has
+    any to fold: a query of more than 4 dims and a mask of more than 2 (T, S)."""
+    if mask is None or mask.dim() <= 2 or query.dim() <= 4:
         return mask
     return as_4d(mask.expand(*query.shape[:-2], *mask.shape[-2:]))
 

@@ -94,7 +94,10 @@ def chunked_attention(
     masks = _Masks(lead, at_least_2d(allowed), causal, has_bias=bias is not None)
     # (N, T, D), (N, S, D), (N, S, Dv) with N = prod(lead): one batched matmul per tile.
     flat = [x.to(compute).reshape(math.prod(lead), *x.shape[-2:]) for x in (query, key, value)]
-    bias = finite_bias(at_least_2d(bias), torch.finfo(compute).max / (2 * masks.unit))
+    bias = at_least_2d(bias)
+    if bias is not None and bias.dtype.itemsize > compute.itemsize:
+        bias = bias.to(compute)  # as the explicit path adds it: beyond compute's range is ±inf
+    bias = finite_bias(bias, torch.finfo(compute).max / (2 * masks.unit))
     output = _ChunkedAttention.apply(*flat, bias, masks, scale, block_q, block_k)
     return output.reshape(*lead, t, dv).to(query.dtype)
 
@@ -174,8 +177,9 @@ def finite_bias(bias: Tensor | None, limit: float) -> Tensor | None:
     keys as the explicit path does, not emptied or NaN. ±inf stay; gradients pass unchanged."""
     if bias is None or limit >= torch.finfo(bias.dtype).max:
         return bias  # its finite values already lie within ±limit
-    moved = torch.where(torch.isfinite(bias), bias.clamp(-limit, limit) - bias, 0.0)
-    return bias + moved.detach()
+    beyond = torch.isfinite(bias) & (bias.abs() > limit)
+    passing = bias - bias.detach()  # exactly 0, carrying bias's gradient
+    return torch.where(beyond, bias.detach().clamp(-limit, limit) + passing, bias)
 
 
 class _ChunkedAttention(torch.autograd.Function):

@@ -94,8 +94,10 @@ def read_json(path: Path, what: str) -> dict:
 # Configs
 
 
-def activation_of(raw: dict, key: str) -> str:
-    name = raw.get(key, "gelu")
+def activation_of(raw: dict, key: str, default: str) -> str:
+    """Our name for the activation ``raw[key]`` names (``default``, as Hugging Face's config
+    class defaults it, when absent)."""
+    name = raw.get(key, default)
     if name not in HF_ACTIVATIONS:
         raise SelfAttnError(
             f"unsupported {key} {name!r} in config.json; supported: {', '.join(HF_ACTIVATIONS)}"
@@ -110,6 +112,11 @@ def bert_config(raw: dict, pooler: bool) -> BertConfig:
             f"unsupported position_embedding_type {raw['position_embedding_type']!r}; "
             "only 'absolute' BERT positions are built here"
         )
+    if raw.get("is_decoder"):
+        raise SelfAttnError(
+            "unsupported is_decoder true in config.json (causal BERT); this BERT attends both "
+            "ways: load a bidirectional encoder checkpoint, or a GPT-2 one for a decoder"
+        )
     return BertConfig(
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
@@ -119,7 +126,7 @@ def bert_config(raw: dict, pooler: bool) -> BertConfig:
         max_positions=raw["max_position_embeddings"],
         type_vocab_size=raw.get("type_vocab_size", 2),
         layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
-        activation=activation_of(raw, "hidden_act"),
+        activation=activation_of(raw, "hidden_act", "gelu"),
         pooler=pooler,
     )
 
@@ -142,7 +149,7 @@ def gpt2_config(raw: dict) -> GPTConfig:
         n_head=raw.get("n_head", 12),
         n_embd=n_embd,
         layer_norm_eps=raw.get("layer_norm_epsilon", 1e-5),
-        activation=activation_of(raw, "activation_function"),
+        activation=activation_of(raw, "activation_function", "gelu_new"),
     )
 
 
