@@ -275,15 +275,21 @@ def test_a_float64_mask_beyond_the_compute_range_masks_as_on_the_explicit_path(d
 
 
 def test_finite_bias_clamps_values_far_beyond_the_limit_and_passes_gradients():
-    """-1e300 clamped to -1e38 is -1e38 (it was bias + (clamp - bias) = 0: cancelled in
-    float64); ±inf and values within the limit stay; every gradient is 1. Exact."""
+    """In float64, -1e300 clamped to a limit of ~9e37 is that limit (it was bias + (clamp -
+    bias) = 0: cancelled); ±inf and values within the limit stay; every gradient is 1. A float64
+    bias for a float32 backend is cast first: beyond float32's range it is -inf. Exact."""
     bias = torch.tensor([-1e300, 1e300, -1e39, 5.0, -math.inf], dtype=torch.float64)
     bias.requires_grad_()
-    clamped = finite_bias(bias, 1e38)
-    expected = torch.tensor([-1e38, 1e38, -1e38, 5.0, -math.inf], dtype=torch.float64)
+    unit = 1e270
+    limit = torch.finfo(torch.float64).max / (2 * unit)
+    clamped = finite_bias(bias, torch.float64, unit)
+    expected = torch.tensor([-limit, limit, -limit, 5.0, -math.inf], dtype=torch.float64)
     assert torch.equal(clamped.detach(), expected)
     clamped.sum().backward()
     assert torch.equal(bias.grad, torch.ones_like(bias))
+    cast = finite_bias(bias.detach(), torch.float32, 1.0)
+    assert cast.dtype == torch.float32
+    assert torch.equal(cast, torch.tensor([-math.inf, math.inf, -math.inf, 5.0, -math.inf]))
 
 
 @pytest.mark.parametrize("similarity", ["dot", "cosine"])

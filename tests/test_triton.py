@@ -114,6 +114,22 @@ def test_float_mask_at_the_float_limits_is_a_bias_not_a_hole():
     assert_matches_reference(*_inputs(33, 64, 16), mask=mask)
 
 
+@pytest.mark.parametrize("value", [-1e39, -1e300])
+def test_a_float64_mask_beyond_float32_masks_as_on_the_explicit_path(value):
+    """The kernels add a float mask in float32, as the explicit path adds a float64 one to
+    float32 scores: beyond float32's range it is -inf, so a row all at it is empty (output 0)
+    and keys at it weigh 0, not clamped to a finite bias (uniform weights, masked keys
+    attended). Within 1e-5 of the explicit path."""
+    q, k, v = (x.float() for x in _inputs(5, 6, 16)[:3])
+    mask = torch.zeros(5, 6, dtype=torch.float64)
+    mask[1] = value  # an empty row
+    mask[2, :3] = value  # half of a row masked
+    expected = attention(q, k, v, mask=mask, backend="explicit")
+    output = attention(q, k, v, mask=mask, backend="triton")
+    assert (output[..., 1, :] == 0).all()
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=0)
+
+
 def test_fully_masked_rows_give_zero_output_and_zero_gradients():
     q, k, v, grad = _inputs(33, 64, 16)
     mask = torch.ones(2, 3, 33, 64, dtype=torch.bool)

@@ -94,10 +94,7 @@ def chunked_attention(
     masks = _Masks(lead, at_least_2d(allowed), causal, has_bias=bias is not None)
     # (N, T, D), (N, S, D), (N, S, Dv) with N = prod(lead): one batched matmul per tile.
     flat = [x.to(compute).reshape(math.prod(lead), *x.shape[-2:]) for x in (query, key, value)]
-    bias = at_least_2d(bias)
-    if bias is not None and bias.dtype.itemsize > compute.itemsize:
-        bias = bias.to(compute)  # as the explicit path adds it: beyond compute's range is ±inf
-    bias = finite_bias(bias, torch.finfo(compute).max / (2 * masks.unit))
+    bias = finite_bias(at_least_2d(bias), compute, masks.unit)
     output = _ChunkedAttention.apply(*flat, bias, masks, scale, block_q, block_k)
     return output.reshape(*lead, t, dv).to(query.dtype)
 
@@ -170,12 +167,20 @@ class _Masks:
             scaled.masked_fill_(key_pos > query_pos + offset, -math.inf)
 
 
-def finite_bias(bias: Tensor | None, limit: float) -> Tensor | None:
-    """The bias with its finite values clamped to [-limit, limit], ``limit`` being half the
-    largest number a backend computes in over what it multiplies the bias by, so that its
-    arithmetic stays finite: a row masked with Hugging Face's ``finfo.min`` then weighs its
-    keys as the explicit path does, not emptied or NaN. ±inf stay; gradients pass unchanged."""
-    if bias is None or limit >= torch.finfo(bias.dtype).max:
+def finite_bias(bias: Tensor | None, compute: torch.dtype, unit: float) -> Tensor | None:
+    """The bias for a backend that computes in ``compute`` and multiplies the bias by ``unit``.
+
+    A wider bias is cast to ``compute`` first, as the explicit path adds it (beyond its range:
+    ±inf, a masked key). Finite values are then clamped to ±limit, half the largest number of
+    ``compute`` over ``unit``, so that the arithmetic stays finite: a row masked with Hugging
+    Face's ``finfo.min`` then weighs its keys as the explicit path does, not emptied or NaN.
+    ±inf stay; gradients pass unchanged."""
+    if bias is None:
+        return None
+    if bias.dtype.itemsize > compute.itemsize:
+        bias = bias.to(compute)
+    limit = torch.finfo(compute).max / (2 * unit)
+    if limit >= torch.finfo(bias.dtype).max:
         return bias  # its finite values already lie within ±limit
     beyond = torch.isfinite(bias) & (bias.abs() > limit)
     passing = bias - bias.detach()  # exactly 0, carrying bias's gradient

@@ -1140,7 +1140,7 @@ def _kernel_mask(
     outer_dims = lead[:-1] if inner > 1 else lead
     outer = math.prod(outer_dims)
     if mask.dtype != torch.bool:  # the kernels add it in base 2, in float32
-        mask = finite_bias(mask.to(device), torch.finfo(torch.float32).max / (2 * LOG2E))
+        mask = finite_bias(mask.to(device), torch.float32, LOG2E)
     mask = mask.to(device).reshape((1,) * (len(lead) + 2 - mask.dim()) + mask.shape)
     own = mask.shape[len(outer_dims) :]  # (inner?, T, S), 1 where the mask broadcasts
     merged = mask.expand(*outer_dims, *own).reshape(outer, math.prod(own[:-2]), *own[-2:])
