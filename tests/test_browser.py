@@ -33,8 +33,9 @@ def qkv(shape=(L, H, T, D), seed=0):
 
 
 def write_page(
-    tmp_path, similarity="dot", causal=False, tokens=TOKENS, scale=None, **selection
-) -> tuple[Path, tuple]:
+    tmp_path, similarity="dot", causal=False, tokens=TOKENS, scale=None, names=None, note=None,
+    **selection,
+) -> tuple[Path, tuple]:  # fmt: skip
     q, k, v = qkv(shape=(L, H, len(tokens), D))
     data = page_payload(
         tokens=tokens,
@@ -49,6 +50,8 @@ def write_page(
         head=selection.get("head", 2),
         query_index=selection.get("query_index"),
         causal=causal,
+        names=names,
+        note=note,
     )
     path = tmp_path / f"page-{similarity}-{causal}.html"
     path.write_text(render_page(data), encoding="utf-8")
@@ -121,6 +124,37 @@ def test_top_keys_name_a_repeated_token_by_its_index(browser, tmp_path):
     assert sorted(key for key, _ in shown) == list(range(T))  # every key of 6 listed
     for key, name in shown:
         assert name == (f"{key}:the" if tokens[key] == "the" else tokens[key])
+    watched.check_clean()
+
+
+def test_top_keys_name_each_key_as_the_payload_names_it(browser, tmp_path):
+    # Two unknown tokens, named by the texts they stand for (as Python's lists name them): two
+    # names, so neither needs its token index.
+    tokens = ["i", "love", "[UNK]", "and", "[UNK]", "bank"]
+    names = ["i", "love", "'🙂' ([UNK])", "and", "'🍕' ([UNK])", "bank"]
+    path, _ = write_page(tmp_path, tokens=tokens, names=names)
+    watched = Watched(browser, path)
+    watched.page.click(".token[data-index='5']")
+    shown = watched.page.eval_on_selector_all(
+        ".top-keys li", "(items) => items.map((li) => [+li.dataset.key, li.firstChild.textContent])"
+    )
+    assert sorted(shown) == [[key, name] for key, name in enumerate(names)]
+    assert watched.page.text_content(".token[data-index='2']") == "[UNK]"  # tokens stay as read
+    watched.check_clean()
+
+
+def test_the_note_on_the_first_query_shows_while_it_is_the_query(browser, tmp_path):
+    note = "first token of 'river bank', 2 words to the model at tokens 3..4"
+    path, _ = write_page(tmp_path, query_index=3, note=note)
+    watched = Watched(browser, path)
+    assert watched.page.is_visible("#query-note")
+    assert watched.page.text_content("#query-note") == note
+    watched.page.click(".token[data-index='1']")
+    assert watched.page.is_hidden("#query-note")  # the note is about token 3, not this one
+    watched.page.click(".token[data-index='3']")
+    assert watched.page.is_visible("#query-note")
+    plain, _ = write_page(tmp_path, query_index=3)  # the same file, now without a note
+    assert Watched(browser, plain).page.is_hidden("#query-note")  # no note, no line
     watched.check_clean()
 
 

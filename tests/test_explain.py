@@ -7,6 +7,7 @@ against the model's own fast-path output 1e-5.
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import re
@@ -21,12 +22,16 @@ from selfattn.attention import choose_backend, make_call
 from selfattn.cli import app
 from selfattn.errors import SelfAttnError
 from selfattn.models.loading import load
+from selfattn.text import is_mark
+from selfattn.viz.report import page_data
 
 MONEY = "I went to the bank to deposit money."
 MONEY_2 = "She asked the bank for a loan to buy a house."
 RIVER = "We sat on the bank of the river and watched the water."
 TWO_BANKS = "I sat on the bank, then walked to the bank."
 TWO_RIVERS = "We sat on the river bank and the river was high."  # river: tokens 5 and 9
+UNKNOWN_BANK = "I love 🙂 and the bank"  # MiniLM reads the emoji as [UNK]
+HINDI = "मैं बैंक गया"  # "I went to the bank"
 
 runner = CliRunner()
 
@@ -290,7 +295,7 @@ def test_the_head_for_a_word_in_pieces_is_chosen_on_the_word_row(model, query):
 def fake_run(tokens, word_ids, query: int | list[int], rows: dict[tuple[int, int], list], **text):
     """A recorded run whose layer/head weights are given: ``rows[(layer, head)]`` is the row
     of the query token(s) (one row for all, or one per token); every other row is uniform.
-    ``text``: the run's ``text`` and ``offsets``, where a test needs them."""
+    ``text``: the run's ``text`` and ``offsets``; by default the tokens spelled out."""
     n_layers = 1 + max(layer for layer, _ in rows)
     n_heads = 1 + max(head for _, head in rows)
     t = len(tokens)
@@ -301,7 +306,21 @@ def fake_run(tokens, word_ids, query: int | list[int], rows: dict[tuple[int, int
             weights[head, query] = torch.tensor(rows[layer, head])
         layers.append([SimpleNamespace(weights=lambda weights=weights: weights)])
     captures = SimpleNamespace(n_layers=n_layers, layer=lambda index: layers[index])
+    text = text or spelled(tokens, word_ids)
     return SimpleNamespace(tokens=tokens, word_ids=word_ids, captures=captures, **text)
+
+
+def spelled(tokens: list[str], word_ids: list[int | None]) -> dict:
+    """A text and offsets that the tokens spell, words apart ("bank ##s" -> "banks");
+    special tokens (no word) at (0, 0)."""
+    text, offsets = "", []
+    for token, word in zip(tokens, word_ids, strict=True):
+        piece = token.removeprefix("##")
+        if word is not None and text and piece == token:
+            text += " "
+        offsets.append((0, 0) if word is None else (len(text), len(text) + len(piece)))
+        text += "" if word is None else piece
+    return {"text": text, "offsets": offsets}
 
 
 def test_choose_head_counts_only_other_content_words():
@@ -370,6 +389,68 @@ def test_an_unknown_token_is_named_by_the_text_it_stands_for():
     merged = invoke("explain", "I love it 🙂 so much", "--word", "🙂", "--head", "mean", "--words")
     assert "'🙂' ([UNK]), layer" in merged.stdout  # the titles of the bars too
     assert "'🙂' ([UNK]) by word (pieces merged)" in merged.stdout
+
+
+def test_the_top_lists_name_an_unknown_key_by_the_text_it_stands_for(model):
+    # The emoji is [UNK] (token 3): explain's top line, the page's lists and compare's lines and
+    # JSON label name it '🙂' ([UNK]), as the query line names an unknown query. A weight
+    # shown with 2 decimals is the JSON's, rounded.
+    args = (UNKNOWN_BANK, "--word", "bank", "--layer", "0", "--head", "0")
+    data = explain_json(*args)
+    assert data["tokens"][3] == "[UNK]" and 3 in torch.tensor(data["weights"]).topk(5).indices
+    shown = " ".join(invoke("explain", *args).stdout.split())
+    top = re.search(r"top attended: (.*?) output =", shown).group(1)
+    assert f"'🙂' ([UNK]) {data['weights'][3]:.2f}" in top and " [UNK]" not in top
+    run, explanation = explaining.explain_text(model, UNKNOWN_BANK, word="bank")
+    assert page_data(run, explanation)["names"][3] == "'🙂' ([UNK])"
+    sentences = (UNKNOWN_BANK, "the 🙂 bank")
+    compared = cli_json("compare", *sentences, "--word", "bank")
+    unknown = [entry for entry in compared["attended"][0] if entry["index"] == 3]
+    assert [entry["label"] for entry in unknown] == ["'🙂' ([UNK])"]
+    shown = " ".join(invoke("compare", *sentences, "--word", "bank").stdout.split())
+    assert f"'🙂' ([UNK]) {unknown[0]['weight']:.2f}" in shown
+
+
+def test_a_word_whose_marks_the_tokenizer_drops_is_named_by_its_text():
+    # MiniLM drops the vowel sign ै and the nasal sign ं (marks of category Mn) of बैंक and
+    # reads ब ##क, "बक" (another word): prose names the word and its pieces by the text, as it
+    # names [UNK], and keeps what the model read in parentheses.
+    args = ("explain", HINDI, "--word", "बैंक")
+    shown = " ".join(invoke(*args, "--layer", "0", "--head", "0").stdout.split())
+    assert "query 2 'बैं' (ब) (piece 1 of 2 of 'बैंक' (बक); --words merges them)" in shown
+    assert "tokens 0:[CLS] 1:म 2:ब 3:##क" in shown  # the tokens are still the model's
+    chosen = " ".join(invoke(*args).stdout.split())
+    assert "(chosen: 'बैंक' (बक) (the mean of its 2 pieces' rows) puts" in chosen
+
+
+def test_the_header_never_cuts_a_combining_mark_from_its_character():
+    # 280 characters without a space: the header shows their start, cut before a character
+    # and its marks (at the 160th character it would cut ि from क, "क्योंकि" = क ् य ो ं क ि).
+    text = "क्योंकि" * 40
+    result = runner.invoke(app, ["explain", text, "--layer", "0", "--head", "0"],
+                           env={"COLUMNS": "1000"})  # fmt: skip
+    assert result.exit_code == 0, result.output
+    start = re.search(r"text (\S+) … \(280 characters", result.stdout).group(1)
+    assert text.startswith(start) and not is_mark(text[len(start)])
+
+
+def test_the_notebook_page_says_when_a_word_is_read_as_several(model):
+    # run.html(word=...) opens on the word's first token and says so, as the terminal and the
+    # JSON's query.note do; a word of one token has no note.
+    run = model.run("We sat on the river bank.")
+    payload = notebook_payload(run.html(word="river bank", layer=0, head=0))
+    note = explain_json(run.text, "--word", "river bank", "--layer", "0")["query"]["note"]
+    assert payload["note"] == note and note.startswith("first token of 'river bank'")
+    assert payload["selection"]["query"] == 5
+    assert notebook_payload(run.html(word="bank"))["note"] is None
+
+
+def notebook_payload(page: str) -> dict:
+    """The payload of the page inside a notebook view's iframe."""
+    source = html.unescape(re.search(r'srcdoc="(.*?)"', page, re.S).group(1))
+    data = re.search(r'<script type="application/json" id="selfattn-payload">(.*?)</script>',
+                     source, re.S).group(1)  # fmt: skip
+    return json.loads(data)
 
 
 @pytest.mark.parametrize("query", [2, 3], ids=["first piece", "second piece"])

@@ -127,6 +127,14 @@ def test_selection_defaults_and_words_travel():
     assert payload(head="mean")["selection"]["head"] == "mean"  # the page's mean of heads
 
 
+def test_names_and_the_query_note_travel():
+    # names: how the page's list of attended keys names each token; the tokens by default.
+    assert payload()["names"] == TOKENS and payload()["note"] is None
+    names = ["Ciao", "x", "'🙂' ([UNK])", "y", "z"]
+    data = payload(names=names, note="piece 1 of 2 of 'giochi'", query_index=2)
+    assert data["names"] == names and data["note"] == "piece 1 of 2 of 'giochi'"
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -137,6 +145,7 @@ def test_selection_defaults_and_words_travel():
         ({"query_index": 5}, "query_index 5 out of range"),
         ({"similarity": "euclid"}, "unknown similarity"),
         ({"words": [0]}, "one word index per token"),
+        ({"names": ["a"]}, "one name per token"),
         ({"key": torch.zeros(L, H, T, D + 1)}, "same shape"),
         ({"query": torch.zeros(H, T, D)}, r"\(layers, heads, tokens, dim\)"),
     ],

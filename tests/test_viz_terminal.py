@@ -108,6 +108,15 @@ def test_heatmap_lines_up_wide_cjk_labels():
     assert grid[5 + 3][bank_column : bank_column + 3] == "███"  # row "bank", key "bank"
 
 
+def test_heatmap_writes_a_key_label_down_with_each_character_and_its_marks():
+    # The column labels run downwards a character a line; a vowel sign (ै, ं, ा) stays on its
+    # letter's line instead of standing alone on a line of its own.
+    text = render(heatmap(["a", "b"], ["बैंक", "गया"], torch.eye(2), "t"))
+    header = [line.split() for line in text.splitlines()[1:3]]
+    assert header == [["बैं", "ग"], ["क", "या"]]
+    assert "a ███" in text.splitlines()[3]  # the rows follow right after those two lines
+
+
 @pytest.mark.parametrize(("sentences", "width"), [(3, 80), (5, 80), (5, 200)])
 def test_comparison_prints_every_similarity_whole(sentences, width):
     """Layers as rows while the pairs fit the terminal, else pairs as rows: never a cut cell."""

@@ -10,7 +10,9 @@ puts the most weight on *other content words* — not itself, not special tokens
 unknown token (``[UNK]``: the model reads only "some unknown text" there). Without a query
 word, the same measure averaged over every content token.
 
-An unknown token is named by the characters it stands for, ``'🙂' ([UNK])``. A ``word`` that
+An unknown token is named by the characters it stands for, ``'🙂' ([UNK])``, and so is one
+whose combining marks the tokenizer dropped (MiniLM reads बैंक as ``ब ##क``: ``'बैंक' (बक)``),
+in prose and in the lists of attended keys. A ``word`` that
 the model reads as several words (a phrase, ``well-known``, ``银行``) is explained on its
 first token, and :attr:`Explanation.phrase_note` says so.
 
@@ -35,7 +37,7 @@ from torch import Tensor
 from selfattn.attention import AttentionTrace
 from selfattn.errors import SelfAttnError
 from selfattn.recording import Recording
-from selfattn.text import join_pieces
+from selfattn.text import is_mark, join_pieces
 
 STOPWORDS = frozenset(
     "a an the to of and or but in on at by for with from into as is are was were be been it "
@@ -117,7 +119,15 @@ class Explanation:
     causal: bool  # a decoder: each query sees only the keys up to itself
     masked: Tensor  # (T, S) bool: True where the query may not attend the key (weight 0)
     query_phrase: Phrase | None = None  # the word asked for, when the model reads several
-    unknown: dict[int, str] = field(default_factory=dict)  # [UNK] token -> the text it stands for
+    # token -> the text it stands for, where the token does not show it (see hidden_texts)
+    hidden: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def query_note(self) -> str | None:
+        """What the query token is of the text asked for, when only a part of it: the first
+        token of a phrase, or one piece of a word."""
+        notes = [note for note in (self.phrase_note, self.piece_note) if note is not None]
+        return "; ".join(notes) if notes else None
 
     @property
     def phrase_note(self) -> str | None:
@@ -142,8 +152,15 @@ class Explanation:
         )
 
     def name(self, text: str, tokens: list[int]) -> str:
-        """A token or word as quoted in prose: 'bank', or '🙂' ([UNK]) for an unknown token."""
-        return quoted(text, tokens, self.tokens, self.unknown)
+        """A token or word as quoted in prose: 'bank', or '🙂' ([UNK]) by the text it stands
+        for where its tokens do not show it (see :func:`hidden_texts`)."""
+        return quoted(text, tokens, self.tokens, self.hidden)
+
+    @property
+    def key_names(self) -> list[str]:
+        """Each token as the lists of attended keys name it (see :func:`listed_names`)."""
+        groups = [(token, [i]) for i, token in enumerate(self.tokens)]
+        return listed_names(groups, self.tokens, self.hidden)
 
     @property
     def masked_keys(self) -> list[int]:
@@ -161,9 +178,8 @@ class Explanation:
         if self.query is None:
             return None
         query: dict = {"index": self.query, "token": self.tokens[self.query]}
-        notes = [note for note in (self.phrase_note, self.piece_note) if note is not None]
-        if notes:
-            query["note"] = "; ".join(notes)
+        if self.query_note is not None:
+            query["note"] = self.query_note
         return query
 
     def to_json(self) -> dict:
@@ -284,7 +300,7 @@ def explain(
         query_word=None if query is None else word_of(run.tokens, run.word_ids, query),
         causal=capture.causal,
         masked=never_attended(trace),
-        unknown=unknown_texts(run),
+        hidden=hidden_texts(run),
     )
 
 
@@ -340,17 +356,24 @@ def explain_text(
     if options.get("similarity") is not None or options.get("scale") is not None:
         _check_experiment(word is not None or index is not None, options.get("head"), QUERY_OPTIONS)
     run = model.run(text, truncate=truncate)
+    query = word if word is not None else index
+    return run, explain_query(run, query, model_name=model.name, occurrence=occurrence, **options)
+
+
+def explain_query(
+    run: RecordedRun, query: str | int | None, *, model_name: str, occurrence: int = 0, **options
+) -> Explanation:
+    """:func:`explain` for a query given as a word (its first token, the ``occurrence``-th
+    match; :attr:`Explanation.phrase_note` says when the model reads several words in it) or
+    as a token index. ``options`` are those of :func:`explain`."""
     phrase = None
-    if word is not None:
-        tokens = run.word_tokens(word, occurrence)
-        query = tokens.start
-        phrase = phrase_of(run, tokens)
-    else:
-        query = index
+    if isinstance(query, str):
+        tokens = run.word_tokens(query, occurrence)
+        query, phrase = tokens.start, phrase_of(run, tokens)
     if query is not None and not 0 <= query < len(run.tokens):
         raise IndexError(f"token index {query} is out of range: tokens 0..{len(run.tokens) - 1}")
-    explanation = explain(run, model_name=model.name, query=query, **options)
-    return run, replace(explanation, query_phrase=phrase)
+    explanation = explain(run, model_name=model_name, query=query, **options)
+    return replace(explanation, query_phrase=phrase)
 
 
 def phrase_of(run: RecordedRun, tokens: range) -> Phrase | None:
@@ -363,21 +386,49 @@ def phrase_of(run: RecordedRun, tokens: range) -> Phrase | None:
     return Phrase(" ".join(run.text[start:end].split()), list(tokens), words)
 
 
-def unknown_texts(run: RecordedRun) -> dict[int, str]:
-    """The characters each unknown token (``[UNK]``) of the run stands for, by token index."""
-    return {
-        i: run.text[slice(*run.offsets[i])]
-        for i, token in enumerate(run.tokens)
-        if token in UNKNOWN_TOKENS
-    }
+def hidden_texts(run: RecordedRun) -> dict[int, str]:
+    """The characters of the text that a token stands for where the token does not show them,
+    by token index: an unknown token (``[UNK]``), or one whose combining marks the tokenizer
+    dropped (MiniLM reads बैं as ``ब``; its offsets cover ``ब`` only, no token the marks)."""
+    covered = {at for start, end in run.offsets for at in range(start, end)}
+    hidden = {}
+    for i, (start, end) in enumerate(run.offsets):
+        if start == end:  # a special token
+            continue
+        while end < len(run.text) and end not in covered and is_mark(run.text[end]):
+            end += 1
+        text = run.text[start:end]
+        if run.tokens[i] in UNKNOWN_TOKENS or _marks(text) != _marks(run.tokens[i]):
+            hidden[i] = text
+    return hidden
 
 
-def quoted(name: str, members: list[int], tokens: list[str], unknown: dict[int, str]) -> str:
+def _marks(text: str) -> list[str]:
+    return [char for char in text if is_mark(char)]
+
+
+def quoted(name: str, members: list[int], tokens: list[str], hidden: dict[int, str]) -> str:
     """A token or word (``name``, made of the tokens ``members``) as quoted in prose: 'bank';
-    one with an unknown token by the text it stands for, '🙂' ([UNK])."""
-    if not any(i in unknown for i in members):
-        return f"'{name}'"
-    stands_for = "".join(unknown.get(i, tokens[i].removeprefix("##")) for i in members)
+    one that does not show its text, by that text: '🙂' ([UNK]), 'बैंक' (बक)."""
+    return _by_text(name, members, tokens, hidden) or f"'{name}'"
+
+
+def listed_names(
+    groups: list[tuple[str, list[int]]], tokens: list[str], hidden: dict[int, str]
+) -> list[str]:
+    """Each key (a token or word, with its tokens) as the lists of attended keys name it: as
+    written, bank; one that does not show its text as prose quotes it, '🙂' ([UNK])."""
+    return [_by_text(name, members, tokens, hidden) or name for name, members in groups]
+
+
+def _by_text(
+    name: str, members: list[int], tokens: list[str], hidden: dict[int, str]
+) -> str | None:
+    """'🙂' ([UNK]): a token or word by the text it stands for, where some of its tokens do
+    not show theirs; None where they all do."""
+    if not any(i in hidden for i in members):
+        return None
+    stands_for = "".join(hidden.get(i, tokens[i].removeprefix("##")) for i in members)
     return f"'{stands_for.strip()}' ({name})"
 
 
@@ -459,7 +510,7 @@ def _measured_rows(
     if query is None:
         return content or list(range(len(run.tokens))), "the words put"
     name, pieces = word_of(run.tokens, run.word_ids, query)
-    named = quoted(name, pieces, run.tokens, unknown_texts(run))
+    named = quoted(name, pieces, run.tokens, hidden_texts(run))
     if len(pieces) == 1:
         return pieces, f"{named} puts"
     return pieces, f"{named} (the mean of its {len(pieces)} pieces' rows) puts"
@@ -631,7 +682,7 @@ def attended_words(run: RecordedRun, pieces: range, layer: int, top: int) -> lis
     tokens' rows (a word's, as ``merge_words`` defines it; a phrase's, over all its words), and
     no word it touches is listed."""
     groups = word_groups(run.tokens, run.word_ids)
-    names = [name for name, _ in groups]
+    names = listed_names(groups, run.tokens, hidden_texts(run))
     trace = run.captures.layer(layer)[0].trace()
     membership = torch.zeros(len(run.tokens), len(groups), dtype=trace.weights.dtype)
     for j, (_, members) in enumerate(groups):

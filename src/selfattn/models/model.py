@@ -209,11 +209,10 @@ class Run:
     ) -> str:
         """The explorer page as notebook HTML, opened on ``word`` and ``layer``/``head``."""
         # The views sit above the models (they take plain data); imported on demand.
-        from selfattn.explain import explain
+        from selfattn.explain import explain_query
         from selfattn.viz.report import notebook_html
 
-        query = self.token_index(word) if word is not None else None
-        explanation = explain(self, model_name=self.model_name, query=query, layer=layer, head=head)
+        explanation = explain_query(self, word, model_name=self.model_name, layer=layer, head=head)
         return notebook_html(self, explanation)
 
     def show(

@@ -11,6 +11,10 @@ Payload (a JSON object, the input of the page's ``render(payload)``)::
     version        1
     model, text    strings shown in the header
     tokens         [T] token strings;  words: [T] word index per token (null: special) or null
+    names          [T] each token as the list of attended keys names it: the token, or
+                   '🙂' ([UNK]) by the text it stands for where it does not show it
+    note           what the first query is of the word asked for (a phrase's first token, a
+                   piece of a word), or null
     layers, heads, length        L, H, T
     scale, similarity, causal    how the scores were made: "dot" or "cosine"; bottom-right mask
     dtype          "float32" or "float16" (little-endian), the encoding of the three tensors
@@ -83,6 +87,8 @@ def page_payload(
     query_index: int | None = None,
     words: Sequence[int | None] | None = None,
     causal: bool = False,
+    names: Sequence[str] | None = None,
+    note: str | None = None,
 ) -> dict:
     """The page's data: q, k, v of every layer and head ``(L, H, T, d)``, encoded compactly.
 
@@ -97,12 +103,14 @@ def page_payload(
         words: per token, the index of the word it belongs to (None for special tokens);
             the page groups the tokens of one word together.
         causal: bottom-right causal masking, as in :func:`selfattn.attention` (decoders).
+        names: each token as the list of attended keys names it (the tokens when None).
+        note: said under the first query, when it is only a part of the word asked for.
     """
     q, k, v = (
         _as_tensor(x, name) for x, name in ((query, "query"), (key, "key"), (value, "value"))
     )
     n_layers, n_heads, length, _ = q.shape
-    _check(tokens, q, k, v, similarity, layer, head, query_index, words)
+    _check(tokens, q, k, v, similarity, layer, head, query_index, words, names)
     dtype = _wire_dtype(q, k, v)
     return {
         "version": PAYLOAD_VERSION,
@@ -110,6 +118,8 @@ def page_payload(
         "text": text,
         "tokens": list(tokens),
         "words": None if words is None else list(words),
+        "names": list(tokens if names is None else names),
+        "note": note,
         "layers": n_layers,
         "heads": n_heads,
         "length": length,
@@ -146,7 +156,7 @@ def _as_tensor(x: Tensor | np.ndarray, name: str) -> Tensor:
     return tensor
 
 
-def _check(tokens, q, k, v, similarity, layer, head, query_index, words) -> None:
+def _check(tokens, q, k, v, similarity, layer, head, query_index, words, names) -> None:
     """One-line errors for inputs that would give a wrong or broken page."""
     if similarity not in SIMILARITIES:
         raise ValueError(f"unknown similarity {similarity!r}; choose 'dot' or 'cosine'")
@@ -160,6 +170,8 @@ def _check(tokens, q, k, v, similarity, layer, head, query_index, words) -> None
         raise ValueError(f"got {len(tokens)} tokens for tensors of {length} positions")
     if words is not None and len(words) != length:
         raise ValueError(f"words must give one word index per token ({length}), got {len(words)}")
+    if names is not None and len(names) != length:
+        raise ValueError(f"names must give one name per token ({length}), got {len(names)}")
     if not 0 <= layer < n_layers:
         raise ValueError(f"layer {layer} out of range: the run has layers 0..{n_layers - 1}")
     if head != "mean" and not (isinstance(head, int) and 0 <= head < n_heads):

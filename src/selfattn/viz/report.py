@@ -22,6 +22,7 @@ from selfattn.explain import (
     stacked_qkv,
     top_keys,
 )
+from selfattn.text import is_mark
 from selfattn.viz.figures import heatmap_figure, save_figure
 from selfattn.viz.html import page_payload, render_page
 from selfattn.viz.terminal import heatmap, step_table, weights_bars
@@ -53,10 +54,14 @@ HEADLINE_CHARS = 160  # longer texts are cut short in the header (every token is
 
 
 def _headline(e: Explanation) -> str:
-    """The text for the header: whole, or its start and how long it is."""
+    """The text for the header: whole, or its start (to a space, or, without one, before a
+    character whose combining marks would be cut from it) and how long it is."""
     if len(e.text) <= HEADLINE_CHARS:
         return e.text
-    start = e.text[:HEADLINE_CHARS].rsplit(" ", 1)[0]
+    end = HEADLINE_CHARS
+    while end > 0 and is_mark(e.text[end]):
+        end -= 1
+    start = e.text[:end].rsplit(" ", 1)[0]
     return f"{start} … ({len(e.text):,} characters, {len(e.tokens)} tokens)"
 
 
@@ -89,7 +94,9 @@ def print_explanation(console: Console, e: Explanation) -> None:
         console.print(step_table(labels, steps.scores, scaled, steps.weights, steps.scale))
         _print_masked_note(console, e)
         console.print(
-            Text.assemble(("top attended: ", "bold"), _listed(top_keys(labels, steps.weights)))
+            Text.assemble(
+                ("top attended: ", "bold"), _listed(top_keys(shown(e.key_names), steps.weights))
+            )
         )
         output = steps.output
         own = float(steps.weights[e.query])
@@ -208,6 +215,7 @@ def page_data(run: RecordedRun, e: Explanation) -> dict:
         tokens=e.tokens, query=query, key=key, value=value, scale=scale,
         similarity=capture.similarity, model_name=e.model, text=e.text, layer=e.layer,
         head=head, query_index=e.query, words=run.word_ids, causal=capture.causal,
+        names=e.key_names, note=e.query_note,
     )  # fmt: skip
 
 

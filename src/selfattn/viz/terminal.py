@@ -19,6 +19,8 @@ from rich.table import Table
 from rich.text import Text
 from torch import Tensor
 
+from selfattn.text import is_mark
+
 ArrayLike = Tensor | np.ndarray | Sequence[float] | Sequence[Sequence[float]]
 
 CAPTION = "rows: queries, columns: keys"
@@ -211,11 +213,13 @@ class Heatmap:
         return block * width, None
 
     def _column_header(self, label_width: int, cell: int) -> Iterable[Text]:
-        """Key labels written downwards (few keys) or key indices written downwards (many)."""
+        """Key labels written downwards (few keys) or key indices written downwards (many), a
+        character and its combining marks on one line."""
         if len(self.columns) <= self.VERTICAL_LABELS:
-            labels = [_clip(token, self.LABEL_CHARS) for token in self.columns]
+            clipped = [_clip(token, self.LABEL_CHARS) for token in self.columns]
         else:
-            labels = [str(j) for j in range(len(self.columns))]
+            clipped = [str(j) for j in range(len(self.columns))]
+        labels = [_clusters(label) for label in clipped]
         height = max((len(label) for label in labels), default=0)
         for depth in range(height):
             line = Text(" " * (label_width + 1))
@@ -262,6 +266,19 @@ def _clip(token: str, width: int) -> str:
     return token if cell_len(token) <= width else set_cell_size(token, width - 1).rstrip() + "…"
 
 
+def _clusters(text: str) -> list[str]:
+    """The characters of ``text``, each with the combining marks that follow it: "बैंक" is
+    ["बैं", "क"], as a terminal draws them."""
+    found: list[str] = []
+    for char in text:
+        if found and is_mark(char):
+            found[-1] += char
+        else:
+            found.append(char)
+    return found
+
+
 def _fit(char: str, cells: int) -> str:
-    """One character padded to ``cells`` terminal cells; "·" for a wide one that cannot fit."""
+    """One character (with its marks) padded to ``cells`` terminal cells; "·" for a wide one
+    that cannot fit."""
     return set_cell_size(char if cell_len(char) <= cells else "·", cells)

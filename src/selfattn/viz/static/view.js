@@ -244,6 +244,7 @@
       ui.head.value = String(state.head);
       const headText = state.head === "mean" ? "mean of heads" : `head ${state.head}`;
       ui.selection.textContent = `layer ${state.layer} · ${headText} · query ${tokenName(state.query)}`;
+      ui.queryNote.hidden = !model.note || state.query !== model.selection.query;
       tokenEls.forEach((el, i) => markChosen(el, i === state.query, "aria-selected"));
       thumbs.forEach((el) => markChosen(el, +el.dataset.layer === state.layer && +el.dataset.head === state.head, "aria-checked"));
       if (state.head === "mean") thumbs[state.layer * model.heads].tabIndex = 0; // Tab still reaches the model view
@@ -448,6 +449,8 @@
     ];
 
     const selection = h("p", { id: "selection", class: "selection", "aria-live": "polite" });
+    // what the first query is of the word asked for (a phrase's first token, a piece): shown while it is the query
+    const queryNote = h("p", { id: "query-note", class: "note", hidden: "" }, model.note || "");
     const header = h(
       "header",
       {},
@@ -463,6 +466,7 @@
       ),
       h("div", { class: "controls" }, layer, head, shadeBy),
       selection,
+      queryNote,
       h(
         "ol",
         { class: "steps" },
@@ -546,7 +550,7 @@
         grid,
       ),
     );
-    return { page, layer, head, shadeBy, sort, selection, lines, flow, strip, summary, map, tip, legend, stepsBody, stepsFoot, stepTitle, stepNote, output, grid };
+    return { page, layer, head, shadeBy, sort, selection, queryNote, lines, flow, strip, summary, map, tip, legend, stepsBody, stepsFoot, stepTitle, stepNote, output, grid };
   }
 
   function buildTokens(model, flow) {
@@ -726,12 +730,12 @@
     const head = h("p", { class: "summary-head" }, preview ? "preview: " : "", `query ${i} “`, h("b", {}, model.tokens[i]), "” looks at");
     const list = h("ol", { class: "top-keys" });
     const largest = row[top[0]] || 1;
-    const repeated = (token) => model.tokens.indexOf(token) !== model.tokens.lastIndexOf(token);
+    const names = model.names; // as Python's lists name them: '🙂' ([UNK]) by the text it stands for
+    const repeated = (name) => names.indexOf(name) !== names.lastIndexOf(name);
     for (const j of top) {
       const bar = h("span", { class: "bar" });
       bar.style.width = `${(row[j] / largest) * 100}%`;
-      const token = model.tokens[j];
-      const name = repeated(token) ? `${j}:${token}` : token; // "9:river" where the text has it twice
+      const name = repeated(names[j]) ? `${j}:${names[j]}` : names[j]; // "9:river" where the text has it twice
       list.append(
         h("li", { "data-key": String(j), "data-weight": String(row[j]) }, h("span", { class: "tok" }, name), h("span", { class: "bar-track" }, bar), h("span", { class: "num" }, fmt(row[j], 3))),
       );
