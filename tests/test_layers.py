@@ -81,16 +81,24 @@ def test_from_torch_refuses_what_it_cannot_copy():
         (lambda: MultiHeadAttention(8, 2, dropout=-0.1), r"dropout must be in \[0, 1\)"),
         (lambda: MultiHeadAttention(8, 2, similarity="cos"), "unknown similarity 'cos'.*cosine"),
         (lambda: SelfAttention(8, similarity="cos"), "unknown similarity 'cos'"),
-        (lambda: MultiHeadAttention(10, 0), "n_heads must be >= 1, got 10 and 0"),
+        (lambda: MultiHeadAttention(10, 0), "n_heads must be a whole number >= 1, got 0"),
+        (lambda: MultiHeadAttention(8, 2.0), "n_heads must be a whole number >= 1, got 2.0"),
         (lambda: MultiHeadAttention(10, 3), r"divisible by n_heads \(3\)"),
-        (lambda: SelfAttention(8, d_k=0), "d_k and d_v must be >= 1, got 8, 0, 8"),
-        (lambda: SelfAttention(8, d_v=-2), "d_k and d_v must be >= 1, got 8, 8, -2"),
+        (lambda: SelfAttention(8, d_k=0), "d_k must be a whole number >= 1, got 0"),
+        (lambda: SelfAttention(8, d_v=-2), "d_v must be a whole number >= 1, got -2"),
+        (lambda: SelfAttention(8.0), "d_model must be a whole number >= 1, got 8.0"),
         (lambda: TransformerBlock(8, 2, 16, norm_first=True, dropout=1.0), "dropout must be"),
     ],
 )
 def test_bad_constructor_options_fail_at_construction(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_a_layers_repr_shows_its_options():
+    layer = MultiHeadAttention(8, 2, dropout=0.1, similarity="cosine")
+    assert "n_heads=2, similarity='cosine', dropout=0.1, backend='auto'" in repr(layer)
+    assert "similarity='dot', dropout=0.0, backend='auto'" in repr(SelfAttention(8))
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,9 @@ class AttentionModule(nn.Module):
         self.dropout = dropout
         self.backend = "auto"
 
+    def extra_repr(self) -> str:
+        return f"similarity={self.similarity!r}, dropout={self.dropout}, backend={self.backend!r}"
+
     def attend(
         self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool
     ) -> Tensor:
@@ -120,6 +123,14 @@ def _check_input(x: Tensor, weight: Tensor, *, batched: bool, name: str = "x") -
         )
 
 
+def _check_sizes(**sizes: object) -> None:
+    """One line for a layer size that is not a whole number of at least 1 (2.0 included: it
+    would fail later, deep inside a reshape)."""
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {size!r}")
+
+
 class SelfAttention(AttentionModule):
     """The single head of the guide: Q = X W_q, K = X W_k, V = X W_v, then attention.
 
@@ -138,8 +149,7 @@ class SelfAttention(AttentionModule):
         super().__init__(similarity)
         d_k = d_model if d_k is None else d_k
         d_v = d_model if d_v is None else d_v
-        if min(d_model, d_k, d_v) < 1:
-            raise ValueError(f"d_model, d_k and d_v must be >= 1, got {d_model}, {d_k}, {d_v}")
+        _check_sizes(d_model=d_model, d_k=d_k, d_v=d_v)
         self.d_model = d_model
         self.W_q = nn.Linear(d_model, d_k, bias=bias)
         self.W_k = nn.Linear(d_model, d_k, bias=bias)
@@ -170,8 +180,7 @@ class MultiHeadAttention(AttentionModule):
         similarity: str = "dot",
     ) -> None:
         super().__init__(similarity, dropout)
-        if n_heads < 1 or d_model < 1:
-            raise ValueError(f"d_model and n_heads must be >= 1, got {d_model} and {n_heads}")
+        _check_sizes(d_model=d_model, n_heads=n_heads)
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         self.d_model = d_model
@@ -180,6 +189,9 @@ class MultiHeadAttention(AttentionModule):
         self.W_k = nn.Linear(d_model, d_model, bias=bias)
         self.W_v = nn.Linear(d_model, d_model, bias=bias)
         self.W_o = nn.Linear(d_model, d_model, bias=bias)
+
+    def extra_repr(self) -> str:
+        return f"n_heads={self.n_heads}, {super().extra_repr()}"
 
     def split_heads(self, x: Tensor) -> Tensor:
         b, t, d = x.shape
