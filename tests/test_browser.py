@@ -158,6 +158,27 @@ def test_the_note_on_the_first_query_shows_while_it_is_the_query(browser, tmp_pa
     watched.check_clean()
 
 
+def test_the_maps_labels_are_cut_between_letters_not_inside_one(browser, tmp_path):
+    """A label of more than 10 letters is cut to 9 and "…": a letter keeps its combining mark
+    and an emoji stays whole (two UTF-16 units), where cutting 9 units split them."""
+    marked, emoji = "abcdefghe\u0301xyz", "12345678🙂🙂🙂"
+    path, _ = write_page(tmp_path, tokens=[*TOKENS, marked, emoji])
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.add_init_script(
+        """window.drawn = [];
+        const fillText = CanvasRenderingContext2D.prototype.fillText;
+        CanvasRenderingContext2D.prototype.fillText = function (text, ...rest) {
+            window.drawn.push(String(text));
+            return fillText.call(this, text, ...rest);
+        };"""
+    )
+    page.goto(path.as_uri())
+    page.wait_for_selector("#app[data-ready='true']", timeout=30_000)
+    drawn = page.evaluate("() => window.drawn")
+    assert "abcdefghe\u0301…" in drawn and "12345678🙂…" in drawn, drawn
+    page.close()
+
+
 def test_layer_and_head_selectors_update_the_step_panel(browser, tmp_path):
     path, (q, k, v) = write_page(tmp_path, query_index=4)
     watched = Watched(browser, path)

@@ -131,6 +131,13 @@
   }
 
   const fmt = (x, digits = 4) => (Number.isFinite(x) ? x.toFixed(digits) : String(x));
+  // the letters of a text as a reader counts them: a letter with its marks, an emoji whole
+  const letters = (s) =>
+    typeof Intl.Segmenter === "function" ? Array.from(new Intl.Segmenter(undefined, { granularity: "grapheme" }).segment(s), (part) => part.segment) : Array.from(s);
+  const clip = (s, most) => {
+    const parts = letters(s);
+    return parts.length > most ? `${parts.slice(0, most - 1).join("")}…` : s;
+  };
 
   /** [r, g, b] of a #rrggbb colour. */
   const channels = (hex) => [1, 3, 5].map((i) => parseInt(hex.slice(i, i + 2), 16));
@@ -664,16 +671,15 @@
     ctx.fillStyle = palette.axis;
     ctx.font = `${Math.min(12, cell)}px system-ui, sans-serif`;
     if (labels) {
-      const clip = (s) => (s.length > 10 ? `${s.slice(0, 9)}…` : s);
       ctx.textAlign = "right";
       ctx.textBaseline = "middle";
-      tokens.forEach((tok, i) => ctx.fillText(clip(tok), margin - 6, margin + (i + 0.5) * cell));
+      tokens.forEach((tok, i) => ctx.fillText(clip(tok, 10), margin - 6, margin + (i + 0.5) * cell));
       tokens.forEach((tok, j) => {
         ctx.save();
         ctx.translate(margin + (j + 0.5) * cell, margin - 6);
         ctx.rotate(-Math.PI / 4);
         ctx.textAlign = "left";
-        ctx.fillText(clip(tok), 0, 0);
+        ctx.fillText(clip(tok, 10), 0, 0);
         ctx.restore();
       });
     } else {
