@@ -8,14 +8,21 @@ import math
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from urllib.parse import quote
 
 import httpx
 import pytest
+import torch
 
 from conftest import WatchedPage, needs_chromium
 from selfattn import server
+from selfattn.models.gpt import GPT, GPTConfig
 from selfattn.models.loading import load
+from selfattn.models.model import Model, ModelConfig
+from selfattn.text import Tokenizer
+from selfattn.train.data import CharTokenizer
 from test_browser import LOW_CONTRAST, emulate, luminance
 
 pytestmark = needs_chromium
@@ -23,6 +30,7 @@ pytestmark = needs_chromium
 BANK = "I went to the bank to deposit money."
 RIVER = "We sat on the bank of the river and watched the water."
 RIVER_TWICE = "We sat on the bank of the river and watched the river."
+RATES = "The bank raised its rates."
 XSS = "<img src=x onerror=alert(1)>"
 # The page computes in float64 from the float32 q, k, v; the API's explain in float32. Weights
 # and outputs agree to 1e-6 absolute; scores and scaled scores (|x| up to ~30 here, sums of
@@ -30,15 +38,15 @@ XSS = "<img src=x onerror=alert(1)>"
 TOL = 1e-6
 
 
-@pytest.fixture(scope="module")
-def base_url():
-    """uvicorn serving the explorer on a free 127.0.0.1 port for this module."""
+@contextmanager
+def serving(model: Model) -> Iterator[str]:
+    """uvicorn serving the explorer of ``model`` on a free 127.0.0.1 port: its address."""
     import uvicorn
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    app = server.create_app(load("minilm"))
+    app = server.create_app(model)
     uvicorn_server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     )
@@ -51,6 +59,25 @@ def base_url():
     yield f"http://127.0.0.1:{port}"
     uvicorn_server.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    """The explorer of all-MiniLM-L6-v2 for this module."""
+    with serving(load("minilm")) as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
+def decoder_url():
+    """The explorer of a small random character-level GPT: a decoder, its attention causal."""
+    torch.manual_seed(0)
+    chars = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz .")
+    config = GPTConfig(vocab_size=chars.vocab_size, block_size=64, n_layer=2, n_head=2, n_embd=16)
+    info = ModelConfig.for_decoder(config, "gpt")
+    model = Model(GPT(config), info, name="char", tokenizer=Tokenizer(chars.to_hf())).eval()
+    with serving(model) as address:
+        yield address
 
 
 class Watched(WatchedPage):
@@ -182,6 +209,69 @@ def test_compare_view_for_the_bank_sentences(browser, base_url):
     watched.check_clean()
 
 
+def compare_address(sentences: tuple[str, ...], word: str) -> str:
+    return "/?view=compare&" + "&".join(f"s={quote(s)}" for s in sentences) + f"&word={word}"
+
+
+def attends_to(page) -> list[str]:
+    """Per sentence of the compare view, what follows its "attends to"."""
+    return page.eval_on_selector_all(
+        "#compare-attended .looks", "(rows) => rows.map((r) => r.textContent.split(': ')[1])"
+    )
+
+
+def test_compare_notes_what_its_lists_leave_out_as_the_command_line_does(browser, base_url):
+    watched = Watched(browser, base_url, compare_address((BANK, RIVER), "bank"))
+    watched.wait("#compare-result")
+    page = watched.page
+    assert "n:word" not in page.text_content("#compare-note")  # no word twice in a sentence
+    assert "decoder" not in page.text_content("#compare-note")
+    watched.open(compare_address((BANK, RIVER_TWICE), "bank"))
+    watched.wait("#compare-result")
+    assert "8:river" in attends_to(page)[1]
+    assert "n:word = the word at token n, where a sentence has it" in page.text_content(
+        "#compare-note"
+    )
+    watched.check_clean()
+
+
+def test_compare_on_a_decoder_says_what_the_word_cannot_see(browser, decoder_url):
+    watched = Watched(browser, decoder_url, compare_address(("bank first", "the bank"), "bank"))
+    watched.wait("#compare-result")
+    page = watched.page
+    expected = api(
+        decoder_url, "/api/compare", {"sentences": ["bank first", "the bank"], "word": "bank"}
+    )
+    assert expected["attended"][0] == []  # nothing before the first word of S1
+    assert attends_to(page) == [
+        "no word before it",
+        f"the {expected['attended'][1][0]['weight']:.2f}",
+    ]
+    assert "a decoder: the word's vectors and attention see only the text up to it" in (
+        page.text_content("#compare-note")
+    )
+    watched.check_clean()
+
+
+def test_compare_numbers_its_sentences_as_the_form_does(browser, base_url):
+    watched = Watched(browser, base_url)
+    page = watched.page
+    page.click("#tab-compare")
+    page.click("#compare-add")
+    page.fill(".sentence-row:nth-child(2) .compare-sentence", "  ")  # left blank
+    page.fill(".sentence-row:nth-child(3) .compare-sentence", RATES)
+    page.fill("#compare-word", "bank")
+    page.click("#compare-run")
+    watched.wait("#compare-result")
+    form = page.eval_on_selector_all(".compare-sentence", "(inputs) => inputs.map((i) => i.value)")
+    result = page.eval_on_selector_all(
+        "#compare-attended .sentence", "(spans) => spans.map((s) => s.textContent)"
+    )
+    assert form == result == [BANK, RATES]  # the blank row went
+    assert page.text_content("#compare-table thead") == "layerS1 vs S2"
+    watched.check_clean()
+
+
 def test_similarity_and_scale_view_shows_both_weights_and_entropies(browser, base_url):
     watched = Watched(browser, base_url)
     page = watched.page
@@ -209,6 +299,20 @@ def test_similarity_and_scale_view_shows_both_weights_and_entropies(browser, bas
         assert close(shown, value["entropy_bits"])
     assert "sharper" in page.text_content("#ablation-verdict")  # no scaling: sharper weights
     assert "similarity=dot" in page.url and "scale=1" in page.url
+    watched.check_clean()
+
+
+@pytest.mark.parametrize(
+    ("text", "word"),
+    [("Tokenization is hard.", "tokenization"), ("She sat on the river bank.", "river bank")],
+)
+def test_similarity_and_scale_view_says_which_part_of_the_word_is_the_query(
+    browser, base_url, text, word
+):
+    watched = Watched(browser, base_url, f"/?view=ablation&text={quote(text)}&word={quote(word)}")
+    watched.wait("#ablation-result")
+    expected = api(base_url, "/api/explain", {"text": text, "word": word, "similarity": "cosine"})
+    assert watched.page.text_content("#ablation-note") == expected["query"]["note"]
     watched.check_clean()
 
 
@@ -362,7 +466,7 @@ def test_a_narrow_window_does_not_scroll_sideways(browser, base_url, width):
     watched = Watched(browser, base_url)
     page = watched.page
     page.set_viewport_size({"width": width, "height": 800})
-    four = (BANK, RIVER, "The bank raised its rates.", "She sat on the river bank.")
+    four = (BANK, RIVER, RATES, "She sat on the river bank.")
     sentences = "&".join(f"s={quote(s)}" for s in four)
     addresses = [
         ("#app", f"/?text={quote(BANK)}&word=bank"),
@@ -405,7 +509,7 @@ def test_the_map_tip_shows_whole_inside_the_window(browser, base_url, width):
 
 
 def test_more_sentences_than_the_limit_are_said_to_be_left_out(browser, base_url):
-    five = (BANK, RIVER, "The bank raised its rates.", "She sat on the river bank.", CAT)
+    five = (BANK, RIVER, RATES, "She sat on the river bank.", CAT)
     sentences = "&".join(f"s={quote(s)}" for s in five)
     watched = Watched(browser, base_url, f"/?view=compare&{sentences}&word=bank")
     watched.wait("#compare-result")
@@ -490,7 +594,7 @@ def test_every_view_reads_at_4_5_to_1_in_light_and_in_dark(browser, base_url, sc
     ground = page.eval_on_selector("body", "(e) => getComputedStyle(e).backgroundColor")
     dark = luminance([int(c) for c in ground[4:-1].split(",")]) < 0.05
     assert dark == (scheme == "dark")
-    four = "&".join(f"s={quote(s)}" for s in (BANK, RIVER, "The bank raised its rates.", "A bank."))
+    four = "&".join(f"s={quote(s)}" for s in (BANK, RIVER, RATES, "A bank."))
     for result, address in [
         ("#app", f"/?text={quote(BANK)}&word=bank"),
         ("#compare-result", f"/?view=compare&{four}&word=bank"),

@@ -213,17 +213,18 @@ def _inference(function: Callable[..., Any], *args: Any) -> Any:
         return function(*args)
 
 
-def check_size(model: Model, text: str) -> None:
-    """413 for a text over the character limit or the model's positions, before any run."""
+def check_size(model: Model, text: str, name: str = "the text") -> None:
+    """413 for a text over the character limit or the model's positions, before any run;
+    ``name`` says which text in the message ("sentence 2" of several)."""
     if len(text) > MAX_CHARS:
         raise TooLarge(
-            f"the text is {len(text):,} characters; the explorer takes at most {MAX_CHARS:,}: "
+            f"{name} is {len(text):,} characters; the explorer takes at most {MAX_CHARS:,}: "
             "shorten it"
         )
     limit = model.config.max_positions
     if model.tokenizer is not None and (count := model.tokenizer.count(text)) > limit:
         raise TooLarge(
-            f"the text is {count:,} tokens; {model.name} takes at most {limit:,}: shorten it"
+            f"{name} is {count:,} tokens; {model.name} takes at most {limit:,}: shorten it"
         )
 
 
@@ -358,8 +359,8 @@ def create_app(
     @app.post("/api/compare")
     async def compare(body: CompareRequest, request: Request) -> Response:
         """What `selfattn compare --json` prints: the word's cosine similarity, layer by layer."""
-        for sentence in body.sentences:
-            check_size(model, sentence)
+        for number, sentence in enumerate(body.sentences, 1):
+            check_size(model, sentence, f"sentence {number}")
         return await pool.run(_compare, model, body, receive=request.receive)
 
     return app

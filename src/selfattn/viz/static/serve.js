@@ -158,11 +158,14 @@
     input.value = value;
     const remove = h("button", { type: "button", class: "secondary remove" }, "×"); // named by renumber()
     const row = h("div", { class: "sentence-row" }, h("span", { class: "label" }, `S${inputs.length + 1}`), input, remove);
-    remove.addEventListener("click", () => {
-      if (sentenceInputs().length > 2) row.remove();
-      renumber();
-    });
+    remove.addEventListener("click", () => removeSentence(row));
     $("compare-sentences").append(row);
+    renumber();
+  }
+
+  /** Take a sentence's row off the form (two rows stay) and number the others again. */
+  function removeSentence(row) {
+    if (sentenceInputs().length > 2) row.remove();
     renumber();
   }
 
@@ -188,6 +191,7 @@
 
   async function compare(fromAddress) {
     const { s: sentences, word } = INPUTS.compare();
+    for (const input of sentenceInputs()) if (!input.value.trim()) removeSentence(input.parentElement); // S2 is then the same sentence in the form and in the result
     if (!fromAddress) navigate("compare");
     await request("compare", {
       fetch: () => api("/api/compare", { sentences, word }),
@@ -233,7 +237,7 @@
             "span",
             { class: "looks" },
             `“${data.word}” attends to: `,
-            ...data.attended[i].map(({ word, label, weight }) => h("span", { class: "chip", "data-word": word, "data-weight": String(weight) }, label, " ", h("b", {}, fmt(weight, 2)))),
+            ...(data.attended[i].length ? data.attended[i].map(chip) : [data.causal ? "no word before it" : "no other word"]),
           ),
         ),
       ),
@@ -244,12 +248,24 @@
         { class: "card" },
         h("h2", {}, `“${data.word}” across ${n} sentences`),
         attended,
-        h("p", { class: "hint" }, `attention: attention layer ${data.attended_layer} (the Explore view's layer ${data.attended_layer}; its block's output is layer ${data.attended_layer + 1} in the table below), mean of heads, word pieces merged; the word itself and special tokens left out; "9:river" is the token at index 9, where the word stands twice`),
+        h("p", { id: "compare-note", class: "hint" }, attentionNote(data)),
         h("h3", {}, "cosine similarity of its vectors, layer by layer"),
         h("p", { class: "hint" }, "layer 0 = the embedding output (the same word, only the position differs); 1.000 = the same direction"),
         h("div", { class: "table-scroll" }, table),
       ),
     );
+  }
+
+  /** One word the compared word attends to, with its weight. */
+  const chip = ({ word, label, weight }) => h("span", { class: "chip", "data-word": word, "data-weight": String(weight) }, label, " ", h("b", {}, fmt(weight, 2)));
+
+  /** How "attends to" was read, and what its lists leave out (as `selfattn compare` notes it). */
+  function attentionNote(data) {
+    const layer = data.attended_layer;
+    const notes = [`attention: attention layer ${layer} (the Explore view's layer ${layer}; its block's output is layer ${layer + 1} in the table below), mean of heads, word pieces merged; the word itself and special tokens left out`];
+    if (data.attended.flat().some(({ word, label }) => label !== word)) notes.push("n:word = the word at token n, where a sentence has it more than once");
+    if (data.causal) notes.push("a decoder: the word's vectors and attention see only the text up to it, so words after it change nothing");
+    return notes.join("; ");
   }
 
   // ---------- Similarity & scale ----------
@@ -298,6 +314,7 @@
         "section",
         { class: "card" },
         h("h2", {}, `query ${data.query.index} “${data.query.token}” · layer ${data.layer}, ${head}`),
+        ...(data.query.note ? [h("p", { id: "ablation-note", class: "note" }, data.query.note)] : []), // a piece of the word, or a phrase's first token
         h("p", { class: "hint" }, data.choice),
         entropyLine("ablation-entropy-model", "the model:", own),
         entropyLine("ablation-entropy-recomputed", "recomputed:", alt),
