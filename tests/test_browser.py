@@ -267,6 +267,16 @@ def test_float16_payloads_decode_to_the_same_numbers(browser, tmp_path, monkeypa
     watched = Watched(browser, path)
     halves = [x.half().float() for x in (q, k, v)]  # what float16 on the wire carries exactly
     assert_row_matches(watched, reference(*halves, 1, 2), 1)
+    assert "came as float16" in watched.page.text_content("#step-note")  # not Python's digits
+    watched.check_clean()
+
+
+def test_a_tiny_scale_reads_as_itself_not_as_zero(browser, tmp_path):
+    path, _ = write_page(tmp_path, scale=1e-30)
+    watched = Watched(browser, path)
+    assert "scale 1.000e-30" in watched.page.text_content(".meta")
+    assert "score × 1.000e-30" in watched.page.text_content("#step-note")
+    assert "came as float16" not in watched.page.text_content("#step-note")
     watched.check_clean()
 
 

@@ -131,6 +131,7 @@
   }
 
   const fmt = (x, digits = 4) => (Number.isFinite(x) ? x.toFixed(digits) : String(x));
+  const fmtScale = (x) => (x !== 0 && Math.abs(x) < 1e-3 ? x.toExponential(3) : fmt(x)); // 1e-30 is not 0.0000
   // the letters of a text as a reader counts them: a letter with its marks, an emoji whole
   const letters = (s) =>
     typeof Intl.Segmenter === "function" ? Array.from(new Intl.Segmenter(undefined, { granularity: "grapheme" }).segment(s), (part) => part.segment) : Array.from(s);
@@ -468,7 +469,7 @@
         "p",
         { class: "meta" },
         `${model.layers} layers × ${model.heads} heads · ${model.length} tokens · ${similarity}` +
-          `${model.causal ? " · causal" : ""} · scale ${fmt(model.scale)}`,
+          `${model.causal ? " · causal" : ""} · scale ${fmtScale(model.scale)}`,
         h("span", { class: "badge" }, "rows: queries, columns: keys"),
       ),
       h("div", { class: "controls" }, layer, head, shadeBy),
@@ -791,9 +792,11 @@
     );
     const total = weights.reduce((a, b) => a + b, 0);
     ui.stepsFoot.replaceChildren(h("tr", {}, h("td", {}, "total"), h("td"), h("td"), h("td", { class: "num strong" }, fmt(total)), h("td")));
-    ui.stepNote.textContent = mean
-      ? `mean of ${model.heads} heads: the weights are averaged; scores and outputs belong to single heads.`
-      : `scaled = score × ${fmt(model.scale)}; weight = softmax(scaled) over the row${model.causal ? "; keys after the query are masked (as if scaled were −∞): weight 0" : ""}.`;
+    const rounded = model.dtype === "float16" ? " q, k and v came as float16 to keep this long text's page small: the numbers agree with Python's to about 3 significant digits." : "";
+    ui.stepNote.textContent =
+      (mean
+        ? `mean of ${model.heads} heads: the weights are averaged; scores and outputs belong to single heads.`
+        : `scaled = score × ${fmtScale(model.scale)}; weight = softmax(scaled) over the row${model.causal ? "; keys after the query are masked (as if scaled were −∞): weight 0" : ""}.`) + rounded;
 
     if (mean) {
       ui.output.replaceChildren();
