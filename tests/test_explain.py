@@ -699,6 +699,7 @@ def test_compare_tells_a_repeated_attended_word_apart():
         (["compare", MONEY, "banks", "--word", "bank"], "sentence 2 ('banks')"),
         (["compare", MONEY, "", "--word", "bank"], "sentence 2 (''): the text is empty"),
         (["compare", MONEY, RIVER, "--word", "bank", "--occurrence", "1"], "sentence 1 ("),
+        (["compare", MONEY, RIVER, "--word", "  "], "Error: the word to find is empty"),
         (["explain", MONEY, "--word", "bank", "--scale", "nan"], "finite"),
         (["explain", MONEY, "--word", "bank", "--scale", "1e308"], "overflow"),
         (["explain", MONEY, "--scale", "2"], "one query of one head"),

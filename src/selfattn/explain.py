@@ -37,7 +37,7 @@ from torch import Tensor
 from selfattn.attention import AttentionTrace
 from selfattn.errors import SelfAttnError
 from selfattn.recording import Recording
-from selfattn.text import is_mark, join_pieces
+from selfattn.text import check_word, is_mark, join_pieces
 
 STOPWORDS = frozenset(
     "a an the to of and or but in on at by for with from into as is are was were be been it "
@@ -645,6 +645,7 @@ def compare_texts(
 
     This is what ``selfattn compare`` calls; an error names the sentence it is about.
     """
+    check_word(word)  # about no sentence in particular
     runs = []
     for number, sentence in enumerate(sentences, 1):
         with _naming_sentence(number, sentence):

@@ -68,8 +68,7 @@ class Encoding:
 
     def find(self, word: str, occurrence: int = 0) -> Span:
         """Character span of a whole-word, case-insensitive match of ``word`` (or a phrase)."""
-        if not word.strip():
-            raise SelfAttnError("the word to find is empty; pass a word of the text")
+        check_word(word)
         matches = self._matches(word)
         if occurrence >= len(matches) or occurrence < -len(matches):
             listed = ", ".join(dict.fromkeys(w.text for w in self.words))
@@ -216,6 +215,12 @@ class Tokenizer:
 
     def _known_characters(self) -> set[str]:
         return {token for token in self.backend.get_vocab() if len(token) == 1}
+
+
+def check_word(word: str) -> None:
+    """One line for a word to find that is empty or only spaces."""
+    if not word.strip():
+        raise SelfAttnError("the word to find is empty; pass a word of the text")
 
 
 def readable_byte_pieces(pieces: list[str], offsets: list[Span], text: str) -> list[str]:
