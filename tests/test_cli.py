@@ -4,6 +4,7 @@ loads and the server are replaced, or fail before any weights are read)."""
 from types import SimpleNamespace
 
 import pytest
+import typer.main
 from typer.testing import CliRunner
 
 from selfattn import cli, server
@@ -130,3 +131,42 @@ def test_the_current_folder_without_a_checkpoint_is_named(monkeypatch, tmp_path)
         f"Error: config.json in the current folder ({tmp_path}) is missing; the folder needs "
         "the checkpoint's config.json"
     ]
+
+
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [
+        (["explain", "the bank", "--words", "bank"], "--words"),  # meant --word bank
+        (["explain", "--words", "bank", "the bank"], "--words"),  # the text taken for "bank"
+        (["explain", "the bank", "--json", "out.json"], "--json"),  # it prints, writes no file
+        (["view", "the bank", "-o", "page.html", "--truncate", "more"], "--truncate"),
+    ],
+)
+def test_a_value_after_a_flag_is_named_in_the_one_line_error(command, flag, monkeypatch):
+    monkeypatch.setattr(cli, "_load", _never_loaded)
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: Got unexpected extra argument"), lines
+    assert f"; {flag} is a flag and takes no value. See `" in lines[0]
+    assert lines[0].endswith(f" {command[0]} --help`.")
+
+
+def test_an_extra_argument_after_no_flag_names_no_flag(monkeypatch):
+    monkeypatch.setattr(cli, "_load", _never_loaded)
+    result = CliRunner().invoke(app, ["view", "the bank", "the river", "-o", "page.html"])
+    assert result.exit_code == 2, result.output
+    assert "flag" not in result.stderr and "(the river)" in result.stderr
+
+
+def test_every_argument_is_shown_in_capitals_as_the_help_texts_name_it():
+    """``Continue PROMPT ...``: the usage line says [PROMPT], not [prompt]."""
+    commands = typer.main.get_command(app).commands
+    arguments = [
+        (name, param.metavar or param.name)
+        for name, command in commands.items()
+        for param in command.params
+        if param.param_type_name == "argument"
+    ]
+    assert len(arguments) >= 4  # explain, compare, view, generate
+    assert [shown for shown in arguments if not shown[1].isupper()] == []

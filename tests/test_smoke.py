@@ -7,6 +7,7 @@ to the digits it shows.
 """
 
 import ast
+import json
 import math
 import re
 from pathlib import Path
@@ -103,7 +104,10 @@ def test_each_step_says_what_it_means_with_its_numbers():
     unscaled = np.exp(hand["scores"][giochi]) / np.exp(hand["scores"][giochi]).sum()
     meanings = [
         "position information",  # step 1: what a real model adds
-        'Row "giochi": 10 with "giochi", 8 with "gioco", 1 with "a", 0 with "Ciao"',  # step 2
+        # step 2: what Q and K are before step 6 names them
+        "(the query, a row of Q) against every token (the keys, rows of K); here Q = K = X",
+        'Row "giochi": 10 with "giochi", 8 with "gioco", 1 with "a", 0 with "Ciao"',
+        "selfattn explain --similarity cosine",  # where to try it on a real model
         "√d_k = √4 = 2",  # step 3: why and by how much
         f"keep {unscaled[giochi]:.2f} of its attention for itself after step 4, "
         f"with it {hand['weights'][giochi, giochi]:.2f}",
@@ -249,3 +253,45 @@ def test_readme_documents_every_command_and_only_options_that_exist():
         if flag not in NOT_OURS and not any(has_flag(h, flag) for h in helps.values())
     }
     assert not unknown
+
+
+def printed(*args: str) -> str:
+    """What ``selfattn ARGS`` prints, its words as read whatever the line wrapping."""
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return " ".join(result.stdout.split())
+
+
+def test_readme_explain_and_compare_numbers_are_what_the_commands_print():
+    text = " ".join(readme_text().split())
+    explain = text.split("## Explain", 1)[1].split("### View", 1)[0]
+    sentence = re.search(r'selfattn explain "([^"]+)" --word bank', explain)[1]
+    bank = printed("explain", sentence, "--word", "bank")
+    scale = re.search(r"printed as (\d\.\d+)", explain)[1]
+    top = re.search(r"top attended words \(`([^`]+)`", explain)[1]
+    assert f"scaled by {scale}," in bank and f"top attended: {top}" in bank
+    layer, head, content, deposit = re.search(
+        r'here layer (\d+), head (\d+), where "bank" puts (\d\.\d+) of its weight on other '
+        r'content words, (\d\.\d+) on "deposit"',
+        explain,
+    ).groups()
+    chosen = f"layer {layer}, head {head} (chosen: 'bank' puts the most weight here, "
+    assert f"{chosen}{content}, on other content words" in bank
+    assert f"deposit {deposit}" in bank
+    river_text, river_weight = re.search(
+        r'in "([^"]+)" it picks the same head, with (\d\.\d+) on "river"', explain
+    ).groups()
+    river = printed("explain", river_text, "--word", "bank")
+    assert chosen in river and f"river {river_weight}" in river
+
+    command = re.search(r"selfattn compare (.*?) --word bank", explain)[1]
+    cosine = json.loads(
+        printed("compare", *re.findall(r'"([^"]+)"', command), "--word", "bank", "--json")
+    )["layers"][-1]["cosine"]
+    quoted = re.search(
+        r"stay closer \((\d\.\d+) at the last layer\) than a money bank and a river bank "
+        r"\((\d\.\d+) and (\d\.\d+)\)",
+        explain,
+    ).groups()
+    shown = [f"{cosine[0][1]:.2f}", f"{cosine[0][2]:.2f}", f"{cosine[1][2]:.2f}"]
+    assert list(quoted) == shown

@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from itertools import pairwise
 from pathlib import Path
 from typing import Annotated
 
@@ -33,9 +34,9 @@ class _Plain:
             option.metavar = ""
         return option
 
-    def make_context(self, *args, **kwargs):
-        with _one_line_usage_errors():
-            return super().make_context(*args, **kwargs)
+    def make_context(self, info_name, args, *rest, **kwargs):
+        with _one_line_usage_errors(_flag_given_a_value(self, list(args))):
+            return super().make_context(info_name, args, *rest, **kwargs)
 
 
 class _Group(_Plain, typer.core.TyperGroup):
@@ -48,14 +49,28 @@ class _Command(_Plain, typer.core.TyperCommand):
     pass
 
 
+def _flag_given_a_value(command, args: list[str]) -> str | None:
+    """The flag in ``args`` followed by a word (``--words bank``), if any: the likely cause
+    of an unexpected extra argument, as a flag takes no value."""
+    flags = {
+        name for param in command.params if getattr(param, "is_flag", False) for name in param.opts
+    }
+    for arg, following in pairwise(args):
+        if arg in flags and not following.startswith("-"):
+            return arg
+    return None
+
+
 @contextmanager
-def _one_line_usage_errors() -> Iterator[None]:
+def _one_line_usage_errors(flag_given_a_value: str | None = None) -> Iterator[None]:
     try:
         yield
     except _click.exceptions.UsageError as error:
         if type(error).__name__ == "NoArgsIsHelpError":  # shows the help, not an error
             raise
         message = error.format_message().rstrip(".")
+        if flag_given_a_value and "unexpected extra argument" in message:
+            message += f"; {flag_given_a_value} is a flag and takes no value"
         if error.ctx is not None:
             end = " " if message.endswith("?") else ". "
             message += f"{end}See `{error.ctx.command_path} --help`."
@@ -229,6 +244,7 @@ def generate(
     prompt: Annotated[
         str,
         typer.Argument(
+            metavar="PROMPT",
             help="Text to continue (for a model trained here, in characters of its text).",
             show_default="a new line",
         ),
