@@ -18,6 +18,7 @@ import torch
 
 from conftest import WatchedPage, needs_chromium
 from selfattn import server
+from selfattn.explain import compare_texts, explain_text
 from selfattn.models.gpt import GPT, GPTConfig
 from selfattn.models.loading import load
 from selfattn.models.model import Model, ModelConfig
@@ -62,9 +63,14 @@ def serving(model: Model) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def base_url():
+def minilm() -> Model:
+    return load("minilm")
+
+
+@pytest.fixture(scope="module")
+def base_url(minilm):
     """The explorer of all-MiniLM-L6-v2 for this module."""
-    with serving(load("minilm")) as address:
+    with serving(minilm) as address:
         yield address
 
 
@@ -314,6 +320,197 @@ def test_similarity_and_scale_view_says_which_part_of_the_word_is_the_query(
     expected = api(base_url, "/api/explain", {"text": text, "word": word, "similarity": "cosine"})
     assert watched.page.text_content("#ablation-note") == expected["query"]["note"]
     watched.check_clean()
+
+
+RIVERS = "The river bank was wet, so the river rose."  # "river" twice, as in RIVER_TWICE
+
+
+def test_compare_follows_the_occurrence_typed_and_kept_in_the_address(browser, base_url, minilm):
+    sentences = [RIVER_TWICE, RIVERS]
+    watched = Watched(browser, base_url)
+    page = watched.page
+    page.click("#tab-compare")
+    for row, sentence in enumerate(sentences, 1):
+        page.fill(f".sentence-row:nth-child({row}) .compare-sentence", sentence)
+    page.fill("#compare-word", "river")
+    page.keyboard.press("Tab")  # the next field, named by its label
+    focused = page.get_by_role("spinbutton", name="Occurrence (0 = first, -1 = last)")
+    assert focused.evaluate("(e) => e === document.activeElement")
+    page.keyboard.type("1")
+    page.keyboard.press("Enter")
+    watched.wait("#compare-result")
+    assert "occurrence=1" in page.url
+    # the library's numbers for the second "river" of each sentence, to 1e-6 (TOL)
+    expected = compare_texts(minilm, sentences, "river", occurrence=1).to_json()
+    first = compare_texts(minilm, sentences, "river").to_json()
+    cosines = [layer["cosine"][0][1] for layer in expected["layers"]]
+    assert cosines[1:] != pytest.approx([layer["cosine"][0][1] for layer in first["layers"]][1:])
+
+    def shown() -> tuple[list[float], list[list]]:
+        cells = page.eval_on_selector_all(
+            "#compare-table td[data-pair='0-1']", "(cells) => cells.map((c) => +c.dataset.value)"
+        )
+        chips = page.eval_on_selector_all(
+            "#compare-attended .chip",
+            "(chips) => chips.map((c) => [c.dataset.word, +c.dataset.weight])",
+        )
+        return cells, chips
+
+    chips = [
+        [a["word"], pytest.approx(a["weight"], abs=TOL)]
+        for row in expected["attended"]
+        for a in row
+    ]
+    assert shown() == (pytest.approx(cosines, abs=TOL), chips)
+    assert page.text_content("#compare-result h2") == "“river” (occurrence 1) across 2 sentences"
+
+    watched.open(page.url.removeprefix(base_url))  # reloaded: the same occurrence and numbers
+    watched.wait("#compare-result")
+    assert page.input_value("#compare-occurrence") == "1"
+    assert shown() == (pytest.approx(cosines, abs=TOL), chips)
+    watched.check_clean()
+
+
+def ablation_weights(page) -> dict:
+    """The Similarity & scale view's query, weights and entropies, as its data-* hold them."""
+    return page.evaluate(
+        """() => {
+            const numbers = (name) => [...document.querySelectorAll(`#ablation-table td`)]
+                .filter((c) => name in c.dataset).map((c) => +c.dataset[name]);
+            const entropy = (name) => +document.querySelector(`#ablation-entropy-${name}`)
+                .dataset.value;
+            return {query: +document.querySelector('#ablation-table tr.self').dataset.key,
+                    model: numbers('model'), recomputed: numbers('recomputed'),
+                    entropies: [entropy('model'), entropy('recomputed')]};
+        }"""
+    )
+
+
+def test_similarity_and_scale_follows_the_occurrence_through_back_and_forward(
+    browser, base_url, minilm
+):
+    options = {"layer": 1, "head": 3, "similarity": "dot", "scale": 1.0}
+    expected = {}  # occurrence -> what the library gives, to 1e-6 (TOL)
+    for occurrence in (1, 0):
+        _, explanation = explain_text(
+            minilm, RIVER_TWICE, word="river", occurrence=occurrence, **options
+        )
+        data = explanation.to_json()
+        expected[occurrence] = {
+            "query": data["query"]["index"],
+            "model": pytest.approx(data["weights"], abs=TOL),
+            "recomputed": pytest.approx(data["alternative"]["weights"], abs=TOL),
+            "entropies": pytest.approx(
+                [data["entropy_bits"], data["alternative"]["entropy_bits"]], abs=TOL
+            ),
+        }
+    assert expected[1]["query"] == 12 and expected[0]["query"] == 8
+
+    watched = Watched(browser, base_url)
+    page = watched.page
+    page.click("#tab-ablation")
+    page.fill("#ablation-text", RIVER_TWICE)
+    page.fill("#ablation-word", "river")
+    page.locator("#view-ablation").get_by_label("Occurrence (0 = first, -1 = last)").fill("1")
+    page.select_option("#ablation-layer", "1")
+    page.select_option("#ablation-head", "3")
+    page.select_option("#ablation-similarity", "dot")
+    page.fill("#ablation-scale", "1")
+    page.click("#ablation-run")
+    watched.wait("#ablation-result")
+    assert "occurrence=1" in page.url
+    assert ablation_weights(page) == expected[1]
+    page.fill("#ablation-occurrence", "0")
+    page.click("#ablation-run")
+    watched.wait("#ablation-result")
+    assert ablation_weights(page) == expected[0]
+
+    for move, occurrence in (("back", 1), ("forward", 0)):
+        getattr(page, f"go_{move}")()
+        page.wait_for_function("(n) => location.search.includes(`occurrence=${n}`)", arg=occurrence)
+        on_screen(page)
+        assert page.input_value("#ablation-occurrence") == str(occurrence)
+        assert ablation_weights(page) == expected[occurrence]
+    watched.check_clean()
+
+
+def ablation_outcome(page) -> dict:
+    """Once its run is over: the view's result state, its error and its form's choices."""
+    page.wait_for_function("() => !document.querySelector('[aria-busy]')", timeout=30_000)
+    return page.evaluate(
+        """() => ({ready: document.getElementById('ablation-result').dataset.ready ?? null,
+                   error: document.getElementById('error').hidden ? null
+                          : document.getElementById('error').textContent,
+                   picked: ['layer', 'head', 'similarity', 'scale'].map(
+                       (name) => document.getElementById(`ablation-${name}`).value)})"""
+    )
+
+
+@pytest.mark.parametrize(
+    ("given", "error"),
+    [
+        ("&word=bank&layer=9", "layer 9 is out of range: this model has layers 0..5"),
+        ("&word=bank&layer=abc", "layer: Input should be a valid integer"),
+        (
+            "&word=bank&head=mean",
+            "another similarity or scale is recomputed for one query of one head: give a head "
+            "number instead of 'mean' (or no head, to have one chosen)",
+        ),
+        ("&word=bank&similarity=euclid", "similarity: Input should be 'dot' or 'cosine'"),
+        ("&word=bank&scale=abc", "scale: Input should be a valid number"),
+        ("&word=bank&scale=1e999", "scale: Input should be a valid number"),
+        (
+            "&layer=1",
+            "give a word: Similarity & scale recomputes the weights of one word as the query",
+        ),
+    ],
+)
+def test_similarity_and_scale_refuses_a_bad_address_in_one_line(browser, base_url, given, error):
+    address = f"/?view=ablation&text={quote(BANK)}{given}"
+    watched = Watched(browser, base_url, address)
+    page = watched.page
+    outcome = ablation_outcome(page)
+    assert (outcome["ready"], outcome["error"]) == ("error", error)  # nothing else ran instead
+    assert page.eval_on_selector("#ablation-result", "(e) => e.childElementCount") == 0
+    assert page.url == base_url + address
+
+
+@pytest.mark.parametrize(
+    ("given", "error"),
+    [
+        ("layer=abc", "layer: Input should be a valid integer"),
+        ("head=x", "head: give a head number (0 = first) or 'mean'"),
+        ("index=-1", "token index -1 is out of range: tokens 0..10"),
+    ],
+)
+def test_explore_refuses_a_bad_address_in_one_line_as_well(browser, base_url, given, error):
+    watched = Watched(browser, base_url, f"/?text={quote(BANK)}&{given}")
+    page = watched.page
+    page.wait_for_function("() => !document.querySelector('[aria-busy]')", timeout=30_000)
+    assert page.get_attribute("#app", "data-ready") == "error"  # not the chosen head instead
+    assert page.text_content("#error") == error
+
+
+def test_back_to_a_bad_address_shows_no_choice_that_did_not_apply(browser, base_url):
+    bad = f"/?view=ablation&text={quote(BANK)}&word=bank&layer=9&head=mean&scale=abc"
+    watched = Watched(browser, base_url, bad)
+    page = watched.page
+    refused = ablation_outcome(page)
+    assert refused == {
+        "ready": "error",
+        "error": "scale: Input should be a valid number",
+        "picked": ["", "", "cosine", ""],  # the selects blank: they offer no layer 9 nor 'mean'
+    }
+    page.select_option("#ablation-layer", "1")
+    page.select_option("#ablation-head", "3")
+    page.fill("#ablation-scale", "2")
+    page.click("#ablation-run")
+    watched.wait("#ablation-result")
+    assert ablation_outcome(page)["picked"] == ["1", "3", "cosine", "2"]
+    page.go_back()
+    page.wait_for_function("() => location.search.includes('layer=9')")
+    assert ablation_outcome(page) == refused
+    assert page.eval_on_selector("#ablation-layer", "(e) => e.selectedIndex") == -1
 
 
 def test_user_text_shows_as_text(browser, base_url):

@@ -5,8 +5,9 @@
 //                                   another similarity or scale, and their entropies
 // What is on screen lives in the address bar (?view=...&text=...&layer=...&head=...&word=...),
 // so reloading or sharing the address shows the same thing; each run and each tab is a history
-// entry, so Back and Forward show each step again. User text reaches the page through textContent
-// only.
+// entry, so Back and Forward show each step again. A run asks for exactly what its address says:
+// a bad value there is the server's one-line error, never replaced by a default. User text reaches
+// the page through textContent only.
 "use strict";
 
 (() => {
@@ -108,8 +109,21 @@
   /** A new history entry for a submitted form. */
   const navigate = (view) => history.pushState(null, "", inputsAddress(view));
 
-  const intOrNull = (value) => (value === null || value === "" || !/^\d+$/.test(value) ? null : +value);
-  const headOf = (value) => (value === "mean" ? "mean" : intOrNull(value));
+  const NUMBER = /^-?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$/i; // as a number field writes one
+
+  /**
+   * The API fields `names` as the address `p` gives them: a number where the value reads as one,
+   * else the value as given, for the server to refuse in one line rather than the page to drop it
+   * (and run a default instead). A field that is absent or empty is left out.
+   */
+  function addressFields(p, names) {
+    const fields = {};
+    for (const name of names) {
+      const value = p.get(name);
+      if (value) fields[name] = NUMBER.test(value) && Number.isFinite(+value) ? +value : value;
+    }
+    return fields;
+  }
 
   // ---------- Explore ----------
 
@@ -120,10 +134,7 @@
     if (word) body.word = word;
     if (fromAddress) {
       // reproduce the address exactly: its layer, head and query token
-      const [layer, head, index] = [intOrNull(p.get("layer")), headOf(p.get("head")), intOrNull(p.get("index"))];
-      if (layer !== null) body.layer = layer;
-      if (head !== null) body.head = head;
-      if (index !== null && !word) body.index = index;
+      Object.assign(body, addressFields(p, word ? ["layer", "head"] : ["layer", "head", "index"]));
     } else {
       navigate("explore");
     }
@@ -193,8 +204,9 @@
     const { s: sentences, word } = INPUTS.compare();
     for (const input of sentenceInputs()) if (!input.value.trim()) removeSentence(input.parentElement); // S2 is then the same sentence in the form and in the result
     if (!fromAddress) navigate("compare");
+    const body = { sentences, word, ...addressFields(params(), ["occurrence"]) };
     await request("compare", {
-      fetch: () => api("/api/compare", { sentences, word }),
+      fetch: () => api("/api/compare", body),
       show: showComparison,
     });
   }
@@ -246,7 +258,7 @@
       h(
         "section",
         { class: "card" },
-        h("h2", {}, `“${data.word}” across ${n} sentences`),
+        h("h2", {}, `“${data.word}”${occurrenceLabel(data.occurrence)} across ${n} sentences`),
         attended,
         h("p", { id: "compare-note", class: "hint" }, attentionNote(data)),
         h("h3", {}, "cosine similarity of its vectors, layer by layer"),
@@ -255,6 +267,9 @@
       ),
     );
   }
+
+  /** Which match of the word was followed, where not the first: " (occurrence 1)", " (last occurrence)". */
+  const occurrenceLabel = (occurrence) => (occurrence === 0 ? "" : occurrence === -1 ? " (last occurrence)" : ` (occurrence ${occurrence})`);
 
   /** One word the compared word attends to, with its weight. */
   const chip = ({ word, label, weight }) => h("span", { class: "chip", "data-word": word, "data-weight": String(weight) }, label, " ", h("b", {}, fmt(weight, 2)));
@@ -270,14 +285,19 @@
 
   // ---------- Similarity & scale ----------
 
+  const NO_WORD = "give a word: Similarity & scale recomputes the weights of one word as the query";
+  const SIMILARITY = "cosine"; // the form's choice when the address names none
+
   async function ablation(fromAddress) {
-    const { layer, head, scale, ...body } = INPUTS.ablation(); // body: text, word, similarity
-    if (layer !== null) body.layer = layer;
-    if (head !== null) body.head = head;
-    if (scale !== "") body.scale = Number(scale);
+    const { text, word } = INPUTS.ablation();
     if (!fromAddress) navigate("ablation");
+    const chosen = addressFields(params(), ["similarity", "layer", "head", "scale", "occurrence"]);
+    const body = { text, word, similarity: SIMILARITY, ...chosen };
     await request("ablation", {
-      fetch: () => api("/api/explain", body),
+      fetch: async () => {
+        if (!word) throw new Error(NO_WORD); // the server's message names the command line's options
+        return api("/api/explain", body);
+      },
       show: showAblation,
     });
   }
@@ -343,14 +363,19 @@
   /** Each view's form, as address parameters. */
   const INPUTS = {
     explore: () => ({ text: $("explore-text").value, word: $("explore-word").value.trim() }),
-    compare: () => ({ s: sentenceInputs().map((input) => input.value).filter((s) => s.trim()), word: $("compare-word").value.trim() }),
+    compare: () => ({
+      s: sentenceInputs().map((input) => input.value).filter((s) => s.trim()),
+      word: $("compare-word").value.trim(),
+      occurrence: $("compare-occurrence").value,
+    }),
     ablation: () => ({
       text: $("ablation-text").value,
       word: $("ablation-word").value.trim(),
+      occurrence: $("ablation-occurrence").value,
       similarity: $("ablation-similarity").value,
-      layer: intOrNull($("ablation-layer").value),
-      head: intOrNull($("ablation-head").value),
-      scale: $("ablation-scale").value.trim(),
+      layer: $("ablation-layer").value,
+      head: $("ablation-head").value,
+      scale: $("ablation-scale").value,
     }),
   };
 
@@ -364,16 +389,17 @@
       const sentences = p.getAll("s");
       setSentences(sentences.length || p.get("view") === "compare" ? sentences : BANK);
       $("compare-word").value = p.get("word") || "";
+      $("compare-occurrence").value = p.get("occurrence") || "";
     },
     ablation: (p) => {
-      const pick = (id, value) => {
-        if ([...$(id).options].some((o) => o.value === value)) $(id).value = value;
-      };
       $("ablation-text").value = p.get("text") || "";
       $("ablation-word").value = p.get("word") || "";
-      pick("ablation-layer", p.get("layer") || "");
-      pick("ablation-head", p.get("head") || "");
-      pick("ablation-similarity", p.get("similarity") || "cosine");
+      $("ablation-occurrence").value = p.get("occurrence") || "";
+      // a value that a select does not offer leaves it blank (the error says why), not on the last choice;
+      // a number field shows a value that is not a number as blank
+      $("ablation-layer").value = p.get("layer") || "";
+      $("ablation-head").value = p.get("head") || "";
+      $("ablation-similarity").value = p.get("similarity") || SIMILARITY;
       $("ablation-scale").value = p.get("scale") || "";
     },
   };
@@ -416,7 +442,7 @@
     const view = VIEWS[p.get("view")] ? p.get("view") : "explore";
     for (const name of first ? Object.keys(VIEWS) : [view]) FILL[name](p);
     showView(view);
-    const ready = { explore: p.get("text"), compare: p.getAll("s").length >= 2 && p.get("word"), ablation: p.get("text") && p.get("word") };
+    const ready = { explore: p.get("text"), compare: p.getAll("s").length >= 2 && p.get("word"), ablation: p.get("text") }; // without a word, ablation says it needs one
     if (ready[view] && !history.state?.idle) VIEWS[view](true);
     else clearResult(view);
   }
