@@ -475,6 +475,20 @@ def test_similarity_and_scale_refuses_a_bad_address_in_one_line(browser, base_ur
     assert page.url == base_url + address
 
 
+def test_compare_from_an_address_without_a_word_says_it_needs_one(browser, base_url):
+    address = compare_address((BANK, RIVER), "")
+    watched = Watched(browser, base_url, address)
+    page = watched.page
+    page.wait_for_function(
+        "() => document.getElementById('compare-result').dataset.ready === 'error'",
+        timeout=30_000,
+    )
+    assert page.text_content("#error") == (
+        "give a word: Compare follows one word across the sentences"
+    )
+    assert page.url == base_url + address
+
+
 @pytest.mark.parametrize(
     ("given", "error"),
     [

@@ -125,6 +125,11 @@
     return fields;
   }
 
+  /** A run from an address without a word says so here: the server's message names the command line's options. */
+  function requireWord(word, why) {
+    if (!word) throw new Error(`give a word: ${why}`);
+  }
+
   // ---------- Explore ----------
 
   async function explore(fromAddress) {
@@ -206,7 +211,10 @@
     if (!fromAddress) navigate("compare");
     const body = { sentences, word, ...addressFields(params(), ["occurrence"]) };
     await request("compare", {
-      fetch: () => api("/api/compare", body),
+      fetch: async () => {
+        requireWord(word, "Compare follows one word across the sentences");
+        return api("/api/compare", body);
+      },
       show: showComparison,
     });
   }
@@ -285,7 +293,6 @@
 
   // ---------- Similarity & scale ----------
 
-  const NO_WORD = "give a word: Similarity & scale recomputes the weights of one word as the query";
   const SIMILARITY = "cosine"; // the form's choice when the address names none
 
   async function ablation(fromAddress) {
@@ -295,7 +302,7 @@
     const body = { text, word, similarity: SIMILARITY, ...chosen };
     await request("ablation", {
       fetch: async () => {
-        if (!word) throw new Error(NO_WORD); // the server's message names the command line's options
+        requireWord(word, "Similarity & scale recomputes the weights of one word as the query");
         return api("/api/explain", body);
       },
       show: showAblation,
@@ -442,7 +449,7 @@
     const view = VIEWS[p.get("view")] ? p.get("view") : "explore";
     for (const name of first ? Object.keys(VIEWS) : [view]) FILL[name](p);
     showView(view);
-    const ready = { explore: p.get("text"), compare: p.getAll("s").length >= 2 && p.get("word"), ablation: p.get("text") }; // without a word, ablation says it needs one
+    const ready = { explore: p.get("text"), compare: p.getAll("s").length >= 2, ablation: p.get("text") }; // without a word, compare and ablation say they need one
     if (ready[view] && !history.state?.idle) VIEWS[view](true);
     else clearResult(view);
   }
