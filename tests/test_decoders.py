@@ -157,6 +157,6 @@ def test_a_first_word_of_a_decoder_is_said_to_have_no_content_word_in_reach(char
     """The word's pieces see only themselves and what comes before: every head scores 0."""
     _, e = explaining.explain_text(char_model, "bank is", word="bank")
     assert (e.layer, e.head) == (0, 0)
-    assert e.choice.startswith("(chosen: no head puts any weight on other content words")
+    assert e.choice.startswith("chosen: no head puts any weight on other content words")
     _, later = explaining.explain_text(char_model, "is bank", word="bank")
     assert "puts the most weight here" in later.choice

@@ -23,6 +23,7 @@ from selfattn.cli import app
 from selfattn.errors import SelfAttnError
 from selfattn.models.loading import load
 from selfattn.text import is_mark
+from selfattn.viz import report
 from selfattn.viz.report import page_data
 
 MONEY = "I went to the bank to deposit money."
@@ -119,6 +120,66 @@ def test_heatmap_alone_without_a_word():
     assert result.exit_code == 0, result.output
     assert "rows: queries, columns: keys" in result.output
     assert "score → scaled" not in result.output
+    shown = " ".join(result.stdout.split())
+    assert "pass --word W or --index I to see one word's steps" in shown  # how to get them
+    assert "(chosen: the words, on average, put the most weight here" in shown
+
+
+def test_json_choice_is_the_reason_without_the_terminals_brackets(bank_json):
+    assert bank_json["choice"].startswith("chosen: 'bank' puts the most weight here, ")
+    assert bank_json["choice"].endswith("; pick another with --layer/--head")
+    asked = explain_json(MONEY, "--word", "bank", "--layer", "0", "--head", "4")
+    assert asked["choice"] == "as asked"
+
+
+def test_json_names_each_token_as_the_lists_of_keys_do():
+    # names runs parallel to tokens: a token that does not show its text is named by it.
+    data = explain_json(UNKNOWN_BANK, "--word", "bank")
+    unknown = data["tokens"].index("[UNK]")
+    assert data["names"][unknown] == "'🙂' ([UNK])"
+    assert data["names"][:unknown] + data["names"][unknown + 1 :] == (
+        data["tokens"][:unknown] + data["tokens"][unknown + 1 :]
+    )
+
+
+def test_the_scale_says_where_it_comes_from():
+    # The model's scale is the default 1/√d_k (MiniLM: d_k = 32); cosine's default is √d_k;
+    # a scale the user gives is only a number.
+    args = ("explain", MONEY, "--word", "bank", "--layer", "0", "--head", "4")
+    cosine = " ".join(runner.invoke(app, [*args, "--similarity", "cosine"],
+                                    env={"COLUMNS": "200"}).stdout.split())  # fmt: skip
+    assert "scaled by 0.1768, which is 1/√d_k = 1/√32, softmax to weights" in cosine
+    assert "scaled = score × scale, scale = 1/√d_k = 1/√32 = 0.1768" in cosine
+    assert "model: dot, scale 1/√d_k = 1/√32 = 0.1768" in cosine
+    assert "yours: cosine, scale √d_k = √32 = 5.657" in cosine
+    halved = " ".join(runner.invoke(app, [*args, "--scale", "0.5"],
+                                    env={"COLUMNS": "200"}).stdout.split())  # fmt: skip
+    assert "yours: dot, scale 0.5 " in halved
+
+
+def test_the_step_table_labels_a_repeated_key_as_top_attended_does():
+    # "the" and "bank" stand twice: each row says which one it is, as 10:the in the top list.
+    result = runner.invoke(app, ["explain", TWO_BANKS, "--word", "bank"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    rows = [line.split("│") for line in lines if line.count("│") == 6]  # the step table's
+    keys = [row[1].strip() for row in rows][:-1]  # the last row is the total
+    assert keys == ["[CLS]", "i", "sat", "on", "4:the", "5:bank", ",", "then", "walked", "to",
+                    "10:the", "11:bank", ".", "[SEP]"]  # fmt: skip
+    top = next(line for line in lines if line.startswith("top attended: "))
+    labels = [item.rsplit(" ", 1)[0] for item in top.removeprefix("top attended: ").split(", ")]
+    assert set(labels) <= set(keys)
+
+
+def test_the_figure_outlines_the_query_row_merged_or_not(model, monkeypatch, tmp_path):
+    # "gioco" is token 5 (gi ##oco after gi ##och ##i a) and word 3 when pieces are merged.
+    rows = []
+    draw = report.heatmap_figure
+    monkeypatch.setattr(report, "heatmap_figure", lambda *a: rows.append(a[-1]) or draw(*a))
+    for words in (False, True):
+        _, e = explaining.explain_text(model, "giochi a gioco", word="gioco", words=words)
+        report.save_heatmap(e, tmp_path / "map.png")
+    assert rows == [5, 3]
 
 
 def test_words_merge_pieces():
@@ -287,7 +348,7 @@ def test_the_head_for_a_word_in_pieces_is_chosen_on_the_word_row(model, query):
     data = explain_json(text, *query)
     assert (data["layer"], data["head"]) == (layer, head)
     assert data["choice"].startswith(
-        f"(chosen: 'unbelievably' (the mean of its 5 pieces' rows) puts the most weight "
+        f"chosen: 'unbelievably' (the mean of its 5 pieces' rows) puts the most weight "
         f"here, {by_word.max():.2f}, on other content words"
     )
 
@@ -365,7 +426,7 @@ def test_choose_head_does_not_count_an_unknown_token_as_a_content_word():
     layer, head, choice = explaining.choose_head(run, query=1)
     assert (layer, head) == (0, 1) and "0.30" in choice
     # An unknown query is named by the text it stands for.
-    assert "(chosen: '🙂' ([UNK]) puts the most weight" in explaining.choose_head(run, 2)[2]
+    assert "chosen: '🙂' ([UNK]) puts the most weight" in explaining.choose_head(run, 2)[2]
 
 
 def test_function_words_are_not_content_words():
@@ -472,7 +533,7 @@ def test_choose_head_measures_a_word_in_pieces_on_the_mean_of_its_rows(query):
     layer, head, choice = explaining.choose_head(run, query=query)
     assert (layer, head) == (0, 1)
     assert (
-        "(chosen: 'banks' (the mean of its 2 pieces' rows) puts the most weight here, 0.60,"
+        "chosen: 'banks' (the mean of its 2 pieces' rows) puts the most weight here, 0.60,"
         in choice
     )
 
@@ -512,7 +573,7 @@ def test_a_chosen_layer_quotes_the_figure_of_the_map_shown(money_run, head):
     on_content = maps[:, bank, others].sum(-1)  # (L,)
     assert data["layer"] == int(on_content.argmax())
     assert f"most weight here, {on_content.max():.2f}," in data["choice"]
-    assert data["choice"].endswith("pick another with --layer)")
+    assert data["choice"].endswith("pick another with --layer")
 
 
 def test_truncate_runs_the_first_tokens_and_says_where_it_cut():
@@ -640,7 +701,8 @@ def test_compare_names_the_attention_read_in_both_numberings():
     assert result.exit_code == 0, result.output
     shown = " ".join(result.stdout.split())
     assert (
-        "(attends to: attention layer 5 (explain --layer 5), mean of heads; its block's output "
+        "(attends to: attention layer 5 (explain --layer 5), mean of heads, 'bank' itself and "
+        "the special tokens left out (so the weights sum to less than 1); its block's output "
         "is layer 6 in the table)" in shown
     )
     rows = re.findall(r"^│\s+(\d+) │", result.stdout, re.MULTILINE)
@@ -745,9 +807,27 @@ def test_occurrence_picks_that_word(model, occurrence):
 
 
 def test_an_occurrence_past_the_last_is_a_clear_error(model):
-    with pytest.raises(SelfAttnError, match=r"occurrence 2 of the word 'bank' \(it occurs 2") as e:
+    with pytest.raises(SelfAttnError) as e:
         explaining.explain_text(model, TWO_BANKS, word="bank", occurrence=2)
-    assert "\n" not in str(e.value)
+    assert str(e.value) == (
+        "there is no occurrence 2 of the word 'bank': it occurs 2 times in the text; "
+        "--occurrence (occurrence= in Python) counts from 0 (0 = the first, -1 = the last)"
+    )
+
+
+def test_a_missing_word_is_not_called_a_missing_occurrence():
+    # No occurrence was asked for: the word is simply not there, and the words that are listed.
+    short = "I went to the bank"
+    missing = invoke("explain", short, "--word", "banks")
+    assert missing.exit_code == 1
+    listed = "the word 'banks' is not in the text; the words are: I, went, to, the, bank"
+    assert missing.stderr == f"Error: {listed}\n"  # one line, no "occurrence 0"
+    once = invoke("explain", short, "--word", "bank", "--occurrence", "1")
+    assert "it occurs 1 time in the text; --occurrence (occurrence= in Python) counts from 0 " in (
+        once.stderr
+    )
+    compared = invoke("compare", MONEY, short, "--word", "banks")
+    assert compared.stderr.startswith(f"Error: sentence 1 ({MONEY!r}): {listed}, deposit")
 
 
 NO_QUERY = "give the query's token index (query=)"
@@ -776,15 +856,15 @@ def test_another_similarity_or_scale_names_what_is_missing(money_run, options, m
 
 
 @pytest.mark.parametrize("options", [{"scale": 1.0}, {"similarity": "cosine", "head": 2}], ids=str)
-def test_explain_text_names_the_query_options_of_python_and_the_command_line(model, options):
-    # explain_text is what the CLI and the server call: its errors fit both.
+def test_explain_text_names_the_query_options_of_the_command_line_then_python(model, options):
+    # explain_text is what the CLI and the server call: its errors fit both, the flags first.
     with pytest.raises(ValueError, match="for one query of one head") as error:
         explaining.explain_text(model, MONEY, **options)
     message = str(error.value)
     assert "\n" not in message
-    assert "(word= or index=; --word or --index on the command line)" in message
+    assert message.endswith("(--word or --index; word= or index= in Python)")
     result = invoke("explain", MONEY, *(f"--{key}={value}" for key, value in options.items()))
-    assert result.exit_code != 0 and "(word= or index=; --word or --index" in result.stderr
+    assert result.exit_code != 0 and "(--word or --index; word= or index=" in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -797,7 +877,7 @@ def test_an_occurrence_without_a_word_is_refused(model, options, occurrence):
     with pytest.raises(ValueError, match="no word is given") as error:
         explaining.explain_text(model, MONEY, occurrence=occurrence, **options)
     message = str(error.value)
-    assert "\n" not in message and "give the word too (word=, --word" in message
+    assert "\n" not in message and "give the word too (--word; word= in Python)" in message
     assert f"occurrence {occurrence} " in message
     explaining.explain_text(model, MONEY, index=3, occurrence=0, layer=0, head=0)  # the default
 

@@ -51,10 +51,30 @@ def test_find_matches_whole_words_case_insensitively(wordpiece):
     assert [encoding.tokens[i] for i in encoding.select("bank")] == ["bank"]
     with pytest.raises(SelfAttnError, match="occurs 2 time"):
         encoding.find("bank", occurrence=2)
-    with pytest.raises(SelfAttnError, match=r"not in the text\); the words are: Banking, at, the"):
+    with pytest.raises(SelfAttnError, match=r"not in the text; the words are: Banking, at, the"):
         encoding.find("money")
     with pytest.raises(SelfAttnError, match="empty"):
         encoding.find("  ")
+
+
+@pytest.mark.parametrize(
+    ("word", "occurrence", "message"),
+    [
+        ("banks", 0, "the word 'banks' is not in the text; the words are: I, went, to, the, bank"),
+        ("banks", 3, "the word 'banks' is not in the text; the words are: I, went, to, the, bank"),
+        ("bank", 1, "there is no occurrence 1 of the word 'bank': it occurs 1 time in the text"),
+        ("to", -3, "there is no occurrence -3 of the word 'to': it occurs 2 times in the text"),
+    ],
+)
+def test_a_word_not_found_says_whether_the_word_or_the_occurrence_is_missing(
+    wordpiece, word, occurrence, message
+):
+    # A word that is not there is not "occurrence 0" missing; an occurrence past the last
+    # says how many there are and how the flag (then the argument) counts.
+    with pytest.raises(SelfAttnError) as error:
+        wordpiece.encode("I went to the bank to").find(word, occurrence)
+    counts = "; --occurrence (occurrence= in Python) counts from 0 (0 = the first, -1 = the last)"
+    assert str(error.value) == (message if word == "banks" else message + counts)
 
 
 def test_character_spans_select_overlapping_tokens(wordpiece):
@@ -148,7 +168,7 @@ def test_a_query_without_accents_finds_the_word_with_them(wordpiece):
         encoding.find("café", occurrence=2)  # not the plain "cafe"
     assert [encoding.tokens[i] for i in encoding.select("caffe")] == ["caf", "##fe"]
     assert encoding.select("caffè") == encoding.select("CAFFE")
-    with pytest.raises(SelfAttnError, match=r"not in the text\); the words are: Il, caffè, del"):
+    with pytest.raises(SelfAttnError, match=r"is not in the text; the words are: Il, caffè, del"):
         encoding.find("caffé")  # another accent is another word
     perche = wordpiece.encode("È perché")
     assert [perche.tokens[i] for i in perche.select("perche")] == ["perch", "##e"]

@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+from matplotlib.colors import to_rgba
+from matplotlib.patches import Rectangle
 
-from selfattn.viz.figures import heatmap_figure, save_figure, weights_figure
+from selfattn.viz.figures import PIN, heatmap_figure, save_figure, weights_figure
 
 TOKENS = ["Ciao", "gioco", "a", "giochi"]
 WEIGHTS = torch.softmax(torch.arange(16.0).reshape(4, 4) / 5, dim=-1)
@@ -20,6 +22,15 @@ def test_heatmap_figure_names_axes_tokens_and_convention():
         assert expected in texts
     assert "rows: queries, columns: keys" in texts
     assert len(fig.axes) == 2  # the map and its colour bar
+
+
+def test_heatmap_figure_outlines_the_query_row_as_the_page_does():
+    fig = heatmap_figure(WEIGHTS, TOKENS, TOKENS, "gioco", query_row=1)
+    (outline,) = [patch for patch in fig.axes[0].patches if isinstance(patch, Rectangle)]
+    assert outline.get_xy() == (-0.5, 0.5)  # around row 1, whose cells span 0.5..1.5
+    assert (outline.get_width(), outline.get_height()) == (4, 1)  # every key
+    assert not outline.get_fill() and outline.get_edgecolor() == to_rgba(PIN)
+    assert not heatmap_figure(WEIGHTS, TOKENS, TOKENS, "no query").axes[0].patches
 
 
 def test_heatmap_figure_refuses_mismatched_labels():

@@ -1,5 +1,6 @@
 """Terminal views print their labels and numbers (rich, recorded at 120 columns)."""
 
+import math
 from itertools import combinations
 
 import pytest
@@ -10,7 +11,7 @@ from rich.console import Console
 from selfattn import attention
 from selfattn.explain import Attended, Comparison
 from selfattn.viz.report import print_comparison
-from selfattn.viz.terminal import bar, heatmap, step_table, weights_bars
+from selfattn.viz.terminal import bar, heatmap, step_table, weights_bars, written_scale
 
 TOKENS = ["[CLS]", "i", "went", "to", "the", "bank", "[unused1]", "money", "[SEP]"]
 
@@ -46,13 +47,28 @@ def test_bar_scales_to_the_largest_value_with_eighth_blocks():
 
 def test_step_table_lists_score_scaled_and_weight_per_key():
     tr = trace(len(TOKENS))
-    text = render(step_table(TOKENS, tr.scores[5], tr.scaled[5], tr.weights[5], tr.scale))
+    scale = written_scale(tr.scale, tr.similarity, 8)
+    text = render(step_table(TOKENS, tr.scores[5], tr.scaled[5], tr.weights[5], scale))
     assert "score" in text and "scaled" in text and "weight" in text
     for j in range(len(TOKENS)):
         for value in (tr.scores[5, j], tr.scaled[5, j], tr.weights[5, j]):
             assert f"{value.item():.3f}" in text
     assert "1.000" in text
-    assert f"{tr.scale:.4g}" in text
+    assert "scaled = score × scale, scale = 1/√d_k = 1/√8 = 0.3536" in text
+
+
+@pytest.mark.parametrize(
+    ("scale", "similarity", "written"),
+    [
+        (1 / math.sqrt(32), "dot", "1/√d_k = 1/√32 = 0.1768"),  # the default: where it is from
+        (math.sqrt(32), "cosine", "√d_k = √32 = 5.657"),
+        (1 / math.sqrt(32), "cosine", "0.1768"),  # dot's default is no default for cosine
+        (1.0, "dot", "1"),  # a scale the user gave: the number alone
+        (0.5, "dot", "0.5"),
+    ],
+)
+def test_written_scale_says_where_a_default_scale_comes_from(scale, similarity, written):
+    assert written_scale(scale, similarity, 32) == written
 
 
 def test_row_views_refuse_a_row_of_the_wrong_length():
@@ -66,6 +82,27 @@ def test_heatmap_labels_rows_and_columns_and_captions_the_axes():
     assert "layer 0, head 0" in text
     assert "rows: queries, columns: keys" in text
     assert "5 bank" in text  # row label: index and token
+
+
+def test_heatmap_centres_its_title_and_caption_on_the_grid_not_the_terminal():
+    # In a 200-column terminal a 12-key grid is 41 columns wide: its title and caption sit
+    # over it, not 80 columns to the right; a title wider than the grid starts at its left.
+    tokens = list("abcdefghijkl")
+    console = Console(record=True, width=200, color_system=None)
+    console.print(heatmap(tokens, tokens, torch.eye(12), "attention, layer 0"))
+    console.print(heatmap(tokens[:2], tokens[:2], torch.eye(2), "a title wider than the map"))
+    lines = console.export_text().splitlines()
+    last_row = next(line for line in lines if line.startswith("11 l"))  # ends on its diagonal
+    grid_width = len(last_row.rstrip())
+    assert grid_width == 41
+
+    def centre(text: str) -> float:
+        line = next(line for line in lines if text in line)
+        return line.index(text) + len(text) / 2
+
+    assert abs(centre("attention, layer 0") - grid_width / 2) <= 1
+    assert abs(centre("rows: queries, columns: keys") - grid_width / 2) <= 1
+    assert next(line for line in lines if "wider than" in line).startswith("a title")
 
 
 def test_heatmap_paints_cells_in_truecolor_shades():
@@ -158,6 +195,13 @@ def test_comparison_lists_a_repeated_word_with_its_token_index():
     assert "n:word = the word at token n" in text
     plain = compared([[Attended("river", 0.5, 2, repeated=False)]] * 2)
     assert "n:word" not in plain and "attends to: river 0.50" in plain
+
+
+def test_comparison_says_what_attends_to_leaves_out():
+    # The word itself and the special tokens are not listed: the weights shown sum to less.
+    text = compared([[Attended("river", 0.5, 2, repeated=False)]] * 2)
+    left_out = "'bank' itself and the special tokens left out (so the weights sum to less than 1)"
+    assert left_out in text
 
 
 def test_comparison_says_which_occurrence_it_follows():

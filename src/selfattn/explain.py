@@ -85,6 +85,7 @@ class Steps:
     output: Tensor  # (Dv,) weights @ values
     scale: float
     similarity: str
+    key_width: int  # d_k: the width of the query and key vectors
 
     @property
     def entropy(self) -> float:
@@ -108,7 +109,7 @@ class Explanation:
     tokens: list[str]
     layer: int
     head: int | None  # None: the mean of the layer's heads
-    choice: str  # how layer and head were chosen, to say in the output
+    choice: str  # how layer and head were chosen: "as asked", or "chosen: ..." and why
     query: int | None  # token index of the explained word
     attention: Tensor  # (T, T) weights of that layer/head; rows queries, columns keys
     steps: Steps | None  # the query row in one head (None without a query or for the mean)
@@ -192,6 +193,7 @@ class Explanation:
             "head": HEAD_MEAN if self.head is None else self.head,
             "choice": self.choice,
             "tokens": self.tokens,
+            "names": self.key_names,
             "query": self._query_json(),
             "similarity": steps.similarity if steps else None,
             "scale": steps.scale if steps else None,
@@ -265,7 +267,7 @@ def explain(
             )
     if similarity is not None or scale is not None:
         _check_experiment(query is not None, head, "the query's token index (query=)")
-    choice = "(as asked)"
+    choice = "as asked"
     if layer is None or head is None:
         layer, head_index, choice = choose_head(run, query, layer, head)
     capture = captures.layer(layer)[0]
@@ -311,8 +313,7 @@ def never_attended(trace: AttentionTrace) -> Tensor:
 
 
 QUERY_OPTIONS = (
-    "the word to explain or its token index (word= or index=; --word or --index on the "
-    "command line)"
+    "the word to explain or its token index (--word or --index; word= or index= in Python)"
 )
 
 
@@ -351,7 +352,7 @@ def explain_text(
     if word is None and occurrence != 0:
         raise ValueError(
             f"occurrence {occurrence} counts the matches of a word, and no word is given: give "
-            "the word too (word=, --word on the command line) or leave the occurrence out"
+            "the word too (--word; word= in Python) or leave the occurrence out"
         )
     if options.get("similarity") is not None or options.get("scale") is not None:
         _check_experiment(word is not None or index is not None, options.get("head"), QUERY_OPTIONS)
@@ -442,6 +443,7 @@ def query_steps(trace: AttentionTrace, query: int) -> Steps:
         output=trace.output[query],
         scale=trace.scale,
         similarity=trace.similarity,
+        key_width=trace.key.shape[-1],
     )
 
 
@@ -498,7 +500,7 @@ def choose_head(
             "no head puts any weight on other content words, as none is in reach (the text "
             "has no other, or, in a decoder, none comes before), so the first is shown"
         )
-    choice = f"(chosen: {reason}; pick another with {chosen_flags})"
+    choice = f"chosen: {reason}; pick another with {chosen_flags}"
     return index, None if chosen == HEAD_MEAN else chosen, choice
 
 
@@ -508,7 +510,7 @@ def _measured_rows(
     """The query rows :func:`choose_head` averages, and who they are for its reason: the
     query's word (all its pieces), or without a query every content token."""
     if query is None:
-        return content or list(range(len(run.tokens))), "the words put"
+        return content or list(range(len(run.tokens))), "the words, on average, put"
     name, pieces = word_of(run.tokens, run.word_ids, query)
     named = quoted(name, pieces, run.tokens, hidden_texts(run))
     if len(pieces) == 1:
@@ -560,8 +562,18 @@ class Attended:
 
     @property
     def label(self) -> str:
-        """The name as listed: "9:river" (token index first) where the name alone is ambiguous."""
-        return f"{self.index}:{self.name}" if self.repeated else self.name
+        """The name as listed (see :func:`key_label`)."""
+        return key_label(self.name, self.index, self.repeated)
+
+
+def key_label(name: str, index: int, repeated: bool) -> str:
+    """A key as listed: "9:river" (token index first) where the name alone is ambiguous."""
+    return f"{index}:{name}" if repeated else name
+
+
+def key_labels(names: list[str]) -> list[str]:
+    """Every key of a row as listed: each name, with its index where another has it too."""
+    return [key_label(name, i, names.count(name) > 1) for i, name in enumerate(names)]
 
 
 def top_keys(tokens: list[str], weights: Tensor, k: int = 5) -> list[Attended]:

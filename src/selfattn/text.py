@@ -70,12 +70,15 @@ class Encoding:
         """Character span of a whole-word, case-insensitive match of ``word`` (or a phrase)."""
         check_word(word)
         matches = self._matches(word)
-        if occurrence >= len(matches) or occurrence < -len(matches):
+        if not matches:
             listed = ", ".join(dict.fromkeys(w.text for w in self.words))
-            found = f"it occurs {len(matches)} time(s)" if matches else "it is not in the text"
+            raise SelfAttnError(f"the word {word!r} is not in the text; the words are: {listed}")
+        if not -len(matches) <= occurrence < len(matches):
+            count = f"{len(matches)} time" + ("s" if len(matches) > 1 else "")
             raise SelfAttnError(
-                f"cannot find occurrence {occurrence} of the word {word!r} ({found}); "
-                f"the words are: {listed}"
+                f"there is no occurrence {occurrence} of the word {word!r}: it occurs {count} "
+                "in the text; --occurrence (occurrence= in Python) counts from 0 (0 = the "
+                "first, -1 = the last)"
             )
         return matches[occurrence]
 

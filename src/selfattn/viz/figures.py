@@ -15,11 +15,13 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 from selfattn.viz.terminal import CAPTION, ArrayLike, as_numpy
 
 FORMATS = (".png", ".svg")
 CMAP = "Blues"
+PIN = "#f59e0b"  # the query row's outline, the colour the HTML page pins a query with
 MAX_TICK_LABELS = 64  # beyond this, every n-th token is labelled
 
 
@@ -28,11 +30,13 @@ def heatmap_figure(
     row_labels: Sequence[str],
     col_labels: Sequence[str],
     title: str,
+    query_row: int | None = None,
 ) -> Figure:
     """A (T, S) attention map with a colour bar, token tick labels and the axes named.
 
     Square cells, column labels rotated so that long tokens do not overlap, and the legend
     "rows: queries, columns: keys" under the plot, so the figure reads on its own in a paper.
+    ``query_row``, if given, is outlined as the HTML page outlines the chosen query.
     """
     matrix = as_numpy(weights)
     if matrix.shape != (len(row_labels), len(col_labels)):
@@ -50,6 +54,9 @@ def heatmap_figure(
     ax.set_xlabel("keys (columns)")
     ax.set_ylabel("queries (rows)")
     ax.set_title(title)
+    if query_row is not None:
+        corner = (-0.5, query_row - 0.5)  # cells are centred on whole numbers
+        ax.add_patch(Rectangle(corner, cols, 1, fill=False, edgecolor=PIN, lw=2, clip_on=False))
     fig.supxlabel(CAPTION, fontsize="small", style="italic")
     return fig
 

@@ -18,6 +18,8 @@ from selfattn.explain import (
     Comparison,
     Explanation,
     RecordedRun,
+    Steps,
+    key_labels,
     merge_words,
     stacked_qkv,
     top_keys,
@@ -25,7 +27,7 @@ from selfattn.explain import (
 from selfattn.text import is_mark
 from selfattn.viz.figures import heatmap_figure, save_figure
 from selfattn.viz.html import page_payload, render_page
-from selfattn.viz.terminal import heatmap, step_table, weights_bars
+from selfattn.viz.terminal import heatmap, scale_formula, step_table, weights_bars, written_scale
 
 OUTPUT_DIMS = 8  # how many output dimensions to print
 
@@ -69,7 +71,7 @@ def print_explanation(console: Console, e: Explanation) -> None:
     """Everything explain shows in the terminal, in the order of the steps."""
     header = Text.assemble(
         ("model ", "dim"), (e.model, "bold"), ("   text ", "dim"), (_headline(e), "bold"), "\n",
-        (_where(e), "bold cyan"), ("   " + e.choice, "dim"),
+        (_where(e), "bold cyan"), (f"   ({e.choice})", "dim"),
     )  # fmt: skip
     console.print(Panel(header, title="selfattn explain", expand=False))
     labels = shown(e.tokens)
@@ -79,19 +81,23 @@ def print_explanation(console: Console, e: Explanation) -> None:
         tokens.append(f"{i}:{token}", style=style)
         tokens.append("  ")
     console.print(Text("tokens  ", style="dim") + tokens)
+    if e.query is None:
+        console.print("[dim]pass --word W or --index I to see one word's steps[/]")
+    keys = key_labels(shown(e.key_names))
 
     if e.steps is not None:
         steps = e.steps
         console.print(
             Text(
                 f"\nquery {e.query} {_query_name(e, labels)}{_query_note(e)}: similarity "
-                f"({steps.similarity}) with every key, scaled by {steps.scale:.4g}, softmax "
+                f"({steps.similarity}) with every key, scaled by {_scaled_by(steps)}, softmax "
                 "to weights",
                 style="bold",
             )
         )
         scaled = steps.scaled.masked_fill(e.masked[e.query], float("-inf"))
-        console.print(step_table(labels, steps.scores, scaled, steps.weights, steps.scale))
+        scale = written_scale(steps.scale, steps.similarity, steps.key_width)
+        console.print(step_table(keys, steps.scores, scaled, steps.weights, scale))
         _print_masked_note(console, e)
         console.print(
             Text.assemble(
@@ -109,9 +115,9 @@ def print_explanation(console: Console, e: Explanation) -> None:
             gap = float((e.recorded_output.double() - output.double()).abs().max())
             console.print(f"[dim]same as the model's own fast path: max difference {gap:.1e}[/]")
         if e.alternative is not None:
-            console.print(_alternative_table(e))
+            console.print(_alternative_table(e, keys))
     elif e.query is not None:
-        console.print(weights_bars(labels, e.weights, f"{_query_name(e, labels)}, {_where(e)}"))
+        console.print(weights_bars(keys, e.weights, f"{_query_name(e, labels)}, {_where(e)}"))
         if _query_note(e):
             console.print(Text(_query_note(e).strip(), style="dim"))
         _print_masked_note(console, e)
@@ -119,10 +125,17 @@ def print_explanation(console: Console, e: Explanation) -> None:
 
     labels, matrix = _labels(e)
     if e.groups is not None and e.query is not None:
-        row = next(i for i, (_, members) in enumerate(e.groups) if e.query in members)
+        row = _query_row(e)
         named = e.name(labels[row], e.groups[row][1])
         console.print(weights_bars(labels, matrix[row], f"{named} by word (pieces merged)"))
     console.print(heatmap(labels, labels, matrix, f"attention, {_where(e)}{_causal_note(e)}"))
+
+
+def _scaled_by(steps: Steps) -> str:
+    """The scale as the query line says it: "0.1768, which is 1/√d_k = 1/√32" where it is the
+    default for the similarity, else the number alone."""
+    formula = scale_formula(steps.scale, steps.similarity, steps.key_width)
+    return f"{steps.scale:.4g}" + (f", which is {formula}" if formula else "")
 
 
 def _print_masked_note(console: Console, e: Explanation) -> None:
@@ -165,19 +178,18 @@ def _query_note(e: Explanation) -> str:
     return f" ({'; '.join(notes)})" if notes else ""
 
 
-def _alternative_table(e: Explanation) -> Table:
+def _alternative_table(e: Explanation, keys: list[str]) -> Table:
     own, alt = e.steps, e.alternative
     table = Table(
         title="the same head, recomputed",
         caption="entropy: 0 bits = all weight on one key; higher = spread out",
     )
     table.add_column("key", style="bold")
-    table.add_column(f"model: {own.similarity}, scale {own.scale:.4g}", justify="right")
-    table.add_column(f"yours: {alt.similarity}, scale {alt.scale:.4g}", justify="right")
-    for token, a, b in zip(
-        shown(e.tokens), own.weights.tolist(), alt.weights.tolist(), strict=True
-    ):
-        table.add_row(Text(token), f"{a:.3f}", f"{b:.3f}")
+    for whose, steps in (("model", own), ("yours", alt)):
+        scale = written_scale(steps.scale, steps.similarity, steps.key_width)
+        table.add_column(f"{whose}: {steps.similarity}, scale {scale}", justify="right")
+    for key, a, b in zip(keys, own.weights.tolist(), alt.weights.tolist(), strict=True):
+        table.add_row(Text(key), f"{a:.3f}", f"{b:.3f}")
     verdict = "sharper" if alt.entropy < own.entropy else "flatter"
     table.add_section()
     table.add_row("entropy (bits)", f"{own.entropy:.3f}", f"{alt.entropy:.3f} ({verdict})")
@@ -187,8 +199,15 @@ def _alternative_table(e: Explanation) -> Table:
 def save_heatmap(e: Explanation, path: Path) -> Path:
     """The explained layer/head as a paper-ready PNG or SVG heatmap."""
     labels, matrix = _labels(e)
-    figure = heatmap_figure(matrix, labels, labels, f"{e.model}: {_where(e)}")
+    figure = heatmap_figure(matrix, labels, labels, f"{e.model}: {_where(e)}", _query_row(e))
     return save_figure(figure, path)
+
+
+def _query_row(e: Explanation) -> int | None:
+    """The heatmap row of the query: its token, or with words merged its word."""
+    if e.query is None or e.groups is None:
+        return e.query
+    return next(i for i, (_, members) in enumerate(e.groups) if e.query in members)
 
 
 def page(run: RecordedRun, e: Explanation) -> str:
@@ -275,8 +294,9 @@ def _attention_note(c: Comparison) -> str:
     layers from 0) and in the table's (its layer n is the output of the n-th block)."""
     layer = c.attended_layer
     note = (
-        f"attends to: attention layer {layer} (explain --layer {layer}), mean of heads; its "
-        f"block's output is layer {layer + 1} in the table"
+        f"attends to: attention layer {layer} (explain --layer {layer}), mean of heads, "
+        f"'{c.word}' itself and the special tokens left out (so the weights sum to less than "
+        f"1); its block's output is layer {layer + 1} in the table"
     )
     if any(key.repeated for row in c.attended for key in row):
         note += "; n:word = the word at token n, where a sentence has it more than once"

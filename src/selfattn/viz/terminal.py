@@ -7,6 +7,7 @@ are keys, everywhere.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -19,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 from torch import Tensor
 
+from selfattn.attention import default_scale
 from selfattn.text import is_mark
 
 ArrayLike = Tensor | np.ndarray | Sequence[float] | Sequence[Sequence[float]]
@@ -90,17 +92,33 @@ def weights_bars(tokens: Sequence[str], weights: ArrayLike, title: str) -> Table
     return table
 
 
+def scale_formula(scale: float, similarity: str, key_width: int) -> str | None:
+    """Where the scale comes from when it is the default for the similarity: "1/√d_k = 1/√32"
+    for dot products, "√d_k = √32" for cosine; None for any other scale."""
+    if not math.isclose(scale, default_scale(similarity, key_width), rel_tol=1e-9):
+        return None
+    if similarity == "cosine":
+        return f"√d_k = √{key_width}"
+    return f"1/√d_k = 1/√{key_width}"
+
+
+def written_scale(scale: float, similarity: str, key_width: int) -> str:
+    """The scale with where it comes from: "1/√d_k = 1/√32 = 0.1768", or the number alone."""
+    formula = scale_formula(scale, similarity, key_width)
+    return f"{formula} = {scale:.4g}" if formula else f"{scale:.4g}"
+
+
 def step_table(
     tokens: Sequence[str],
     scores: ArrayLike,
     scaled: ArrayLike,
     weights: ArrayLike,
-    scale: float,
+    scale: str,
 ) -> Table:
     """The steps of one query row, per key: raw score, scaled score, weight and a bar.
 
-    Reading across a row is the guide's recipe for one key: similarity, times the scale,
-    then the softmax over the whole row.
+    Reading across a row is the guide's recipe for one key: similarity, times the scale
+    (as :func:`written_scale` writes it), then the softmax over the whole row.
     """
     n = len(tokens)
     score_row = _one_row(scores, n, "scores")
@@ -108,7 +126,7 @@ def step_table(
     weight_row = _one_row(weights, n, "weights")
     table = Table(
         title="score → scaled → weight",
-        caption=f"scaled = score × {scale:.4g}; weight = softmax(scaled) over the row",
+        caption=f"scaled = score × scale, scale = {scale}\nweight = softmax(scaled) over the row",
         show_footer=True,
     )
     table.add_column("key", style="bold", footer="total")
@@ -189,7 +207,8 @@ class Heatmap:
         label_width = self._label_width()
         free = options.max_width - label_width - 1
         cell = max(1, min(3, free // max(len(self.columns), 1)))
-        yield Text(self.title, style="bold", justify="center", end="\n")
+        grid_width = label_width + 1 + cell * len(self.columns)
+        yield _centred(self.title, grid_width, "bold")
         yield from self._column_header(label_width, cell)
         index_width = len(str(len(self.rows) - 1))
         coloured = console.color_system is not None
@@ -198,7 +217,7 @@ class Heatmap:
             for value in values:
                 line.append(*self._cell(value, cell, coloured))
             yield line
-        yield from self._legend(label_width, coloured)
+        yield from self._legend(label_width, grid_width, coloured)
 
     def _fraction(self, value: float) -> float:
         span = self.high - self.low
@@ -228,7 +247,7 @@ class Heatmap:
                 line.append(_fit(char, cell), style="bold")
             yield line
 
-    def _legend(self, label_width: int, coloured: bool) -> Iterable[Text]:
+    def _legend(self, label_width: int, grid_width: int, coloured: bool) -> Iterable[Text]:
         ramp = Text(" " * (label_width + 1))
         ramp.append(f"{self.low:.3g} ")
         for step in range(16):
@@ -236,7 +255,7 @@ class Heatmap:
             ramp.append(*self._cell(value, 1, coloured))
         ramp.append(f" {self.high:.3g}")
         yield ramp
-        yield Text(CAPTION, style="italic", justify="center")
+        yield _centred(CAPTION, grid_width, "italic")
         if len(self.columns) > self.VERTICAL_LABELS and self.same_tokens:
             yield Text("columns: key j is the token of row j", style="dim")
         elif len(self.columns) > self.VERTICAL_LABELS:
@@ -257,6 +276,14 @@ def heatmap(
     caption and legend print everywhere.
     """
     return Heatmap(tokens_rows, tokens_cols, matrix, title)
+
+
+def _centred(text: str, width: int, style: str) -> Text:
+    """``text`` centred over the first ``width`` cells (the grid, not the whole terminal);
+    from the left edge when it is wider."""
+    line = Text(" " * max(0, (width - cell_len(text)) // 2))
+    line.append(text, style=style)
+    return line
 
 
 def _clip(token: str, width: int) -> str:
