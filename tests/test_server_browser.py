@@ -308,6 +308,20 @@ def test_similarity_and_scale_view_shows_both_weights_and_entropies(browser, bas
     watched.check_clean()
 
 
+def test_similarity_and_scale_names_unknown_tokens_as_the_command_line_does(browser, base_url):
+    text = "I love 🙂 and the bank"
+    watched = Watched(browser, base_url, f"/?view=ablation&text={quote(text)}&word=%F0%9F%99%82")
+    watched.wait("#ablation-result")
+    expected = api(base_url, "/api/explain", {"text": text, "word": "🙂", "similarity": "cosine"})
+    keys = watched.page.eval_on_selector_all(
+        "#ablation-table td.key", "(cells) => cells.map((c) => c.textContent)"
+    )
+    assert keys == [f"{j} {name}" for j, name in enumerate(expected["names"])]
+    assert "3 '🙂' ([UNK])" in keys
+    assert watched.page.text_content("#ablation-result h2").startswith("query 3 '🙂' ([UNK]) ·")
+    watched.check_clean()
+
+
 @pytest.mark.parametrize(
     ("text", "word"),
     [("Tokenization is hard.", "tokenization"), ("She sat on the river bank.", "river bank")],

@@ -308,7 +308,7 @@ class Model(nn.Module):
         if not truncate and (count := tokenizer.count(text)) > limit:
             raise SelfAttnError(
                 f"the text is {count} tokens but {self.name} takes at most {limit}; "
-                "shorten it or pass truncate=True (--truncate on the command line)"
+                "shorten it or pass --truncate (truncate=True in Python)"
             )
         encoding = tokenizer.encode(text, max_length=limit if truncate else None)
         if all(word is None for word in encoding.word_ids):

@@ -276,6 +276,9 @@
     );
   }
 
+  /** A token as prose names it: “bank”, or '🙂' ([UNK]) by the text it stands for (already quoted). */
+  const quotedName = (data, i) => (data.names[i] === data.tokens[i] ? `“${data.tokens[i]}”` : data.names[i]);
+
   /** Which match of the word was followed, where not the first: " (occurrence 1)", " (last occurrence)". */
   const occurrenceLabel = (occurrence) => (occurrence === 0 ? "" : occurrence === -1 ? " (last occurrence)" : ` (occurrence ${occurrence})`);
 
@@ -323,11 +326,11 @@
       fill.style.width = `${(w / largest) * 100}%`;
       return h("td", { class: "bar-cell" }, h("span", { class: "bar-track" }, fill));
     };
-    const rows = data.tokens.map((token, j) =>
+    const rows = data.names.map((name, j) =>
       h(
         "tr",
         { "data-key": String(j), class: j === data.query.index ? "self" : "" },
-        h("td", { class: "key" }, h("span", { class: "idx" }, String(j)), " ", token),
+        h("td", { class: "key" }, h("span", { class: "idx" }, String(j)), " ", name),
         h("td", { class: "num", "data-model": String(data.weights[j]) }, fmt(data.weights[j])),
         bar(data.weights[j], "model"),
         h("td", { class: "num strong", "data-recomputed": String(alt.weights[j]) }, fmt(alt.weights[j])),
@@ -340,7 +343,7 @@
       h(
         "section",
         { class: "card" },
-        h("h2", {}, `query ${data.query.index} “${data.query.token}” · layer ${data.layer}, ${head}`),
+        h("h2", {}, `query ${data.query.index} ${quotedName(data, data.query.index)} · layer ${data.layer}, ${head}`),
         ...(data.query.note ? [h("p", { id: "ablation-note", class: "note" }, data.query.note)] : []), // a piece of the word, or a phrase's first token
         h("p", { class: "hint" }, data.choice),
         entropyLine("ablation-entropy-model", "the model:", own),
