@@ -278,17 +278,26 @@ def test_compare_numbers_its_sentences_as_the_form_does(browser, base_url):
     watched.check_clean()
 
 
-def test_similarity_and_scale_view_shows_both_weights_and_entropies(browser, base_url):
-    watched = Watched(browser, base_url)
-    page = watched.page
+def run_similarity_and_scale(page, text: str, word: str, occurrence: str | None = None) -> None:
+    """Fill the Similarity & scale form (layer 1, head 3, dot, scale 1; the occurrence through
+    its label, as a screen reader finds it) and run it."""
     page.click("#tab-ablation")
-    page.fill("#ablation-text", BANK)
-    page.fill("#ablation-word", "bank")
+    page.fill("#ablation-text", text)
+    page.fill("#ablation-word", word)
+    if occurrence is not None:
+        field = page.locator("#view-ablation").get_by_label("Occurrence (0 = first, -1 = last)")
+        field.fill(occurrence)
     page.select_option("#ablation-layer", "1")
     page.select_option("#ablation-head", "3")
     page.select_option("#ablation-similarity", "dot")
     page.fill("#ablation-scale", "1")
     page.click("#ablation-run")
+
+
+def test_similarity_and_scale_view_shows_both_weights_and_entropies(browser, base_url):
+    watched = Watched(browser, base_url)
+    page = watched.page
+    run_similarity_and_scale(page, BANK, "bank")
     watched.wait("#ablation-result")
     body = {"text": BANK, "word": "bank", "layer": 1, "head": 3, "similarity": "dot", "scale": 1}
     expected = api(base_url, "/api/explain", body)
@@ -422,15 +431,7 @@ def test_similarity_and_scale_follows_the_occurrence_through_back_and_forward(
 
     watched = Watched(browser, base_url)
     page = watched.page
-    page.click("#tab-ablation")
-    page.fill("#ablation-text", RIVER_TWICE)
-    page.fill("#ablation-word", "river")
-    page.locator("#view-ablation").get_by_label("Occurrence (0 = first, -1 = last)").fill("1")
-    page.select_option("#ablation-layer", "1")
-    page.select_option("#ablation-head", "3")
-    page.select_option("#ablation-similarity", "dot")
-    page.fill("#ablation-scale", "1")
-    page.click("#ablation-run")
+    run_similarity_and_scale(page, RIVER_TWICE, "river", occurrence="1")
     watched.wait("#ablation-result")
     assert "occurrence=1" in page.url
     assert ablation_weights(page) == expected[1]
