@@ -33,6 +33,10 @@ TWO_BANKS = "I sat on the bank, then walked to the bank."
 TWO_RIVERS = "We sat on the river bank and the river was high."  # river: tokens 5 and 9
 UNKNOWN_BANK = "I love 🙂 and the bank"  # MiniLM reads the emoji as [UNK]
 HINDI = "मैं बैंक गया"  # "I went to the bank"
+LOAN_BANK = (
+    "After the long meeting with the loan officer, she walked along the river to the old bank "
+    "building where her grandfather had once deposited his first paycheck in nineteen fifty."
+)  # layer 0, head 2 puts all of "bank"'s weight on "old", the token before it
 
 runner = CliRunner()
 
@@ -435,6 +439,80 @@ def test_function_words_are_not_content_words():
     tokens = ["[CLS]", "it", "was", "too", "tired", "because", "of", "the", "street", "[SEP]"]
     word_ids = [None, 0, 1, 2, 3, 4, 5, 6, 7, None]
     assert explaining.content_tokens(tokens, word_ids) == [4, 8]
+
+
+def test_positional_heads_by_hand():
+    """Heads where more than half of the queries put their largest weight on the token just
+    before, or more than half just after. Only which key is largest counts, so the flags are
+    exact (no tolerance). Queries 1..4 of 6 tokens."""
+    eye = torch.eye(6)
+    before = eye.roll(-1, 1)  # row i on key i - 1: an exact previous-token head
+    before[0] = eye[0]  # token 0 has none before it: on itself, as a decoder's query 0 is
+    after = eye.roll(1, 1)  # row i on key i + 1: an exact next-token head
+    mostly_before = 0.4 * before + 0.12 * (1 - before)  # 0.4 just before, 0.12 on the others
+    on_one_key = eye[[3] * 6]  # every row on token 3: before query 4, after query 2, no more
+    half_before = torch.cat([before[:3], eye[3:]])  # queries 1, 2 just before; 3, 4 on self
+    weights = torch.stack([before, after, mostly_before, on_one_key, half_before])
+    flags = explaining.positional_heads(weights, [1, 2, 3, 4])
+    assert flags.tolist() == [True, True, True, False, False]
+
+
+def test_choose_head_passes_over_positional_heads_unless_every_head_is():
+    # Head 0 puts each content word's weight on the token just before it: for "bank", 1.0 on
+    # "river". Head 1 puts 0.6 of "bank"'s weight on "river" and "flood", 0.4 on [CLS]; its
+    # other content rows look at [CLS] (just before "river" only: 1 of 3).
+    tokens = ["[CLS]", "river", "bank", "flood", "[SEP]"]
+    word_ids = [None, 0, 1, 2, None]
+    just_before = [[1.0, 0.0, 0.0, 0.0, 0.0],
+                   [0.0, 1.0, 0.0, 0.0, 0.0],
+                   [0.0, 0.0, 1.0, 0.0, 0.0]]  # fmt: skip
+    on_content = [[1.0, 0.0, 0.0, 0.0, 0.0],
+                  [0.4, 0.3, 0.0, 0.3, 0.0],
+                  [1.0, 0.0, 0.0, 0.0, 0.0]]  # fmt: skip
+    run = fake_run(tokens, word_ids, [1, 2, 3], {(0, 0): just_before, (0, 1): on_content})
+    layer, head, choice = explaining.choose_head(run, query=2)
+    assert (layer, head) == (0, 1)
+    assert choice == (
+        "chosen: 'bank' puts the most weight here, 0.60, on other content words, passing over "
+        "1 head that mostly looks at the token just before or after (position, not meaning); "
+        "pick another with --layer/--head"
+    )
+    assert explaining.choose_head(run, query=2, head=0)[:2] == (0, 0)  # a head given stays
+    alone = fake_run(tokens, word_ids, [1, 2, 3], {(0, 0): just_before})  # all positional
+    layer, head, choice = explaining.choose_head(alone, query=2)
+    assert (layer, head) == (0, 0) and "1.00" in choice and "passing over" not in choice
+
+
+def nearest_shares_by_hand(run) -> torch.Tensor:
+    """(L, H, 2): the share of content tokens whose largest weight is on the token just
+    before them (0) and just after them (1), from run.attention."""
+    content = explaining.content_tokens(run.tokens, run.word_ids)
+    maps = torch.stack([run.attention(layer) for layer in range(run.n_layers)])
+    largest = maps[:, :, content].argmax(-1)  # (L, H, Q): key index of each row's largest
+    return torch.stack(
+        [(largest == torch.tensor(content) + step).double().mean(-1) for step in (-1, 1)], -1
+    )
+
+
+def test_a_head_that_follows_position_is_passed_over(model):
+    """Layer 0, head 2 of MiniLM puts every content word's largest weight (for "bank" here, all
+    of it, on "old") on the token just before: it says where a word stands, not what it
+    means. The choice passes over such heads and says how many."""
+    run = model.run(LOAN_BANK)
+    bank = run.token_index("bank")
+    shares = nearest_shares_by_hand(run)
+    positional = (shares > 0.5).any(-1)  # (L, H)
+    on_content = other_content_by_hand(run, [bank])
+    assert shares[0, 2, 0] == 1.0 and divmod(int(on_content.argmax()), 12) == (0, 2)
+    data = explain_json(LOAN_BANK, "--word", "bank")
+    assert not positional[data["layer"], data["head"]]
+    not_positional = on_content.masked_fill(positional, -1.0)
+    assert (data["layer"], data["head"]) == divmod(int(not_positional.argmax()), 12)
+    assert (
+        f"here, {not_positional.max():.2f}, on other content words, passing over "
+        f"{int(positional.sum())} heads that mostly look at the token just before or after "
+        "(position, not meaning); pick another with --layer/--head"
+    ) in data["choice"]
 
 
 def test_an_unknown_token_is_named_by_the_text_it_stands_for():

@@ -8,7 +8,9 @@ Choosing what to show, when the user does not say: the layer and head where the 
 puts the most weight on *other content words* — not itself, not special tokens
 (``[CLS]``, ``[SEP]``), not punctuation, not a short list of English stop words, not an
 unknown token (``[UNK]``: the model reads only "some unknown text" there). Without a query
-word, the same measure averaged over every content token.
+word, the same measure averaged over every content token. Heads that follow position, not
+meaning (most content tokens' largest weight on the token just before, or just after) are
+passed over unless every head does.
 
 An unknown token is named by the characters it stands for, ``'🙂' ([UNK])``, and so is one
 whose combining marks the tokenizer dropped (MiniLM reads बैंक as ``ब ##क``: ``'बैंक' (बक)``),
@@ -468,7 +470,9 @@ def choose_head(
     the mean of heads, head None) stays as given and the rest is chosen.
 
     A word split into pieces is measured on its row as ``words=True`` defines it: the mean
-    of its pieces' rows.
+    of its pieces' rows. A chosen head passes over the positional heads of this text (see
+    :func:`positional_heads`), unless every head in reach is one; the reason says so where
+    one of them would have won.
     """
     content = content_tokens(run.tokens, run.word_ids)
     queries, who = _measured_rows(run, query, content)
@@ -478,18 +482,23 @@ def choose_head(
     other_content &= word[:, None] != word[None, :]  # (T, T): key k is another content word
     other_content = other_content[queries]  # (Q, T)
     layers = [layer] if layer is not None else range(run.captures.n_layers)
-    best = (-1.0, 0, 0)
+    scores, positional = [], []
     for index in layers:
-        weights = run.captures.layer(index)[0].weights()[:, queries]  # (H, Q, T)
+        weights = run.captures.layer(index)[0].weights()  # (H, T, T)
         if head == HEAD_MEAN:
             weights = weights.mean(0, keepdim=True)
         elif head is not None:
             weights = weights[head : head + 1]
-        per_head = (weights * other_content).sum(-1).mean(-1)  # (H,), or (1,) for a given head
-        best_here = int(per_head.argmax())
-        if per_head[best_here].item() > best[0]:
-            best = (per_head[best_here].item(), index, best_here if head is None else head)
-    score, index, chosen = best
+        scores.append((weights[:, queries] * other_content).sum(-1).mean(-1))  # (H,) or (1,)
+        positional.append(positional_heads(weights, content))
+    by_layer = torch.stack(scores)  # (layers, heads)
+    passed_over = torch.stack(positional)
+    if head is not None or passed_over.all():  # a head given, or no other head to choose
+        passed_over = torch.zeros_like(passed_over)
+    best = int(by_layer.masked_fill(passed_over, -1.0).argmax())
+    row, column = divmod(best, by_layer.shape[1])
+    score = by_layer[row, column].item()
+    moved = best != int(by_layer.argmax())  # a positional head would have won
     chosen_flags = "/".join(
         flag for flag, given in (("--layer", layer), ("--head", head)) if given is None
     )
@@ -500,8 +509,26 @@ def choose_head(
             "no head puts any weight on other content words, as none is in reach (the text "
             "has no other, or, in a decoder, none comes before), so the first is shown"
         )
-    choice = f"chosen: {reason}; pick another with {chosen_flags}"
-    return index, None if chosen == HEAD_MEAN else chosen, choice
+    note = _passed_over_note(int(passed_over.sum())) if moved else ""
+    choice = f"chosen: {reason}{note}; pick another with {chosen_flags}"
+    chosen = column if head is None else head
+    return layers[row], None if chosen == HEAD_MEAN else chosen, choice
+
+
+def positional_heads(weights: Tensor, queries: list[int]) -> Tensor:
+    """(H,) bool, from (H, T, S) weights: the heads where more than half of ``queries`` put
+    their largest weight on the token just before them, or more than half on the token just
+    after (a previous- or next-token head: it follows position, not meaning)."""
+    nearest = weights[:, queries].argmax(-1) - torch.tensor(queries, dtype=torch.long)  # (H, Q)
+    return torch.stack([(nearest == step).sum(-1) * 2 > len(queries) for step in (-1, 1)]).any(0)
+
+
+def _passed_over_note(count: int) -> str:
+    """The reason's words for the positional heads the choice passed over ("" for none)."""
+    if count == 0:
+        return ""
+    heads = "1 head that mostly looks" if count == 1 else f"{count} heads that mostly look"
+    return f", passing over {heads} at the token just before or after (position, not meaning)"
 
 
 def _measured_rows(
