@@ -46,14 +46,21 @@ def gpt2(gpt2_folder):
     return selfattn.load(gpt2_folder)
 
 
-@pytest.fixture(scope="module")
-def char_model():
-    """A character-level GPT as `selfattn train` builds it (untrained: weights are random)."""
+def char_gpt(alphabet: str, block_size: int) -> Model:
+    """A character-level GPT as `selfattn train` builds it, untrained (seed 0): 2 layers of 2
+    heads, 16 wide."""
     torch.manual_seed(0)
-    chars = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz \n")
-    config = GPTConfig(vocab_size=chars.vocab_size, block_size=32, n_layer=2, n_head=2, n_embd=16)
+    chars = CharTokenizer.from_text(alphabet)
+    config = GPTConfig(
+        vocab_size=chars.vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=16
+    )
     info = ModelConfig.for_decoder(config, "gpt")
     return Model(GPT(config), info, name="char", tokenizer=Tokenizer(chars.to_hf())).eval()
+
+
+@pytest.fixture(scope="module")
+def char_model():
+    return char_gpt("abcdefghijklmnopqrstuvwxyz \n", block_size=32)
 
 
 def test_explanation_names_the_keys_after_a_decoder_query_as_masked(gpt2):

@@ -14,17 +14,14 @@ from urllib.parse import quote
 
 import httpx
 import pytest
-import torch
 
 from conftest import WatchedPage, needs_chromium
 from selfattn import server
 from selfattn.explain import compare_texts, explain_text
-from selfattn.models.gpt import GPT, GPTConfig
 from selfattn.models.loading import load
-from selfattn.models.model import Model, ModelConfig
-from selfattn.text import Tokenizer
-from selfattn.train.data import CharTokenizer
+from selfattn.models.model import Model
 from test_browser import LOW_CONTRAST, emulate, luminance
+from test_decoders import char_gpt
 
 pytestmark = needs_chromium
 
@@ -77,12 +74,7 @@ def base_url(minilm):
 @pytest.fixture(scope="module")
 def decoder_url():
     """The explorer of a small random character-level GPT: a decoder, its attention causal."""
-    torch.manual_seed(0)
-    chars = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz .")
-    config = GPTConfig(vocab_size=chars.vocab_size, block_size=64, n_layer=2, n_head=2, n_embd=16)
-    info = ModelConfig.for_decoder(config, "gpt")
-    model = Model(GPT(config), info, name="char", tokenizer=Tokenizer(chars.to_hf())).eval()
-    with serving(model) as address:
+    with serving(char_gpt("abcdefghijklmnopqrstuvwxyz .", block_size=64)) as address:
         yield address
 
 
