@@ -772,6 +772,19 @@ def test_compare_bank_across_sentences(model):
     assert "S1 vs S2" in text and "attends to" in text
 
 
+def test_compare_from_python_refuses_one_text_or_one_sentence(model):
+    for sentences, got in ((MONEY, "got one str"), ([MONEY], "got 1")):
+        with pytest.raises(SelfAttnError, match=f"at least two sentences to compare, {got}$"):
+            explaining.compare_texts(model, sentences, "bank")
+
+
+def test_an_explanation_prints_as_one_short_line(model):
+    _, explanation = explaining.explain_text(model, MONEY, word="bank")
+    shown = repr(explanation)
+    assert shown.startswith("Explanation('all-MiniLM-L6-v2', layer=0, head=4, query=5 'bank'")
+    assert "\n" not in shown and "tensor" not in shown and len(shown) < 250
+
+
 def test_compare_names_the_attention_read_in_both_numberings():
     # The table counts hidden states (0 = embeddings .. 6); "attends to" reads attention
     # layer 5, the last block's, which explain calls --layer 5 and whose output is layer 6.

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -244,6 +245,10 @@ def test_run_refuses_what_it_cannot_do(minilm):
             minilm.run(invisible)
     with pytest.raises(SelfAttnError, match="truncate=True"):
         minilm.run("word " * 600)
+    with pytest.raises(SelfAttnError, match=r"one text \(a str\), got list; .*model.encode"):
+        minilm.run([MONEY_1, RIVER])
+    with pytest.raises(TypeError, match=r"None for every head .*; got 'mean'"):
+        run.attention(0, "mean")
     with pytest.raises(SelfAttnError, match="decoder"):
         minilm.generate("hello")
     with pytest.raises(SelfAttnError, match="batch_size must be at least 1, got 0"):
@@ -272,6 +277,18 @@ def test_load_refuses_a_dtype_or_device_it_cannot_use(options, message):
 def test_load_takes_a_dtype_by_name():
     model = selfattn.load("minilm", dtype="bfloat16")
     assert {parameter.dtype for parameter in model.parameters()} == {torch.bfloat16}
+
+
+def test_a_run_and_its_recording_print_as_short_lines(minilm):
+    run = minilm.run(MONEY_1)
+    assert repr(run) == (
+        "Run('all-MiniLM-L6-v2', 'I went to th...eposit money.': 11 tokens, 6 layers x 12 heads)"
+    )
+    assert repr(run.captures) == "Recording(6 calls of 6 attention layers)"
+    assert repr(run.captures[0]) == (
+        "Capture('blocks.0.attention', layer=0, query=(1, 12, 11, 32), key=(1, 12, 11, 32), "
+        "value=(1, 12, 11, 32), mask=None, causal=False, similarity='dot')"
+    )
 
 
 def test_negative_head_counts_from_the_end(minilm):
@@ -317,3 +334,37 @@ def test_show_writes_the_page_in_utf8_whatever_the_locale(tmp_path):
     assert shown.returncode == 0, shown.stderr
     page = Path(shown.stdout.strip().removeprefix("file://")).read_text(encoding="utf-8")
     assert page.startswith("<iframe srcdoc=") and "日" in page
+
+
+def fake_ipython(monkeypatch, kernel: bool) -> list:
+    """IPython as a Jupyter kernel (a shell with a kernel) or a plain script has it (no
+    shell); returns what ``display`` receives."""
+    shown = []
+    shell = SimpleNamespace(kernel=object()) if kernel else None
+    ipython = ModuleType("IPython")
+    ipython.get_ipython = lambda: shell
+    display = ModuleType("IPython.display")
+    display.HTML = lambda page: page
+    display.display = lambda *objects, **options: shown.append((objects, options))
+    monkeypatch.setitem(sys.modules, "IPython", ipython)
+    monkeypatch.setitem(sys.modules, "IPython.display", display)
+    return shown
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_show_displays_in_a_notebook_and_opens_a_browser_elsewhere(
+    minilm, monkeypatch, tmp_path, kernel
+):
+    """IPython installed is not a notebook: a script's display() would only print
+    "<IPython.core.display.HTML object>"."""
+    shown = fake_ipython(monkeypatch, kernel)
+    opened = []
+    monkeypatch.setattr("webbrowser.open", opened.append)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    run = minilm.run(MONEY_1)
+    run.show(word="bank")
+    if kernel:  # the raw HTML: IPython's HTML() warns about an <iframe>
+        assert shown == [(({"text/html": run.html(word="bank")},), {"raw": True})]
+        assert opened == []
+    else:
+        assert shown == [] and len(opened) == 1 and opened[0].startswith("file://")

@@ -104,8 +104,12 @@ class Phrase:
     words: int  # how many words the model reads in it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Explanation:
+    """One layer and head of a run, explained (for one query token, when given): what
+    ``selfattn explain`` shows and ``to_json()`` gives. ``attention`` is the (T, T) map,
+    ``steps`` the query's row step by step."""
+
     model: str
     text: str
     tokens: list[str]
@@ -124,6 +128,14 @@ class Explanation:
     query_phrase: Phrase | None = None  # the word asked for, when the model reads several
     # token -> the text it stands for, where the token does not show it (see hidden_texts)
     hidden: dict[int, str] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        head = HEAD_MEAN if self.head is None else self.head
+        query = None if self.query is None else f"{self.query} {self.tokens[self.query]!r}"
+        return (
+            f"Explanation({self.model!r}, layer={self.layer}, head={head!r}, query={query}, "
+            f"{len(self.tokens)} tokens; {self.choice})"
+        )
 
     @property
     def query_note(self) -> str | None:
@@ -684,6 +696,9 @@ def compare_texts(
 
     This is what ``selfattn compare`` calls; an error names the sentence it is about.
     """
+    if isinstance(sentences, str) or len(sentences) < 2:
+        got = "one str" if isinstance(sentences, str) else str(len(sentences))
+        raise SelfAttnError(f"give a list of at least two sentences to compare, got {got}")
     check_word(word)  # about no sentence in particular
     runs = []
     for number, sentence in enumerate(sentences, 1):

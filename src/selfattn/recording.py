@@ -9,6 +9,7 @@ layers and heads someone looks at.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 from selfattn.attention import AttentionTrace, attention
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Capture:
     """One attention call: q/k/v as ``(B, H, T, D)`` plus what is needed to recompute it."""
 
@@ -33,6 +34,16 @@ class Capture:
     similarity: str
     scale: float | None
     output: Tensor  # (B, H, T, Dv) what the fast backend computed
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(
+            f"{name}={tuple(getattr(self, name).shape)}" for name in ("query", "key", "value")
+        )
+        mask = None if self.mask is None else tuple(self.mask.shape)
+        return (
+            f"Capture({self.name!r}, layer={self.layer}, {shapes}, mask={mask}, "
+            f"causal={self.causal}, similarity={self.similarity!r})"
+        )
 
     @property
     def n_heads(self) -> int:
@@ -52,11 +63,12 @@ class Capture:
         ``similarity``/``scale`` recompute it as if the model had used another one (an
         experiment: the model itself ran with ``self.similarity`` and ``self.scale``).
         """
-        batch = _in_range(batch, self.query.shape[0], "batch", "this call had batch items")
+        batch = in_range(batch, self.query.shape[0], "batch", "this call had batch items")
         if head is None:
             heads = slice(None)
         else:
-            head = _in_range(head, self.n_heads, "head", "this layer has heads")
+            every_head = "or None for every head (then .mean(0) for their mean)"
+            head = in_range(head, self.n_heads, "head", "this layer has heads", every_head)
             heads = slice(head, head + 1)
         mask = self.mask
         if mask is not None:
@@ -79,8 +91,14 @@ class Capture:
         return self.trace(head, batch).weights
 
 
-def _in_range(index: int, size: int, name: str, what: str) -> int:
-    """``index`` as a non-negative index below ``size``; an IndexError naming the range."""
+def in_range(index: int, size: int, name: str, what: str, instead: str = "") -> int:
+    """``index`` as a non-negative index below ``size``; an IndexError naming the range, a
+    TypeError for what is no integer (saying what to pass ``instead``, if anything)."""
+    try:
+        index = operator.index(index)
+    except TypeError:
+        alternative = f", {instead}" if instead else ""
+        raise TypeError(f"{name} must be an integer{alternative}; got {index!r}") from None
     if not -size <= index < size:
         raise IndexError(f"{name} {index} out of range: {what} 0..{size - 1} (or -{size}..-1)")
     return index % size
@@ -95,13 +113,16 @@ def _squeeze_trace(trace: AttentionTrace, one_head: bool) -> AttentionTrace:
     return AttentionTrace(**fields, scale=trace.scale, similarity=trace.similarity)
 
 
-@dataclass
+@dataclass(repr=False)
 class Recording:
     """The captures of one ``record()`` block, in call order; ``rec[i]`` is the i-th call."""
 
     names: dict[int, str] = field(default_factory=dict)
     captures: list[Capture] = field(default_factory=list)
     _layers: dict[int, int] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"Recording({len(self)} calls of {self.n_layers} attention layers)"
 
     def __len__(self) -> int:
         return len(self.captures)

@@ -9,6 +9,7 @@ states, and attention weights and traces recomputed on demand for the layers and
 
 from __future__ import annotations
 
+import reprlib
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from selfattn.errors import SelfAttnError
 from selfattn.layers import AttentionModule
 from selfattn.models.bert import Bert, EncoderOutput
 from selfattn.models.gpt import GPT, DecoderOutput, GPTConfig
-from selfattn.recording import Recording, record
+from selfattn.recording import Recording, in_range, record
 from selfattn.text import Encoding, Span, Tokenizer, Word
 
 PROGRESS_MIN_BATCHES = 4  # progress=None shows a bar above this many batches on a terminal
@@ -117,7 +118,7 @@ def _check_like_ids(name: str, tensor: Tensor, input_ids: Tensor) -> None:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Run:
     """One text through the model: tokens, words, hidden states and the recorded attention.
 
@@ -131,6 +132,12 @@ class Run:
     captures: Recording  # q, k, v of every attention layer, recorded on the fast path
     logits: Tensor | None  # (T, vocab) next-token scores, decoders only
     model_name: str = "model"
+
+    def __repr__(self) -> str:
+        return (
+            f"Run({self.model_name!r}, {reprlib.repr(self.text)}: {len(self.tokens)} tokens, "
+            f"{self.n_layers} layers x {self.n_heads} heads)"
+        )
 
     @property
     def text(self) -> str:
@@ -172,12 +179,8 @@ class Run:
 
     def trace(self, layer: int, head: int | None = None) -> AttentionTrace:
         """Every intermediate of one head (``(T, T)`` weights) or all heads (``(H, T, T)``)."""
-        if not -self.n_layers <= layer < self.n_layers:
-            raise IndexError(
-                f"layer {layer} out of range: this model has attention layers "
-                f"0..{self.n_layers - 1}"
-            )
-        return self.captures.layer(layer % self.n_layers)[0].trace(head)
+        layer = in_range(layer, self.n_layers, "layer", "this model has attention layers")
+        return self.captures.layer(layer)[0].trace(head)
 
     def attention(self, layer: int, head: int | None = None) -> Tensor:
         """Attention weights of one head ``(T, T)``, or of all heads ``(H, T, T)``."""
@@ -220,19 +223,30 @@ class Run:
     ) -> None:
         """Display the explorer in a notebook; elsewhere, open it in the web browser."""
         page = self.html(word, layer, head)
-        try:
-            from IPython.display import HTML, display
-        except ImportError:
-            import tempfile
-            import webbrowser
-
-            with tempfile.NamedTemporaryFile(
-                "w", encoding="utf-8", suffix=".html", delete=False
-            ) as file:
-                file.write(page)
-            webbrowser.open(f"file://{file.name}")
+        if not _in_notebook():
+            _open_in_browser(page)
             return
-        display(HTML(page))
+        from IPython.display import display
+
+        display({"text/html": page}, raw=True)
+
+
+def _in_notebook() -> bool:
+    """Whether this runs in an IPython kernel (Jupyter, VS Code, Colab), which shows HTML;
+    a script or a terminal IPython only prints what it is given to display."""
+    ipython = sys.modules.get("IPython")  # a kernel has always imported it
+    shell = None if ipython is None else ipython.get_ipython()
+    return shell is not None and hasattr(shell, "kernel")
+
+
+def _open_in_browser(page: str) -> None:
+    """Write ``page`` to a temporary file and open it in the web browser."""
+    import tempfile
+    import webbrowser
+
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", suffix=".html", delete=False) as file:
+        file.write(page)
+    webbrowser.open(f"file://{file.name}")
 
 
 class Model(nn.Module):
@@ -302,6 +316,11 @@ class Model(nn.Module):
         keeps the first tokens (special tokens kept).
         """
         tokenizer = self._require_tokenizer()
+        if not isinstance(text, str):
+            raise SelfAttnError(
+                f"run takes one text (a str), got {type(text).__name__}; run each text on its "
+                "own, or embed many with model.encode(texts)"
+            )
         if not text.strip():
             raise SelfAttnError("the text is empty; pass a sentence to run")
         limit = self.config.max_positions
