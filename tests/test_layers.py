@@ -365,6 +365,22 @@ def test_record_leaves_outputs_unchanged_and_recomputes_exact_weights():
     assert capture.weights().shape == (4, 9, 9)
 
 
+def test_a_recording_moves_whole_to_another_device():
+    """Recording.to moves every capture's q, k, v, mask and output, names, layers, shapes and
+    dtypes kept: Model.run hands a run's recording to the CPU whatever the model's device.
+    "meta" stands in for a second device on this CPU machine."""
+    torch.manual_seed(6)
+    layer = MultiHeadAttention(8, 2).double()
+    with record(layer) as rec:
+        layer(torch.randn(1, 5, 8, dtype=torch.float64), mask=torch.rand(5, 5) > 0.3)
+    moved = rec.to("meta")
+    assert [(c.name, c.layer) for c in moved] == [(c.name, c.layer) for c in rec]
+    for name in ("query", "key", "value", "mask", "output"):
+        before, after = getattr(rec[0], name), getattr(moved[0], name)
+        assert after.device.type == "meta" and before.device.type == "cpu"
+        assert (after.shape, after.dtype) == (before.shape, before.dtype)
+
+
 def test_record_does_not_force_the_slow_path(monkeypatch):
     attention_module = importlib.import_module("selfattn.attention")
     used = []

@@ -13,8 +13,9 @@ import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import torch
 from torch import Tensor, nn
 
 from selfattn.attention import AttentionTrace, attention
@@ -48,6 +49,12 @@ class Capture:
     @property
     def n_heads(self) -> int:
         return self.query.shape[1]
+
+    def to(self, device: torch.device | str) -> Capture:
+        """This capture with its tensors on ``device``."""
+        tensors = ("query", "key", "value", "mask", "output")
+        moved = {name: getattr(self, name) for name in tensors if getattr(self, name) is not None}
+        return replace(self, **{name: tensor.to(device) for name, tensor in moved.items()})
 
     def trace(
         self,
@@ -137,6 +144,10 @@ class Recording:
     def n_layers(self) -> int:
         """How many distinct attention modules were called."""
         return len(self._layers)
+
+    def to(self, device: torch.device | str) -> Recording:
+        """The same captures, their tensors on ``device`` (a run's go to the CPU)."""
+        return Recording(self.names, [capture.to(device) for capture in self], self._layers)
 
     def layer(self, layer: int) -> list[Capture]:
         """Every capture of one layer (several when a key/value cache calls it per step)."""

@@ -339,8 +339,10 @@ class Model(nn.Module):
         with torch.no_grad(), record(self.network) as recording:
             output = self(input_ids)
         hidden_states = torch.stack(output.hidden_states).squeeze(1)  # (L+1, T, D)
-        logits = output.logits[0] if isinstance(output, DecoderOutput) else None
-        return Run(encoding, hidden_states, recording, logits, self.name)
+        logits = output.logits[0].cpu() if isinstance(output, DecoderOutput) else None
+        # A run is read on the CPU, whatever the model's device: what explains it builds its
+        # small index tensors there, and pages and JSON want its numbers there anyway.
+        return Run(encoding, hidden_states.cpu(), recording.to("cpu"), logits, self.name)
 
     def encode(
         self,
