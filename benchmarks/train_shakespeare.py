@@ -16,6 +16,9 @@ seed 1337: nanoGPT's own run replayed, since the same seed also gives the same i
     python benchmarks/train_shakespeare.py                      # ~70 s on 2 idle cores
     python benchmarks/train_shakespeare.py --reference --reference-batches nanogpt  # ~3 minutes
     python benchmarks/train_shakespeare.py --max-iters 100      # a quick check of the script
+
+The head's figure goes next to the checkpoint; the recorded run's (docs/benchmarks.md) was
+drawn with ``--figure docs/train_head.png``.
 """
 
 from __future__ import annotations
@@ -368,7 +371,8 @@ def _load() -> str:
     return f"{one:.2f}, {five:.2f}, {fifteen:.2f}"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; ``argv`` None reads ``sys.argv``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--data",
@@ -396,13 +400,17 @@ def main() -> None:
     parser.add_argument(
         "--figure",
         type=Path,
-        default=REPO / "docs/train_head.png",
-        help="where to draw one trained head's attention",
+        default=None,
+        help="where to draw one trained head's attention (default: train_head.png in the "
+        "checkpoint directory; the recorded run's is docs/train_head.png)",
     )
     parser.add_argument("--layer", type=int, default=1, help="layer of the drawn head")
     parser.add_argument("--head", type=int, default=0, help="the drawn head")
-    args = parser.parse_args()  # fmt: skip
+    return parser.parse_args(argv)
 
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     console = Console()
     console.print(f"load average (1, 5, 15 min) at the start: {_load()}")
@@ -482,7 +490,8 @@ def main() -> None:
         weights, labels, labels,
         f"shakespeare_char model after {result.step} steps: layer {args.layer}, head {args.head}",
     )  # fmt: skip
-    console.print(f"\nattention figure: {save_figure(figure, args.figure)}")
+    path = args.figure or out / "train_head.png"
+    console.print(f"\nattention figure: {save_figure(figure, path)}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ sums differs).
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -133,6 +134,21 @@ def _cycle_config(**changes) -> TrainConfig:
         warmup_iters=5, lr_decay_iters=60, eval_interval=30, eval_iters=2,
     )  # fmt: skip
     return TrainConfig(**{**settings, **changes})
+
+
+def test_each_evaluation_line_says_what_its_train_loss_averages(corpus, tmp_path):
+    """nanoGPT's "train loss" is a fresh eval-mode estimate; ours is the mean of the steps
+    since the previous evaluation (early on above the val loss), and the line now says so."""
+    args = ["train", "--data", str(corpus), "--out", str(tmp_path / "o"), "--preset", "tiny"]
+    result = CliRunner().invoke(app, [*args, "--max-iters", "10", "--eval-interval", "4"])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if "val loss" in line][:-1]
+    assert [re.sub(r"\d\.\d{4}", "L", line) for line in lines] == [
+        "step      0: val loss L",
+        "step      4: train loss L (mean since step 0), val loss L",
+        "step      8: train loss L (mean since step 4), val loss L",
+        "step     10: train loss L (mean since step 8), val loss L",
+    ]
 
 
 def test_loop_is_model_agnostic_and_decays_only_matrices():
@@ -748,6 +764,46 @@ def test_a_failed_save_is_one_line(corpus, tmp_path, monkeypatch):
     args = ["train", "--data", str(corpus), "--out", str(out), "--preset", "tiny"]
     line = _error_line([*args, "--max-iters", "2"])
     assert f"cannot write the checkpoint of step 2 in {out}: No space left on device" in line
+
+
+@pytest.mark.parametrize(
+    "error",
+    [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+     RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                  "allocate memory: you tried to allocate 13600000000 bytes.")],
+)  # fmt: skip
+def test_running_out_of_memory_is_one_line_naming_smaller_sizes(
+    corpus, tmp_path, monkeypatch, error
+):
+    """A batch too big for the GPU (or the CPU's memory) used to end in torch's traceback."""
+
+    def out_of_memory(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(GPT, "forward", out_of_memory)
+    args = ["train", "--data", str(corpus), "--out", str(tmp_path / "o"), "--preset", "tiny"]
+    line = _error_line([*args, "--max-iters", "2"])
+    assert "out of memory on cpu" in line and "smaller --batch-size or --block-size" in line
+
+
+def test_a_text_that_is_not_utf8_names_the_conversion(tmp_path):
+    """A Latin-1 file: one line saying where decoding failed and how to convert it."""
+    data = tmp_path / "latin.txt"
+    data.write_bytes("café au lait\n".encode("latin-1") * 40)
+    line = _error_line(["train", "--data", str(data), "--out", str(tmp_path / "o")])
+    assert f"{data} is not UTF-8 text (invalid continuation byte at byte 3)" in line, line
+    assert f"iconv -f latin1 -t utf-8 {data} > {tmp_path / 'latin-utf8.txt'}" in line, line
+
+
+def test_the_benchmarks_quick_check_leaves_the_recorded_figure_alone(monkeypatch):
+    """`train_shakespeare.py --max-iters 100` (its docstring's quick check) overwrote
+    docs/train_head.png, the recorded run's figure; now it draws next to its checkpoint."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "train_shakespeare.py"
+    spec = importlib.util.spec_from_file_location("benchmark_train_shakespeare", path)
+    benchmark = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, benchmark)  # its dataclasses look it up
+    spec.loader.exec_module(benchmark)
+    assert benchmark.parse_args(["--max-iters", "100"]).figure is None
 
 
 def _damage(trained: Path, tmp_path: Path, name: str, change) -> Path:

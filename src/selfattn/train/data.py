@@ -139,8 +139,13 @@ def read_text(path: Path) -> str:
         raise SelfAttnError(f"data file {path} does not exist; pass a text file with --data")
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise SelfAttnError(f"cannot read {path} as UTF-8 text: {error}") from None
+    except UnicodeDecodeError as error:
+        raise SelfAttnError(
+            f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); convert it "
+            f"first, e.g. iconv -f latin1 -t utf-8 {path} > {path.with_stem(path.stem + '-utf8')}"
+        ) from None
+    except OSError as error:
+        raise SelfAttnError(f"cannot read {path}: {error.strerror or error}") from None
     if not text:
         raise SelfAttnError(f"data file {path} is empty; pass a file with text in it")
     return text

@@ -191,7 +191,7 @@ def train(
     model.train()
     if start_step == 0 and not history:  # (a checkpoint of step 0 holds this evaluation)
         history.append({"step": 0, "val": evaluate(model, batches, config.eval_iters)})
-        _report(console, history[-1])
+        _report(console, history)
     step_losses: list[Tensor] = []
     window = 0  # index in step_losses of the first step since the last evaluation
     carried = _carried_losses(losses_since_eval, start_step, history)  # steps before start_step
@@ -231,7 +231,7 @@ def train(
                     _check_savable(model, step_losses[window:], step, saved_step, device)
                 history.append(record)
                 window, carried = len(step_losses), []
-                _report(console if progress is None else progress.console, record)
+                _report(console if progress is None else progress.console, history)
                 if save is not None:
                     save(step, history, carried)
                     saved_step, saved = step, True
@@ -323,10 +323,16 @@ def _diverged(problem: str, step: int, saved_step: int) -> SelfAttnError:
     return SelfAttnError(f"training diverged: {problem} at step {step}; {fix}")
 
 
-def _report(console: Console | None, record: dict[str, float]) -> None:
+def _report(console: Console | None, history: list[dict[str, float]]) -> None:
+    """The last evaluation's line; its train loss is the mean over the training steps since
+    the evaluation before (nanoGPT's is a fresh estimate), and says so."""
     if console is None:
         return
-    train = f"train loss {record['train']:.4f}, " if "train" in record else ""
+    record = history[-1]
+    train = ""
+    if "train" in record:
+        since = history[-2]["step"] if len(history) > 1 else 0
+        train = f"train loss {record['train']:.4f} (mean since step {since}), "
     console.print(f"step {record['step']:>6}: {train}val loss {record['val']:.4f}")
 
 

@@ -72,8 +72,20 @@ def train_gpt(
             resume,
             console if context.is_main else None,
         )
+    except RuntimeError as error:
+        if not _out_of_memory(error):
+            raise
+        raise SelfAttnError(
+            f"out of memory on {context.device}: use a smaller --batch-size or --block-size "
+            "(or a smaller model: --n-layer, --n-embd)"
+        ) from None
     finally:
         distributed.teardown()
+
+
+def _out_of_memory(error: RuntimeError) -> bool:
+    """Whether torch ran out of memory: CUDA's OutOfMemoryError, or the CPU allocator's error."""
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
 
 
 def _train_gpt(
