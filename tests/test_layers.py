@@ -381,6 +381,15 @@ def test_a_recording_moves_whole_to_another_device():
         assert (after.shape, after.dtype) == (before.shape, before.dtype)
 
 
+def test_a_recordings_layer_out_of_range_is_a_clear_error():
+    layer = MultiHeadAttention(8, 2)
+    with record(layer) as rec:
+        layer(torch.randn(1, 5, 8))
+    assert rec.layer(-1) == rec.layer(0) == [rec[0]]
+    with pytest.raises(IndexError, match=r"layer 9 out of range: this recording has attention"):
+        rec.layer(9)  # it answered [], for the caller's [0] to fail on
+
+
 def test_record_does_not_force_the_slow_path(monkeypatch):
     attention_module = importlib.import_module("selfattn.attention")
     used = []

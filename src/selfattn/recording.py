@@ -150,7 +150,9 @@ class Recording:
         return Recording(self.names, [capture.to(device) for capture in self], self._layers)
 
     def layer(self, layer: int) -> list[Capture]:
-        """Every capture of one layer (several when a key/value cache calls it per step)."""
+        """Every capture of one layer (several when a key/value cache calls it per step);
+        negative ``layer`` counts from the end."""
+        layer = in_range(layer, self.n_layers, "layer", "this recording has attention layers")
         return [capture for capture in self.captures if capture.layer == layer]
 
     def add(self, module: nn.Module, **tensors) -> None:
