@@ -26,6 +26,7 @@ import pytest
 import safetensors.torch
 import torch
 import torch.multiprocessing as mp
+import typer
 from rich.console import Console
 from safetensors.torch import load_file, save_model
 from torch import Tensor, nn
@@ -525,10 +526,67 @@ def test_ddp_ranks_agree_to_refuse_a_save_when_one_rank_is_not_finite(tmp_path):
     _run_two_ranks(_ddp_poison_worker, tmp_path)
     kept = (
         "training diverged: the weights are no longer finite at step 4; the checkpoint of "
-        "step 3 is kept: resume it with a lower --lr"
+        "step 3 is kept: resume it with a lower --lr, e.g. --lr 0.01"
     )
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.txt").read_text() == f"[3] {kept}"
+
+
+def _ddp_train_loss_worker(rank: int, port: int, out: Path) -> None:
+    """Two ranks train a bigram table on different batches; each writes its step losses and
+    the evaluation history."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = _Bigram()
+    config = _cycle_config(max_iters=4, eval_interval=2, eval_iters=1)
+    torch.manual_seed(rank)  # each rank its own batches
+    try:
+        model = nn.parallel.DistributedDataParallel(model)
+        result = train(model, configure_optimizer(model, config), _Cycle(), config)
+    finally:
+        torch.distributed.destroy_process_group()
+    (out / f"rank{rank}.json").write_text(json.dumps([result.losses, result.history]))
+
+
+def test_ddp_train_loss_is_the_mean_over_every_ranks_steps(tmp_path):
+    """gloo, 2 ranks: each evaluation's train loss, on both ranks, is the mean of both ranks'
+    steps since the one before, as the val loss is of both ranks' batches (it was rank 0's)."""
+    _run_two_ranks(_ddp_train_loss_worker, tmp_path)
+    (losses0, history0), (losses1, history1) = (
+        json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)
+    )
+    assert losses0 != losses1 and history0 == history1
+    assert [record.get("train") for record in history0] == pytest.approx(
+        [None, sum(losses0[:2] + losses1[:2]) / 4, sum(losses0[2:] + losses1[2:]) / 4]
+    )
+
+
+def _ddp_locked_out_worker(rank: int, port: int, corpus: Path, out: Path) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )  # fmt: skip
+    try:
+        train_gpt(corpus, out, preset="tiny", overrides={"max_iters": 2}, device="cpu")
+        outcome = "trained"
+    except SelfAttnError as error:
+        outcome = str(error)
+    (out / f"rank{rank}.txt").write_text(outcome)
+
+
+def test_ddp_ranks_all_stop_when_the_out_is_locked(corpus, tmp_path):
+    """gloo, 2 ranks, --out held by another run: rank 0 finds the lock and every rank stops
+    (rank 1 takes no lock of its own, and must not wait for a rank 0 that never trains)."""
+    from selfattn.train.lock import hold
+
+    with hold(tmp_path):
+        _run_two_ranks(_ddp_locked_out_worker, corpus, tmp_path, seconds=60)
+    in_use = f"--out {tmp_path} is in use by another run"
+    assert (tmp_path / "rank0.txt").read_text().startswith(f"{in_use} (pid {os.getpid()})")
+    assert (tmp_path / "rank1.txt").read_text() == in_use
+    assert not (tmp_path / "LATEST").exists()
 
 
 UTF8_SCRIPT = """
@@ -739,18 +797,107 @@ def test_non_finite_settings_are_refused(corpus, tmp_path, flag, value):
     assert "must be a finite number" in line and value in line
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [(["--warmup-iters", "200", "--lr-decay-iters", "100"],
+      "--warmup-iters 200 (warmup_iters= in Python) must be below --lr-decay-iters 100 "
+      "(lr_decay_iters= in Python); raise --lr-decay-iters above 200 or lower --warmup-iters "
+      "below 100"),
+     (["--lr", "1e-4"],
+      "--min-lr 0.0003 (min_lr= in Python) is above --lr 0.0001 (learning_rate= in Python); "
+      "lower --min-lr to 0.0001 or less, or raise --lr"),
+     (["--min-lr", "0"], "--min-lr 0.0 (min_lr= in Python) must be above 0"),
+     (["--eval-iters", "0"], "--eval-iters 0 (eval_iters= in Python) must be at least 1"),
+     (["--grad-clip", "-1"], "--grad-clip -1.0 (grad_clip= in Python) must be 0 or more")],
+)  # fmt: skip
+def test_invalid_settings_name_their_flags_and_the_fix(corpus, tmp_path, flags, message):
+    """They were named as Python fields with no fix ("need 0 <= warmup_iters < lr_decay_iters,
+    got 200 and 100"); every flag named is one of `selfattn train`'s, and nothing is created."""
+    out = tmp_path / "o"
+    line = _error_line(["train", "--data", str(corpus), "--out", str(out), "--preset", "tiny",
+                        *flags])  # fmt: skip
+    assert line == f"Error: invalid training settings: {message}", line
+    train_flags = typer.main.get_command(app).commands["train"].params
+    known = {option for param in train_flags for option in param.opts}
+    assert set(re.findall(r"--[a-z-]+", line)) <= known, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("min_lr", "advice"), [(0.01, "--lr 0.01"), (0.05, "--lr 0.01 --min-lr 0.005")]
+)
+def test_the_divergence_advice_is_a_learning_rate_that_can_be_set(min_lr, advice):
+    """A tenth of --lr 0.1, with --min-lr lowered too when it would be above that: the advice
+    was a bare "a lower --lr", and one below --min-lr was refused as an invalid setting."""
+    torch.manual_seed(0)
+    model = _Bigram()
+    config = _cycle_config(learning_rate=0.1, min_lr=min_lr, max_iters=4, eval_interval=2)
+    batches = _Cycle({2: lambda: _poison(model, "weights")})
+    with pytest.raises(SelfAttnError) as error:
+        train(model, configure_optimizer(model, config), batches, config)
+    assert str(error.value).endswith(f"start again with a lower --lr, e.g. {advice}"), error.value
+    flags = dict(zip(advice.split()[::2], map(float, advice.split()[1::2]), strict=True))
+    _cycle_config(learning_rate=flags["--lr"], min_lr=flags.get("--min-lr", min_lr))
+
+
 def test_a_diverging_run_stops_before_overwriting_its_checkpoint(corpus, tmp_path):
     """Resuming at lr 1e6 makes the loss NaN: one line naming the kept step; the checkpoint
-    of step 6 is untouched (it used to be overwritten by NaN weights)."""
+    of step 6 is untouched (it used to be overwritten by NaN weights). The flags it advises
+    are accepted (a bare lower --lr, below --min-lr, was refused as an invalid setting)."""
     out = tmp_path / "out"
     overrides = {"max_iters": 6, "eval_interval": 3, "eval_iters": 1}
     train_gpt(corpus, out, preset="tiny", overrides=overrides, device="cpu")
     args = ["train", "--data", str(corpus), "--out", str(out), "--resume", "--max-iters", "12"]
-    line = _error_line([*args, "--lr", "1e6", "--min-lr", "1"])
-    assert "training diverged" in line and "checkpoint of step 6 is kept" in line, line
+    line = _error_line([*args, "--lr", "1e6", "--min-lr", "1e6"])
+    kept = "checkpoint of step 6 is kept: resume it with a lower --lr, e.g. "
+    assert "training diverged" in line and kept in line, line
+    advice = line.split(kept)[1].split()
+    assert advice == ["--lr", "100000.0", "--min-lr", "100000.0"], line
+    assert "training diverged" in _error_line([*args, *advice])  # diverges again, but runs
     model, _, _, state = load_checkpoint(out)
     assert state.step == 6
     assert all(torch.isfinite(value).all() for value in model.state_dict().values())
+
+
+def test_a_second_run_into_a_locked_out_is_refused(trained, corpus, tmp_path):
+    """Two runs writing one --out replaced each other's checkpoints. While one holds it (here
+    this test, for the other process) another is refused in one line naming the folder and
+    the holder's pid, resumed or fresh, and leaves the folder as it was; the lock goes with
+    the run, on an error too, and its file is no checkpoint (resume and generate read on)."""
+    from selfattn.train.lock import hold  # (a module the code before the lock lacked)
+
+    out = tmp_path / "out"
+    save_checkpoint(out, *load_checkpoint(trained))
+    base = ["train", "--data", str(corpus), "--out", str(out), "--max-iters", "31"]
+    with hold(out):
+        before = sorted(path.name for path in out.iterdir())
+        for resume in (["--resume"], []):
+            line = _error_line([*base, *resume])
+            assert line == (
+                f"Error: --out {out} is in use by another run (pid {os.getpid()}); wait for it "
+                "to end or choose another --out"
+            ), line
+        assert sorted(path.name for path in out.iterdir()) == before
+    result = CliRunner().invoke(app, [*base, "--resume"])
+    assert result.exit_code == 0 and load_checkpoint(out)[3].step == 31, result.output
+    assert "already holds a checkpoint" in _error_line(base)  # raised while holding the lock
+    with hold(out):
+        result = CliRunner().invoke(app, ["generate", "--checkpoint", str(out), "All:"])
+    assert result.exit_code == 0 and (out / ".lock").is_file(), result.output
+
+
+def test_without_fcntl_runs_are_not_locked(tmp_path, monkeypatch):
+    """Windows has no fcntl: the lock module still imports, and holds nothing."""
+    from selfattn.train import lock
+
+    monkeypatch.setitem(sys.modules, "fcntl", None)
+    try:
+        importlib.reload(lock)
+        with lock.hold(tmp_path), lock.hold(tmp_path):
+            assert not (tmp_path / ".lock").exists()
+    finally:
+        monkeypatch.undo()
+        importlib.reload(lock)
 
 
 def test_a_failed_save_is_one_line(corpus, tmp_path, monkeypatch):

@@ -3,6 +3,7 @@
 Layout of ``OUT/`` (what ``selfattn train --out OUT`` writes)::
 
     OUT/LATEST                   name of the current checkpoint directory, replaced atomically
+    OUT/.lock                    locked by the run writing OUT (see ``lock``), not a checkpoint
     OUT/step-0002000-<id>/
         model.safetensors        weights (the tied embedding / head saved once)
         config.json              model config, training config, preset name, data file

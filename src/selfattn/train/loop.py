@@ -50,25 +50,38 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("learning_rate", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip"):
             if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        for name in ("max_iters", "batch_size", "block_size", "eval_interval", "eval_iters"):
+                raise ValueError(f"{self._setting(name)} must be a finite number")
+        counts = ("max_iters", "batch_size", "block_size", "eval_interval", "eval_iters")
+        for name in (*counts, "log_interval"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.log_interval < 1:
-            raise ValueError(f"log_interval must be positive, got {self.log_interval}")
-        if not 0 < self.min_lr <= self.learning_rate:
+                raise ValueError(f"{self._setting(name)} must be at least 1")
+        for name in ("learning_rate", "min_lr"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{self._setting(name)} must be above 0")
+        for name in ("warmup_iters", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{self._setting(name)} must be 0 or more")
+        if self.min_lr > self.learning_rate:
             raise ValueError(
-                f"need 0 < min_lr <= learning_rate, got {self.min_lr} and {self.learning_rate}"
+                f"{self._setting('min_lr')} is above {self._setting('learning_rate')}; lower "
+                f"--min-lr to {self.learning_rate} or less, or raise --lr"
             )
-        if not 0 <= self.warmup_iters < self.lr_decay_iters:
+        if self.warmup_iters >= self.lr_decay_iters:
             raise ValueError(
-                f"need 0 <= warmup_iters < lr_decay_iters, got {self.warmup_iters} and "
-                f"{self.lr_decay_iters}"
+                f"{self._setting('warmup_iters')} must be below "
+                f"{self._setting('lr_decay_iters')}; raise --lr-decay-iters above "
+                f"{self.warmup_iters} or lower --warmup-iters below {self.lr_decay_iters}"
             )
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("weight_decay and grad_clip must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"AdamW betas must be in [0, 1), got {self.beta1}, {self.beta2}")
+            raise ValueError(
+                f"AdamW's betas (beta1=, beta2=) must be in [0, 1), got {self.beta1}, {self.beta2}"
+            )
+
+    def _setting(self, name: str) -> str:
+        """A field as `selfattn train` takes it, then as Python does: "--lr 0.1 (learning_rate=
+        in Python)", for messages that Python callers and the command line share."""
+        flag = "lr" if name == "learning_rate" else name.replace("_", "-")
+        return f"--{flag} {getattr(self, name)} ({name}= in Python)"
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:
@@ -126,7 +139,7 @@ class TrainResult:
     start_step: int
     step: int  # steps completed in total
     losses: list[float]  # training loss of each step this call took (this rank's batch)
-    history: list[dict[str, float]]  # evaluations: step, train (mean since the previous), val
+    history: list[dict[str, float]]  # evaluations: step, train (ranks' mean since last), val
     interrupted: bool = False
     train_seconds: float = 0.0  # time in training steps, without evaluation and checkpoints
     wall_seconds: float = 0.0
@@ -162,14 +175,15 @@ def train(
     ``start_step`` is already there: the result then has ``step == start_step``).
 
     Evaluates at step 0 (fresh runs), every ``eval_interval`` steps and at the end, recording
-    the mean training loss since the previous evaluation and the validation loss, and calling
-    ``save(step, history, losses_since_eval)`` after each one; ``save`` runs on every rank (it
-    may gather state) and is expected to write on rank 0 only. SIGINT/SIGTERM stop the loop
-    between two steps (on every rank at the same step), then ``save`` runs (a further signal
-    cannot cut it short; a fresh run stopped before its first step saves step 0) and the result
-    says ``interrupted``. A ``history`` that already holds step 0 (a checkpoint of step 0) is
-    not evaluated again. ``losses_since_eval`` are the training losses of the steps between the
-    last evaluation in ``history`` and ``start_step`` (what ``save`` was given), so that a
+    the mean training loss since the previous evaluation (over every rank's steps) and the
+    validation loss, and calling ``save(step, history, losses_since_eval)`` after each one;
+    ``save`` runs on every rank (it may gather state) and is expected to write on rank 0 only.
+    SIGINT/SIGTERM stop the loop between two steps (on every rank at the same step), then
+    ``save`` runs (a further signal cannot cut it short; a fresh run stopped before its first
+    step saves step 0) and the result says ``interrupted``. A ``history`` that already holds
+    step 0 (a checkpoint of step 0) is not evaluated again. ``losses_since_eval`` are the
+    training losses (each step's mean over ranks) of the steps between the last evaluation in
+    ``history`` and ``start_step`` (what ``save`` was given), so that a
     resumed run records the same means as a straight one; None when they are unknown: then the
     next evaluation records no training loss, unless ``start_step`` is the last evaluation's
     step. A non-finite validation loss, training loss or weight raises
@@ -226,9 +240,9 @@ def train(
                 if since_eval is not None:
                     record["train"] = statistics.fmean(since_eval)
                 record["val"] = evaluate(model, batches, config.eval_iters)
-                _check_finite(record, saved_step)
+                _check_finite(record, saved_step, config)
                 if save is not None:
-                    _check_savable(model, step_losses[window:], step, saved_step, device)
+                    _check_savable(model, step_losses[window:], step, saved_step, config, device)
                 history.append(record)
                 window, carried = len(step_losses), []
                 _report(console if progress is None else progress.console, history)
@@ -237,7 +251,7 @@ def train(
                     saved_step, saved = step, True
         # still inside the signal handlers: a second Ctrl-C cannot cut the interrupt's save short
         if result.interrupted and save is not None and not (saved and saved_step == result.step):
-            _check_savable(model, step_losses[window:], result.step, saved_step, device)
+            _check_savable(model, step_losses[window:], result.step, saved_step, config, device)
             save(result.step, history, _since_eval(carried, step_losses[window:]))
     result.losses = torch.stack(step_losses).tolist() if step_losses else []
     result.wall_seconds = time.perf_counter() - wall_start
@@ -257,10 +271,12 @@ def _carried_losses(
 
 def _since_eval(carried: list[float] | None, recent: list[Tensor]) -> list[float] | None:
     """The training losses since the last evaluation: ``carried`` from before this call, then
-    ``recent`` (one device sync); None while the carried ones are unknown."""
+    ``recent``, each step's averaged across ranks (one all-reduce and one device sync, at
+    evaluations and saves only); None while the carried ones are unknown."""
     if carried is None:
         return None
-    return carried + (torch.stack(recent).tolist() if recent else [])
+    recent_means = distributed.mean_across_ranks(torch.stack(recent)).tolist() if recent else []
+    return carried + recent_means
 
 
 def _step(
@@ -294,15 +310,21 @@ def _stop_requested(
     return step % config.log_interval == 0 and distributed.any_across_ranks(stop.is_set(), device)
 
 
-def _check_finite(record: dict[str, float], saved_step: int) -> None:
+def _check_finite(record: dict[str, float], saved_step: int, config: TrainConfig) -> None:
     """Stop a run whose loss is no longer a number, before it overwrites the last checkpoint
     (the validation loss is averaged across ranks, so every rank stops at the same step)."""
     if not math.isfinite(record["val"]):
-        raise _diverged(f"the validation loss is {record['val']}", record["step"], saved_step)
+        problem = f"the validation loss is {record['val']}"
+        raise _diverged(problem, record["step"], saved_step, config)
 
 
 def _check_savable(
-    model: nn.Module, losses: list[Tensor], step: int, saved_step: int, device: torch.device
+    model: nn.Module,
+    losses: list[Tensor],
+    step: int,
+    saved_step: int,
+    config: TrainConfig,
+    device: torch.device,
 ) -> None:
     """Refuse to save weights, or the steps since the last save, that are no longer finite: on
     every path to ``save`` (evaluation, interrupt, end of run), with all ranks agreeing."""
@@ -311,16 +333,26 @@ def _check_savable(
     checks = {"the weights are": weights_finite, "the training loss is": losses_finite}
     for what, finite in checks.items():
         if distributed.any_across_ranks(not finite, device):
-            raise _diverged(f"{what} no longer finite", step, saved_step)
+            raise _diverged(f"{what} no longer finite", step, saved_step, config)
 
 
-def _diverged(problem: str, step: int, saved_step: int) -> SelfAttnError:
+def _diverged(problem: str, step: int, saved_step: int, config: TrainConfig) -> SelfAttnError:
     """The one line for a run that stopped being a number at ``step``, and what was kept."""
+    lower = f"a lower --lr, e.g. {_lower_learning_rate(config)}"
     if saved_step:
-        fix = f"the checkpoint of step {saved_step} is kept: resume it with a lower --lr"
+        fix = f"the checkpoint of step {saved_step} is kept: resume it with {lower}"
     else:
-        fix = "nothing was saved: start again with a lower --lr"
+        fix = f"nothing was saved: start again with {lower}"
     return SelfAttnError(f"training diverged: {problem} at step {step}; {fix}")
+
+
+def _lower_learning_rate(config: TrainConfig) -> str:
+    """Flags for a tenth of the peak learning rate, with a tenth of ``min_lr`` too where the
+    floor would otherwise be above the new peak (which TrainConfig refuses)."""
+    lower = float(f"{config.learning_rate / 10:.3g}")
+    if lower >= config.min_lr:
+        return f"--lr {lower}"
+    return f"--lr {lower} --min-lr {float(f'{config.min_lr / 10:.3g}')}"
 
 
 def _report(console: Console | None, history: list[dict[str, float]]) -> None:

@@ -7,6 +7,8 @@ checkpoints (with an exact resume) and torch.distributed. The loop itself stays 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from torch import Tensor
 
 from selfattn.errors import SelfAttnError
 from selfattn.models.gpt import GPT, GPTConfig
-from selfattn.train import distributed
+from selfattn.train import distributed, lock
 from selfattn.train.checkpoint import (
     LATEST,
     RunConfig,
@@ -59,19 +61,22 @@ def train_gpt(
     The settings are the preset's (default ``shakespeare-char-cpu``; when resuming, the
     checkpoint's) with ``overrides`` applied (model fields and :class:`TrainConfig` fields),
     except that a resumed run keeps the checkpoint's seed: its generator states continue.
-    Under torchrun each rank trains on its own batches; rank 0 writes and prints.
+    Under torchrun each rank trains on its own batches; rank 0 writes and prints. ``out`` is
+    locked while the run lasts: a second run into it is refused.
     """
     context = distributed.setup(device)
     try:
-        return _train_gpt(
-            context,
-            Path(data),
-            Path(out),
-            preset,
-            overrides or {},
-            resume,
-            console if context.is_main else None,
-        )
+        with ExitStack() as locks:
+            return _train_gpt(
+                context,
+                Path(data),
+                Path(out),
+                preset,
+                overrides or {},
+                resume,
+                console if context.is_main else None,
+                locks,
+            )
     except RuntimeError as error:
         if not _out_of_memory(error):
             raise
@@ -96,7 +101,9 @@ def _train_gpt(
     overrides: dict[str, object],
     resume: bool,
     console: Console | None,
+    locks: ExitStack,
 ) -> TrainedRun:
+    """The run, with ``out`` locked (held by ``locks``) before its checkpoint is looked at."""
     checkpoint = None
     _refuse_a_step_folder(out)
     if resume:
@@ -104,12 +111,8 @@ def _train_gpt(
             raise SelfAttnError(
                 f"nothing to resume: {out} holds no checkpoint; drop --resume to start a new run"
             )
+        locks.enter_context(_one_run_in(out, context))
         checkpoint = load_checkpoint(out, context.device)
-    elif has_checkpoint(out):
-        raise SelfAttnError(
-            f"{out} already holds a checkpoint; pass --resume to continue it, "
-            "or choose another --out"
-        )
 
     if checkpoint is not None:
         _, tokenizer, saved, _ = checkpoint
@@ -124,7 +127,14 @@ def _train_gpt(
         preset.model_config(data.tokenizer.vocab_size), preset.train, preset.name, str(data_path)
     )
     settings = config.train
-    _make_out_dir(out)
+    if checkpoint is None:  # settings checked: now the folder, locked, then what it holds
+        _make_out_dir(out)
+        locks.enter_context(_one_run_in(out, context))
+        if has_checkpoint(out):
+            raise SelfAttnError(
+                f"{out} already holds a checkpoint; pass --resume to continue it, "
+                "or choose another --out"
+            )
 
     if context.device.type == "cuda":
         torch.set_float32_matmul_precision("high")
@@ -224,6 +234,22 @@ def _refuse_a_step_folder(out: Path) -> None:
         else f"put it in a folder of its own with a {LATEST} file naming it, and pass that"
     )
     raise SelfAttnError(f"--out {out} is one checkpoint folder, not a training folder; {where}")
+
+
+@contextmanager
+def _one_run_in(out: Path, context: distributed.Context) -> Iterator[None]:
+    """Hold the lock on ``out`` while the block runs: rank 0 takes it, and every rank stops
+    (with rank 0's line) when another run holds it."""
+    with ExitStack() as held:
+        refused: SelfAttnError | None = None
+        if context.is_main:
+            try:
+                held.enter_context(lock.hold(out))
+            except SelfAttnError as error:
+                refused = error
+        if distributed.any_across_ranks(refused is not None, context.device):
+            raise refused or SelfAttnError(f"--out {out} is in use by another run")
+        yield
 
 
 def _make_out_dir(out: Path) -> None:
