@@ -884,6 +884,16 @@ def test_user_errors_are_one_line(args, message):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [({"word": 3}, "word= takes the word as a str, got 3"), ({"index": "bank"}, "got 'bank'")],
+)
+def test_a_word_and_an_index_given_the_wrong_way_round_are_refused(model, given, message):
+    # word=3 explained token 3, and index="bank" the word "bank": lenient, but a mix-up unseen
+    with pytest.raises(TypeError, match=message):
+        explaining.explain_text(model, MONEY, **given)
+
+
 @pytest.mark.parametrize("occurrence", [0, 1, -1])
 def test_occurrence_picks_that_word(model, occurrence):
     run, explanation = explaining.explain_text(

@@ -363,6 +363,10 @@ def explain_text(
     """
     if word is not None and index is not None:
         raise ValueError("give either a word or a token index, not both")
+    if word is not None and not isinstance(word, str):
+        raise TypeError(f"word= takes the word as a str, got {word!r}; a token's number is index=")
+    if index is not None and (isinstance(index, bool | str) or not hasattr(index, "__index__")):
+        raise TypeError(f"index= takes a token's number, got {index!r}; a word goes in word=")
     if word is None and occurrence != 0:
         raise ValueError(
             f"occurrence {occurrence} counts the matches of a word, and no word is given: give "
