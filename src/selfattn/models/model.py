@@ -141,6 +141,7 @@ class Run:
 
     @property
     def text(self) -> str:
+        """The text as given."""
         return self.encoding.text
 
     @property
@@ -151,30 +152,37 @@ class Run:
 
     @property
     def tokens(self) -> list[str]:
+        """The tokens as read: "##ing" for a word piece, " bank" for byte-level BPE."""
         return self.encoding.tokens
 
     @property
     def token_ids(self) -> list[int]:
+        """Each token's id in the model's vocabulary."""
         return self.encoding.ids
 
     @property
     def offsets(self) -> list[Span]:
+        """Each token's characters in :attr:`text`, (start, end); (0, 0) for special tokens."""
         return self.encoding.offsets
 
     @property
     def word_ids(self) -> list[int | None]:
+        """Each token's index in :attr:`words`; None for special tokens."""
         return self.encoding.word_ids
 
     @property
     def words(self) -> list[Word]:
+        """The words of the text that have at least one token."""
         return self.encoding.words
 
     @property
     def n_layers(self) -> int:
+        """How many attention layers (blocks) the model has."""
         return self.hidden_states.shape[0] - 1
 
     @property
     def n_heads(self) -> int:
+        """How many heads each attention layer has."""
         return self.captures[0].n_heads
 
     def trace(self, layer: int, head: int | None = None) -> AttentionTrace:
