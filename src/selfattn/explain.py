@@ -506,10 +506,13 @@ def choose_head(
         elif head is not None:
             weights = weights[head : head + 1]
         scores.append((weights[:, queries] * other_content).sum(-1).mean(-1))  # (H,) or (1,)
-        positional.append(positional_heads(weights, content))
+        if head is None:  # a head given is not passed over
+            positional.append(positional_heads(weights, content))
     by_layer = torch.stack(scores)  # (layers, heads)
-    passed_over = torch.stack(positional)
-    if head is not None or passed_over.all():  # a head given, or no other head to choose
+    passed_over = (
+        torch.stack(positional) if positional else torch.zeros_like(by_layer, dtype=torch.bool)
+    )
+    if passed_over.all():  # no other head to choose
         passed_over = torch.zeros_like(passed_over)
     best = int(by_layer.masked_fill(passed_over, -1.0).argmax())
     row, column = divmod(best, by_layer.shape[1])
@@ -587,11 +590,18 @@ def word_of(tokens: list[str], word_ids: list[int | None], token: int) -> tuple[
 
 def merge_words(weights: Tensor, groups: list[list[int]]) -> Tensor:
     """(T, T) weights -> (W, W): keys summed over a word's pieces, queries averaged."""
+    membership = word_membership(weights, groups)
+    counts = membership.sum(0)
+    return (membership.T @ weights @ membership) / counts[:, None]
+
+
+def word_membership(weights: Tensor, groups: list[list[int]]) -> Tensor:
+    """(T, W), in the dtype of ``weights``: 1 where token t is a piece of word w; ``row @`` it
+    sums a row's keys over each word's pieces."""
     membership = torch.zeros(weights.shape[-1], len(groups), dtype=weights.dtype)
     for word, members in enumerate(groups):
         membership[members, word] = 1.0
-    counts = membership.sum(0)
-    return (membership.T @ weights @ membership) / counts[:, None]
+    return membership
 
 
 @dataclass(frozen=True)
@@ -743,9 +753,7 @@ def attended_words(run: RecordedRun, pieces: range, layer: int, top: int) -> lis
     groups = word_groups(run.tokens, run.word_ids)
     names = listed_names(groups, run.tokens, hidden_texts(run))
     trace = run.captures.layer(layer)[0].trace()
-    membership = torch.zeros(len(run.tokens), len(groups), dtype=trace.weights.dtype)
-    for j, (_, members) in enumerate(groups):
-        membership[members, j] = 1.0
+    membership = word_membership(trace.weights, [members for _, members in groups])
     row = trace.weights.mean(0)[list(pieces)].mean(0) @ membership  # (W,) keys summed
     seen = ~never_attended(trace)[list(pieces)].all(0)  # (T,) keys some piece may attend
     own = {j for j, (_, members) in enumerate(groups) if set(members) & set(pieces)}
