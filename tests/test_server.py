@@ -663,6 +663,22 @@ needs_proc = pytest.mark.skipif(
 )
 
 
+def _interrupted_in_flight(started, again: bool) -> tuple[int, list, str, str]:
+    """Start the server, send requests that stay in flight, then Ctrl+C (twice, 0.3 s apart,
+    if ``again``) and wait for exit status 130: how many requests were sent, their answers,
+    the server's stdout and stderr."""
+    process, base = started()
+    threads, answers = _in_flight(base)
+    process.send_signal(signal.SIGINT)
+    if again:
+        time.sleep(0.3)
+        process.send_signal(signal.SIGINT)
+    assert process.wait(120) == 130
+    for thread in threads:
+        thread.join(30)
+    return len(threads), answers, *_output(process)
+
+
 IN_FLIGHT = re.compile(r"stopping: finishing (\d+) requests? in flight; Ctrl\+C again cancels them")
 
 
@@ -670,15 +686,7 @@ IN_FLIGHT = re.compile(r"stopping: finishing (\d+) requests? in flight; Ctrl\+C 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_second_ctrl_c_cancels_the_requests_in_one_line(started):
-    process, base = started()
-    threads, answers = _in_flight(base)
-    process.send_signal(signal.SIGINT)
-    time.sleep(0.3)
-    process.send_signal(signal.SIGINT)
-    assert process.wait(30) == 130
-    for thread in threads:
-        thread.join(30)
-    stdout, stderr = _output(process)
+    sent, answers, stdout, stderr = _interrupted_in_flight(started, again=True)
     lines = stderr.strip().splitlines()
     assert len(lines) == 2, stderr  # no traceback, no uvicorn log
     first, second = lines
@@ -688,8 +696,7 @@ def test_a_second_ctrl_c_cancels_the_requests_in_one_line(started):
     assert " 500 " not in stdout
     # the requests cancelled see their connection close (no 500 is sent), the others finished
     assert (
-        sorted(answers, key=str)
-        == [200] * (len(threads) - cancelled) + ["RemoteProtocolError"] * cancelled
+        sorted(answers, key=str) == [200] * (sent - cancelled) + ["RemoteProtocolError"] * cancelled
     )
 
 
@@ -697,16 +704,10 @@ def test_a_second_ctrl_c_cancels_the_requests_in_one_line(started):
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ctrl_c_lets_the_requests_in_flight_finish(started):
-    process, base = started()
-    threads, answers = _in_flight(base)
-    process.send_signal(signal.SIGINT)
-    assert process.wait(120) == 130
-    for thread in threads:
-        thread.join(30)
-    stdout, stderr = _output(process)
-    assert answers == [200] * len(threads)
+    sent, answers, stdout, stderr = _interrupted_in_flight(started, again=False)
+    assert answers == [200] * sent
     assert IN_FLIGHT.fullmatch(stderr.strip()), stderr
-    assert stdout.count('"POST /api/view HTTP/1.1" 200') == len(threads)
+    assert stdout.count('"POST /api/view HTTP/1.1" 200') == sent
 
 
 @pytest.mark.slow
