@@ -42,6 +42,7 @@ from selfattn.train import (
     TextData,
     TrainConfig,
     configure_optimizer,
+    distributed,
     get_preset,
     load_checkpoint,
     load_model,
@@ -516,7 +517,7 @@ def _ddp_poison_worker(rank: int, port: int, out: Path) -> None:
     except SelfAttnError as error:
         outcome = str(error)
     finally:
-        torch.distributed.destroy_process_group()
+        distributed.teardown()  # as the command does
     (out / f"rank{rank}.txt").write_text(f"{saved} {outcome}")
 
 
@@ -546,7 +547,7 @@ def _ddp_train_loss_worker(rank: int, port: int, out: Path) -> None:
         model = nn.parallel.DistributedDataParallel(model)
         result = train(model, configure_optimizer(model, config), _Cycle(), config)
     finally:
-        torch.distributed.destroy_process_group()
+        distributed.teardown()  # as the command does
     (out / f"rank{rank}.json").write_text(json.dumps([result.losses, result.history]))
 
 
