@@ -221,6 +221,26 @@ def test_recorded_weights_of_a_mask_shared_along_a_leading_dim():
         torch.testing.assert_close(recorded, weights[item], atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("shape", [(7,), ()])
+def test_recorded_weights_of_every_head_with_a_mask_of_one_dim_or_none(shape):
+    # attention takes masks of shape (S,) and (), broadcast to (B, H, T, S). Before: reading
+    # every head's weights (head=None) of such a call raised "mask of shape (1, 4, 7) does not
+    # broadcast". Now they equal torch.nn.MultiheadAttention's per-head weights, same weights
+    # copied (float64, 1e-12).
+    torch.manual_seed(11)
+    reference = nn.MultiheadAttention(20, 4, batch_first=True).double().eval()
+    ours = MultiHeadAttention.from_torch(reference)
+    x = torch.randn(2, 7, 20, dtype=torch.float64)
+    allowed = torch.tensor([True, False, True, True, False, True, True]).reshape(shape or (7,))
+    mask = allowed if shape else torch.tensor(True)
+    blocked = ~mask.expand(7, 7)  # torch: True = may NOT attend
+    _, expected = reference(x, x, x, attn_mask=blocked, average_attn_weights=False)
+    with record(ours) as rec:
+        ours(x, mask=mask)
+    for batch in range(2):
+        torch.testing.assert_close(rec[0].weights(batch=batch), expected[batch], atol=1e-12, rtol=0)
+
+
 def test_single_head_is_the_formula_of_the_guide():
     # Q = X W_q, K = X W_k, V = X W_v; softmax(Q Kᵀ / sqrt(d_k)) V; tolerance 1e-12.
     torch.manual_seed(2)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from selfattn.attention import SIMILARITIES, as_4d, attention
+from selfattn.kernels.chunked import at_least_2d
 from selfattn.recording import active_recording
 
 
@@ -83,8 +84,10 @@ class AttentionModule(nn.Module):
 
 
 def _mask_as_4d(mask: Tensor | None, query: Tensor) -> Tensor | None:
-    """The mask with query's leading dims folded as :func:`as_4d` folds them, where it has
-    any to fold: a query of more than 4 dims and a mask of more than 2 (T, S)."""
+    """The mask as the recorded q and k need it: at least (T, S) (a (S,) or () mask gets its
+    missing dims), with query's leading dims folded as :func:`as_4d` folds them, where it has
+    any to fold: a query of more than 4 dims and a mask of more than 2."""
+    mask = at_least_2d(mask)
     if mask is None or mask.dim() <= 2 or query.dim() <= 4:
         return mask
     return as_4d(mask.expand(*query.shape[:-2], *mask.shape[-2:]))
