@@ -7,6 +7,7 @@ test_models_random.py.
 
 import importlib.util
 import json
+import math
 
 import pytest
 import torch
@@ -263,3 +264,28 @@ def test_a_decoder_checks_its_token_inputs_too(tmp_path):
     assert model(torch.tensor([[0, 59]]), torch.tensor([[1, 1]])).logits.shape == (1, 2, 60)
     with pytest.raises(SelfAttnError, match=r"input_ids must lie in 0\.\.59"):
         model(torch.tensor([[0, 60]]))
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"top_k": 0}, r"top_k must be a whole number >= 1 \(or None .*\), got 0"),
+        ({"top_k": -3}, r"top_k must be a whole number >= 1 .* got -3"),
+        ({"top_k": 2.5}, r"top_k must be a whole number >= 1 .* got 2\.5"),
+        ({"max_new_tokens": -1}, r"max_new_tokens must be a whole number >= 0, got -1"),
+        ({"max_new_tokens": 2.0}, r"max_new_tokens must be a whole number >= 0, got 2\.0"),
+        ({"temperature": math.nan}, r"temperature must be >= 0 \(0 is greedy\), got nan"),
+    ],
+)
+def test_generation_options_no_sampling_can_take_get_one_line(tmp_path, options, match):
+    # Before: top_k=0 raised torch's "The size of tensor a (60) must match the size of tensor
+    # b (0)", top_k=-3 "selected index k out of range", 2.5 a TypeError from topk, and
+    # max_new_tokens=-1 silently returned the prompt.
+    tensors = checkpoint_tensors(gpt2_rules(2), GPT(gpt2_config(GPT2)))
+    network = load(write(tmp_path, GPT2, tensors)).network
+    prompt = torch.tensor([[1, 2, 3]])
+    assert network.generate(prompt, 2, top_k=1, seed=0).shape == (1, 5)
+    arguments = {"max_new_tokens": 2, "temperature": 1.0, **options}
+    with pytest.raises(SelfAttnError, match=match) as error:
+        network.generate(prompt, arguments.pop("max_new_tokens"), **arguments)
+    assert "\n" not in str(error.value)

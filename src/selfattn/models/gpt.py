@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from selfattn.errors import SelfAttnError
 from selfattn.layers import ACTIVATIONS, KVCache, LearnedPositions, TransformerBlock
 
 
@@ -132,8 +133,7 @@ class GPT(nn.Module):
         alignment lets it see every cached key). Once the context outgrows ``block_size`` the
         window slides and the cache is rebuilt, so outputs match ``use_cache=False`` exactly.
         """
-        if not temperature >= 0:  # also refuses NaN
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        check_sampling(max_new_tokens, temperature, top_k)
         generator = None
         if seed is not None:
             generator = torch.Generator(device=input_ids.device).manual_seed(seed)
@@ -150,6 +150,22 @@ class GPT(nn.Module):
             next_id = sample(logits, temperature, top_k, generator)
             ids = torch.cat([ids, next_id], dim=1)
         return ids
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """One line for a generation option that no sampling can take, before any step."""
+    if not _whole_at_least(max_new_tokens, 0):
+        raise SelfAttnError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
+    if not temperature >= 0:  # also refuses NaN
+        raise SelfAttnError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and not _whole_at_least(top_k, 1):
+        raise SelfAttnError(
+            f"top_k must be a whole number >= 1 (or None to sample from every token), got {top_k!r}"
+        )
+
+
+def _whole_at_least(value: object, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def sample(
