@@ -386,6 +386,41 @@ def test_compare_follows_the_occurrence_typed_and_kept_in_the_address(browser, b
     watched.check_clean()
 
 
+def test_explore_follows_the_occurrence_typed_and_kept_in_the_address(browser, base_url, minilm):
+    _, second = explain_text(minilm, RIVER_TWICE, word="river", occurrence=1)
+    expected = second.to_json()  # the library's steps for the second "river" (12), to TOL
+    assert expected["query"]["index"] == 12
+    watched = Watched(browser, base_url)
+    page = watched.page
+    page.fill("#explore-text", RIVER_TWICE)
+    page.fill("#explore-word", "river")
+    page.keyboard.press("Tab")  # the next field, named by its label
+    focused = page.locator("#view-explore").get_by_role(
+        "spinbutton", name="Occurrence (0 = first, -1 = last)"
+    )
+    assert focused.evaluate("(e) => e === document.activeElement")
+    page.keyboard.type("1")
+    page.keyboard.press("Enter")
+    watched.wait("#app")
+    chosen = f"layer={expected['layer']}&head={expected['head']}&word=river&occurrence=1"
+    assert page.url.endswith(chosen)
+    assert page.text_content("#selection").endswith("query 12 “river”")
+    assert_steps_match(watched, expected)
+
+    watched.open(page.url.removeprefix(base_url))  # reloaded: the same occurrence and numbers
+    watched.wait("#app")
+    assert page.input_value("#explore-occurrence") == "1"
+    assert_steps_match(watched, expected)
+
+    page.click(".token[data-index='8']")  # the first "river": a token, no longer the word's match
+    assert page.url.endswith(f"layer={expected['layer']}&head={expected['head']}&index=8")
+    assert page.input_value("#explore-word") == page.input_value("#explore-occurrence") == ""
+    page.click(".token[data-index='12']")  # the word's match again: its word and occurrence
+    assert page.url.endswith(chosen)
+    assert page.input_value("#explore-occurrence") == "1"
+    watched.check_clean()
+
+
 def ablation_weights(page) -> dict:
     """The Similarity & scale view's query, weights and entropies, as its data-* hold them."""
     return page.evaluate(
@@ -639,6 +674,53 @@ def test_a_failed_request_clears_the_old_result_and_a_tab_clears_the_error(brows
     page.click("#tab-explore")
     page.keyboard.press("ArrowRight")  # the cleared explorer's keys went with it
     assert "index=" not in page.url
+
+
+def test_arrow_keys_on_another_view_leave_the_explorer_as_it_was(browser, base_url):
+    watched = Watched(browser, base_url, f"/?text={quote(BANK)}&word=bank")
+    watched.wait("#app")
+    page = watched.page
+    before = on_screen(page)
+    page.click("#tab-compare")
+    page.click("#view-compare .hint")  # the focus on the page, not on a field
+    page.keyboard.press("ArrowRight")
+    page.keyboard.press("ArrowLeft")
+    page.keyboard.press("ArrowLeft")
+    page.click("#tab-explore")
+    assert on_screen(page) == before  # the same query, word and address
+    watched.check_clean()
+
+
+def lines_fit_the_strip(page) -> bool:
+    """Once the next frame is drawn: whether the canvas of lines covers the token strip (1 px)."""
+    page.evaluate("() => new Promise((done) => requestAnimationFrame(() => setTimeout(done)))")
+    return page.evaluate(
+        """() => {
+            const strip = document.getElementById('strip').getBoundingClientRect();
+            const lines = document.getElementById('lines').getBoundingClientRect();
+            return strip.width > 0 && Math.abs(lines.width - strip.width) <= 1
+                && Math.abs(lines.height - strip.height) <= 1;
+        }"""
+    )
+
+
+def test_the_lines_follow_the_tokens_drawn_or_resized_behind_another_view(browser, base_url):
+    watched = Watched(browser, base_url)
+    page = watched.page
+    held = []  # the explore request, answered only once the compare view is open
+    page.route("**/api/view", lambda route: held.append(route))
+    watched.explore(BANK, "bank")
+    page.wait_for_function("() => document.getElementById('app').ariaBusy === 'true'")
+    page.click("#tab-compare")
+    held[0].continue_()
+    page.wait_for_selector("#app[data-ready='true']", state="attached")  # drawn while hidden
+    page.click("#tab-explore")
+    assert lines_fit_the_strip(page)
+    page.click("#tab-compare")
+    page.set_viewport_size({"width": 900, "height": 800})  # the window resized while hidden
+    page.click("#tab-explore")
+    assert lines_fit_the_strip(page)
+    watched.check_clean()
 
 
 def test_an_error_that_comes_back_while_another_view_is_open_shows_on_return(browser, base_url):

@@ -3,7 +3,7 @@
 //   Compare   POST /api/compare  -> the word's cosine similarity per layer, what it attends to
 //   Ablation  POST /api/explain  -> the model's weights next to the head recomputed with
 //                                   another similarity or scale, and their entropies
-// What is on screen lives in the address bar (?view=...&text=...&layer=...&head=...&word=...),
+// What is on screen lives in the address bar (?view=...&text=...&word=...&occurrence=...&layer=...&head=...),
 // so reloading or sharing the address shows the same thing; each run and each tab is a history
 // entry, so Back and Forward show each step again. A run asks for exactly what its address says:
 // a bad value there is the server's one-line error, never replaced by a default. User text reaches
@@ -134,15 +134,10 @@
 
   async function explore(fromAddress) {
     const { text, word } = INPUTS.explore();
-    const p = params();
-    const body = { text };
+    if (!fromAddress) navigate("explore"); // its address has no layer, head nor index: the server chooses them
+    // the address exactly: which match of the word, its layer and head, or the query token without a word
+    const body = { text, ...addressFields(params(), ["occurrence", "layer", "head", ...(word ? [] : ["index"])]) };
     if (word) body.word = word;
-    if (fromAddress) {
-      // reproduce the address exactly: its layer, head and query token
-      Object.assign(body, addressFields(p, word ? ["layer", "head"] : ["layer", "head", "index"]));
-    } else {
-      navigate("explore");
-    }
     await request("explore", {
       fetch: () => api("/api/view", body),
       show: (payload) => {
@@ -151,10 +146,13 @@
         window.selfattn.render(payload, $("app"), {
           hash: false,
           onChange: ({ layer, head, query }) => {
+            // the word's match as the query: the word and its occurrence; any other token: its index
             const byWord = query === wordQuery;
-            const address = addressWith({ layer, head, word: byWord ? body.word : null, index: byWord ? null : query }, shown.explore);
+            const chosen = byWord ? { word: body.word, occurrence: body.occurrence, index: null } : { word: null, occurrence: null, index: query };
+            const address = addressWith({ layer, head, ...chosen }, shown.explore);
             if (openView === "explore") history.replaceState(null, "", address);
-            $("explore-word").value = byWord ? body.word : "";
+            $("explore-word").value = chosen.word ?? "";
+            $("explore-occurrence").value = chosen.occurrence ?? "";
           },
         });
       },
@@ -372,7 +370,7 @@
 
   /** Each view's form, as address parameters. */
   const INPUTS = {
-    explore: () => ({ text: $("explore-text").value, word: $("explore-word").value.trim() }),
+    explore: () => ({ text: $("explore-text").value, word: $("explore-word").value.trim(), occurrence: $("explore-occurrence").value }),
     compare: () => ({
       s: sentenceInputs().map((input) => input.value).filter((s) => s.trim()),
       word: $("compare-word").value.trim(),
@@ -394,6 +392,7 @@
     explore: (p) => {
       $("explore-text").value = p.get("text") || "";
       $("explore-word").value = p.get("word") || "";
+      $("explore-occurrence").value = p.get("occurrence") || "";
     },
     compare: (p) => {
       const sentences = p.getAll("s");
@@ -413,6 +412,12 @@
       $("ablation-scale").value = p.get("scale") || "";
     },
   };
+
+  /** The field after a view's word that picks which match of the word is the query. */
+  function addOccurrenceField(view) {
+    const input = h("input", { id: `${view}-occurrence`, type: "number", step: "1", placeholder: "0" });
+    $(`${view}-word`).closest("label").after(h("label", {}, "Occurrence (0 = first, -1 = last) ", input));
+  }
 
   function showView(view) {
     openView = view;
@@ -467,6 +472,7 @@
 
   function start() {
     for (const name of Object.keys(VIEWS)) {
+      addOccurrenceField(name);
       $(`tab-${name}`).addEventListener("click", () => openTab(name));
       $(`${name}-form`).addEventListener("submit", (event) => {
         event.preventDefault();
