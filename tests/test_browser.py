@@ -127,9 +127,9 @@ def test_top_keys_name_a_repeated_token_by_its_index(browser, tmp_path):
     watched.check_clean()
 
 
-def test_top_keys_name_each_key_as_the_payload_names_it(browser, tmp_path):
-    # Two unknown tokens, named by the texts they stand for (as Python's lists name them): two
-    # names, so neither needs its token index.
+def test_the_lists_of_keys_name_each_key_as_the_payload_names_it(browser, tmp_path):
+    # Two unknown tokens, named by the texts they stand for (as Python's lists and the command
+    # line's table of steps name them): two names, so neither needs its token index.
     tokens = ["i", "love", "[UNK]", "and", "[UNK]", "bank"]
     names = ["i", "love", "'🙂' ([UNK])", "and", "'🍕' ([UNK])", "bank"]
     path, _ = write_page(tmp_path, tokens=tokens, names=names)
@@ -139,6 +139,10 @@ def test_top_keys_name_each_key_as_the_payload_names_it(browser, tmp_path):
         ".top-keys li", "(items) => items.map((li) => [+li.dataset.key, li.firstChild.textContent])"
     )
     assert sorted(shown) == [[key, name] for key, name in enumerate(names)]
+    steps = watched.page.eval_on_selector_all(
+        "#steps td.key", "(cells) => cells.map((c) => c.textContent)"
+    )
+    assert steps == [f"{key} {name}" for key, name in enumerate(names)]
     assert watched.page.text_content(".token[data-index='2']") == "[UNK]"  # tokens stay as read
     watched.check_clean()
 
@@ -353,6 +357,17 @@ def test_screen_readers_get_names_roles_and_the_maps_text(browser, tmp_path):
         == "layer 0, head 2"
     )
     assert page.get_attribute("#selection", "aria-live") == "polite"
+    watched.check_clean()
+
+
+def test_the_map_and_the_model_view_say_rows_are_queries_and_columns_keys(browser, tmp_path):
+    path, _ = write_page(tmp_path)
+    watched = Watched(browser, path)
+    hints = watched.page.evaluate(
+        """() => ['#heatmap', '#model-grid'].map((id) =>
+            document.querySelector(id).closest('.card').querySelector('.hint').textContent)"""
+    )
+    assert all("rows: queries, columns: keys" in hint for hint in hints), hints
     watched.check_clean()
 
 

@@ -11,8 +11,9 @@ Payload (a JSON object, the input of the page's ``render(payload)``)::
     version        1
     model, text    strings shown in the header
     tokens         [T] token strings;  words: [T] word index per token (null: special) or null
-    names          [T] each token as the list of attended keys names it: the token, or
-                   '🙂' ([UNK]) by the text it stands for where it does not show it
+    names          [T] each token as the lists of keys (attended keys, step table) name it:
+                   the token, or '🙂' ([UNK]) by the text it stands for where it does not
+                   show it
     note           what the first query is of the word asked for (a phrase's first token, a
                    piece of a word), or null
     layers, heads, length        L, H, T
@@ -103,7 +104,7 @@ def page_payload(
         words: per token, the index of the word it belongs to (None for special tokens);
             the page groups the tokens of one word together.
         causal: bottom-right causal masking, as in :func:`selfattn.attention` (decoders).
-        names: each token as the list of attended keys names it (the tokens when None).
+        names: each token as the lists of keys name it (the tokens when None).
         note: said under the first query, when it is only a part of the word asked for.
     """
     q, k, v = (

@@ -327,7 +327,11 @@
     attachMapEvents(ui, model, state, current, select);
     if (hash) window.addEventListener("hashchange", () => select(readHash()), { signal });
     const redrawLines = () => showRow(state.hover ?? state.query);
-    window.addEventListener("resize", redrawLines, { signal });
+    // The token strip changes size with the window, and from none to its own when a hidden explorer
+    // (drawn while another view of the live page was open) shows again: the lines follow its tokens.
+    const stripSize = new ResizeObserver(redrawLines);
+    stripSize.observe(ui.strip);
+    signal.addEventListener("abort", () => stripSize.disconnect());
     // A zoom or a move to another screen changes the pixel ratio: redraw sharp at the new one.
     onPixelRatioChange(draw, signal);
     // The colour scheme, and print (light, whatever the screen shows): new colours, drawn again.
@@ -348,7 +352,7 @@
     document.addEventListener(
       "keydown",
       (event) => {
-        if (event.defaultPrevented || event.target.closest("select, input, textarea, button")) return;
+        if (event.defaultPrevented || event.target.closest("select, input, textarea, button") || !onScreen(root)) return;
         if (event.key === "ArrowRight") select({ query: Math.min(T - 1, state.query + 1) });
         if (event.key === "ArrowLeft") select({ query: Math.max(0, state.query - 1) });
       },
@@ -400,6 +404,9 @@
     el.setAttribute(ariaState, String(chosen));
     el.tabIndex = chosen ? 0 : -1;
   }
+
+  /** Whether `el` is on screen: an explorer in a hidden view (another tab of the live page) has no boxes. */
+  const onScreen = (el) => el.getClientRects().length > 0;
 
   /** A causal mask hides key j from query i (bottom-right aligned). */
   const isMasked = (model, i, j) => model.causal && j > i;
@@ -554,7 +561,7 @@
         "section",
         { class: "card" },
         h("h2", {}, "Model view"),
-        h("p", { class: "hint" }, "Every layer × head, each scaled to its own largest weight; click one to select it."),
+        h("p", { class: "hint" }, "Every layer × head (rows: queries, columns: keys), each scaled to its own largest weight; click one to select it."),
         grid,
       ),
     );
@@ -782,7 +789,7 @@
         const tr = h(
           "tr",
           { "data-key": String(j), class: [j === i ? "self" : "", masked(j) ? "masked" : ""].join(" ").trim() },
-          h("td", { class: "key" }, h("span", { class: "idx" }, String(j)), " ", h("bdi", {}, model.tokens[j])),
+          h("td", { class: "key" }, h("span", { class: "idx" }, String(j)), " ", h("bdi", {}, model.names[j])),
           ...cells,
           h("td", { class: "num strong", "data-weight": String(weights[j]) }, fmt(weights[j])),
           h("td", { class: "bar-cell" }, masked(j) ? h("span", { class: "tag" }, "masked") : h("span", { class: "bar-track" }, bar)),
