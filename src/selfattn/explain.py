@@ -10,7 +10,8 @@ puts the most weight on *other content words* — not itself, not special tokens
 unknown token (``[UNK]``: the model reads only "some unknown text" there). Without a query
 word, the same measure averaged over every content token. Heads that follow position, not
 meaning (most content tokens' largest weight on the token just before, or just after) are
-passed over unless every head does.
+passed over unless every head does, or no head weighs other content words (a one-word text):
+then the first head is shown.
 
 An unknown token is named by the characters it stands for, ``'🙂' ([UNK])``, and so is one
 whose combining marks the tokenizer dropped (MiniLM reads बैंक as ``ब ##क``: ``'बैंक' (बक)``),
@@ -176,6 +177,11 @@ class Explanation:
         """Each token as the lists of attended keys name it (see :func:`listed_names`)."""
         groups = [(token, [i]) for i, token in enumerate(self.tokens)]
         return listed_names(groups, self.tokens, self.hidden)
+
+    @property
+    def word_names(self) -> list[str] | None:
+        """Each merged word as the lists of attended keys name it; None unless merged."""
+        return None if self.groups is None else listed_names(self.groups, self.tokens, self.hidden)
 
     @property
     def masked_keys(self) -> list[int]:
@@ -487,8 +493,8 @@ def choose_head(
 
     A word split into pieces is measured on its row as ``words=True`` defines it: the mean
     of its pieces' rows. A chosen head passes over the positional heads of this text (see
-    :func:`positional_heads`), unless every head in reach is one; the reason says so where
-    one of them would have won.
+    :func:`positional_heads`), unless every head in reach is one or none weighs other content
+    words (all tie at 0: the first is shown); the reason says so where one would have won.
     """
     content = content_tokens(run.tokens, run.word_ids)
     queries, who = _measured_rows(run, query, content)
@@ -512,7 +518,8 @@ def choose_head(
     passed_over = (
         torch.stack(positional) if positional else torch.zeros_like(by_layer, dtype=torch.bool)
     )
-    if passed_over.all():  # no other head to choose
+    # No other head to choose, or none weighs content words: all tie at 0, the first is shown.
+    if passed_over.all() or not (by_layer > 0).any():
         passed_over = torch.zeros_like(passed_over)
     best = int(by_layer.masked_fill(passed_over, -1.0).argmax())
     row, column = divmod(best, by_layer.shape[1])
@@ -624,9 +631,13 @@ def key_label(name: str, index: int, repeated: bool) -> str:
     return f"{index}:{name}" if repeated else name
 
 
-def key_labels(names: list[str]) -> list[str]:
-    """Every key of a row as listed: each name, with its index where another has it too."""
-    return [key_label(name, i, names.count(name) > 1) for i, name in enumerate(names)]
+def key_labels(names: list[str], indices: list[int] | None = None) -> list[str]:
+    """Every key of a row as listed: each name, with its token index (``indices``; by default
+    its place in the row) where another has the name too."""
+    indices = list(range(len(names))) if indices is None else indices
+    return [
+        key_label(name, i, names.count(name) > 1) for name, i in zip(names, indices, strict=True)
+    ]
 
 
 def top_keys(tokens: list[str], weights: Tensor, k: int = 5) -> list[Attended]:
