@@ -175,6 +175,28 @@ def test_the_step_table_labels_a_repeated_key_as_top_attended_does():
     assert set(labels) <= set(keys)
 
 
+def test_the_word_table_labels_repeated_and_unknown_words_as_the_step_table_does():
+    # No word here is split, so the word row (pieces merged) lists the keys of the step
+    # table, with the same labels (6:the, '🙂' ([UNK]) by its text) and the same weights as
+    # printed (3 decimals, exact).
+    text = "I love 🙂 and the 🙂 pizza at the bank"
+    args = ["explain", text, "--word", "pizza", "--words", "--layer", "0", "--head", "0"]
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    step_rows, word_rows = [], []
+    for line in result.stdout.splitlines():
+        cells = [cell.strip() for cell in line.split("│")[1:-1]]
+        if len(cells) in (3, 5) and cells[0] != "total":
+            (step_rows if len(cells) == 5 else word_rows).append((cells[0], cells[-2]))
+    assert [key for key, _ in step_rows][3:7] == [
+        "3:'🙂' ([UNK])",
+        "and",
+        "5:the",
+        "6:'🙂' ([UNK])",
+    ]
+    assert word_rows == step_rows
+
+
 def test_the_figure_outlines_the_query_row_merged_or_not(model, monkeypatch, tmp_path):
     # "gioco" is token 5 (gi ##oco after gi ##och ##i a) and word 3 when pieces are merged.
     rows = []
@@ -483,6 +505,20 @@ def test_choose_head_passes_over_positional_heads_unless_every_head_is():
     assert (layer, head) == (0, 0) and "1.00" in choice and "passing over" not in choice
 
 
+def test_a_text_without_other_content_words_shows_the_first_head_as_it_says():
+    # One content word: every head puts 0 on other content words, so all tie and the reason
+    # says "the first is shown". Head 0 puts "bank"'s largest weight on [CLS], the token just
+    # before it (positional), head 1 on itself: passing head 0 over would show head 1 and
+    # claim a positional head would have won. Exact: only argmaxes count.
+    tokens, word_ids = ["[CLS]", "bank", "[SEP]"], [None, 0, None]
+    rows = {(0, 0): [0.6, 0.3, 0.1], (0, 1): [0.2, 0.7, 0.1]}
+    layer, head, choice = explaining.choose_head(fake_run(tokens, word_ids, 1, rows), query=1)
+    assert (layer, head) == (0, 0) and "passing over" not in choice
+    assert "no head puts any weight on other content words" in choice
+    data = explain_json("Bank", "--word", "bank")  # the same on MiniLM
+    assert (data["layer"], data["head"]) == (0, 0) and "passing over" not in data["choice"]
+
+
 def nearest_shares_by_hand(run) -> torch.Tensor:
     """(L, H, 2): the share of content tokens whose largest weight is on the token just
     before them (0) and just after them (1), from run.attention."""
@@ -630,6 +666,18 @@ def test_scale_and_similarity_experiments_say_sharper_or_flatter():
     assert sum(cosine["weights"]) == pytest.approx(1.0, abs=1e-6)
     result = invoke("explain", MONEY, "--word", "bank", "--scale", "1")
     assert "entropy" in result.output and "sharper" in result.output
+
+
+@pytest.mark.parametrize("options", [("--similarity", "dot"), ("--scale", repr(1 / math.sqrt(32)))])
+def test_the_models_own_similarity_and_scale_recompute_the_same_weights(options):
+    # dot and 1/sqrt(32) are MiniLM's own: the recomputed weights equal the model's (1e-6,
+    # float32 rounding) and the verdict says so, not "flatter" or "sharper".
+    data = explain_json(MONEY, "--word", "bank", "--layer", "0", "--head", "4", *options)
+    own, alternative = data["weights"], data["alternative"]["weights"]
+    torch.testing.assert_close(torch.tensor(alternative), torch.tensor(own), atol=1e-6, rtol=0)
+    result = invoke("explain", MONEY, "--word", "bank", "--layer", "0", "--head", "4", *options)
+    entropy = f"{data['entropy_bits']:.3f}"
+    assert re.search(rf"entropy \(bits\) +│ +{entropy} │ +{entropy} \(the same\)", result.output)
 
 
 def test_head_mean():

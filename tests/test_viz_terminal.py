@@ -57,6 +57,30 @@ def test_step_table_lists_score_scaled_and_weight_per_key():
     assert "scaled = score × scale, scale = 1/√d_k = 1/√8 = 0.3536" in text
 
 
+@pytest.mark.parametrize("width", [40, 60, 200])
+def test_row_tables_print_every_key_and_number_whole_in_any_width(width):
+    # The bars take what the numbers leave, 24 cells at most, or none where fewer than 4
+    # are left: at 40 and 60 columns they used to squeeze keys and numbers out of the table.
+    tr = trace(len(TOKENS))
+    scale = written_scale(tr.scale, tr.similarity, 8)
+    steps = (tr.scores[5], tr.scaled[5], tr.weights[5])
+    for table, numbers in (
+        (step_table(TOKENS, *steps, scale), steps),
+        (weights_bars(TOKENS, tr.weights[5], "x"), steps[2:]),
+    ):
+        console = Console(record=True, width=width, color_system=None)
+        console.print(table)
+        lines = console.export_text().splitlines()
+        assert max(cell_len(line) for line in lines) <= width
+        rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines]
+        for token, *values in zip(TOKENS, *numbers, strict=True):
+            printed = [token, *(f"{float(value):.3f}" for value in values)]
+            assert printed in [row[: len(printed)] for row in rows]
+        bars = [row[-1] for row in rows if len(row) == len(numbers) + 2]
+        table_width = max(cell_len(line) for line in lines if "│" in line)
+        assert not bars or max(map(cell_len, bars)) == 24 or table_width == width
+
+
 @pytest.mark.parametrize(
     ("scale", "similarity", "written"),
     [
@@ -124,9 +148,17 @@ def test_heatmap_of_64_tokens_fits_120_columns_with_index_labels():
     assert "columns: key j is the token of row j" in text
 
 
-def test_heatmap_without_colour_draws_block_characters():
-    # A pipe or a log has no colour: the ramp turns into characters, full block = the maximum.
-    console = Console(record=True, width=120, color_system=None)
+@pytest.mark.parametrize(
+    "no_colour",
+    [
+        {"color_system": None},  # a pipe or a log
+        {"color_system": "truecolor", "force_terminal": True, "no_color": True},  # NO_COLOR=1
+    ],
+)
+def test_heatmap_without_colour_draws_block_characters(no_colour):
+    # Without colour the ramp turns into characters, full block = the maximum: NO_COLOR in a
+    # terminal too, where rich drops the background colours that would draw the cells.
+    console = Console(record=True, width=120, **no_colour)
     console.print(heatmap(["a", "b"], ["a", "b"], [[1.0, 0.0], [0.25, 0.75]], "map"))
     text = console.export_text()
     assert "█" in text and "░" in text and "rows: queries, columns: keys" in text
@@ -173,6 +205,23 @@ def test_comparison_prints_every_similarity_whole(sentences, width):
     lines = [line.strip() for line in text.splitlines()]  # the title whole, not wrapped
     assert "'word' across sentences (model): cosine similarity of its vectors" in lines
     assert "attends to: with 0.50" in lines  # on its own line, under its sentence
+
+
+@pytest.mark.parametrize("width", [34, 40])
+def test_comparison_too_wide_either_way_keeps_the_narrower_table_whole(width):
+    """Three pairs fit 40 columns neither way: layers as rows, the narrower, wrap the pair
+    names ("S1 vs" over "S2"), and no number is cut (pairs as rows cut all of them)."""
+    similarity = torch.rand(7, 3, 3, generator=torch.Generator().manual_seed(1))
+    texts = [f"sentence {i}" for i in range(3)]
+    attended = [[Attended("with", 0.5, 3, repeated=False)] for _ in texts]
+    console = Console(record=True, width=width, color_system=None)
+    print_comparison(console, Comparison("word", texts, similarity, attended, 5), "model")
+    text = console.export_text()
+    assert "…" not in text and max(cell_len(line) for line in text.splitlines()) <= width
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in text.splitlines()]
+    for layer in range(7):
+        cosines = [f"{float(similarity[layer, a, b]):.3f}" for a, b in combinations(range(3), 2)]
+        assert [str(layer), *cosines] in rows
 
 
 def compared(attended: list[list[Attended]], occurrence: int = 0) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+from functools import partial
 from itertools import combinations
 from pathlib import Path
 
@@ -127,7 +128,8 @@ def print_explanation(console: Console, e: Explanation) -> None:
     if e.groups is not None and e.query is not None:
         row = _query_row(e)
         named = e.name(labels[row], e.groups[row][1])
-        console.print(weights_bars(labels, matrix[row], f"{named} by word (pieces merged)"))
+        words = key_labels(shown(e.word_names), [members[0] for _, members in e.groups])
+        console.print(weights_bars(words, matrix[row], f"{named} by word (pieces merged)"))
     console.print(heatmap(labels, labels, matrix, f"attention, {_where(e)}{_causal_note(e)}"))
 
 
@@ -190,10 +192,18 @@ def _alternative_table(e: Explanation, keys: list[str]) -> Table:
         table.add_column(f"{whose}: {steps.similarity}, scale {scale}", justify="right")
     for key, a, b in zip(keys, own.weights.tolist(), alt.weights.tolist(), strict=True):
         table.add_row(Text(key), f"{a:.3f}", f"{b:.3f}")
-    verdict = "sharper" if alt.entropy < own.entropy else "flatter"
     table.add_section()
-    table.add_row("entropy (bits)", f"{own.entropy:.3f}", f"{alt.entropy:.3f} ({verdict})")
+    own_bits, alt_bits = f"{own.entropy:.3f}", f"{alt.entropy:.3f}"
+    table.add_row("entropy (bits)", own_bits, f"{alt_bits} ({_verdict(own_bits, alt_bits)})")
     return table
+
+
+def _verdict(own_bits: str, alt_bits: str) -> str:
+    """The recomputed weights against the model's, by their entropies as printed: sharper
+    (lower), flatter (higher), or the same where the printed digits are."""
+    if alt_bits == own_bits:
+        return "the same"
+    return "sharper" if float(alt_bits) < float(own_bits) else "flatter"
 
 
 def save_heatmap(e: Explanation, path: Path) -> Path:
@@ -240,7 +250,8 @@ def page_data(run: RecordedRun, e: Explanation) -> dict:
 
 def _similarity_table(c: Comparison, layers_as_rows: bool) -> Table:
     """The word's cosine similarity for each layer and sentence pair: layers as rows, or, for
-    many pairs in a narrow terminal, pairs as rows."""
+    many pairs in a narrow terminal, pairs as rows. A pair's name may wrap ("S1 vs" over
+    "S2"), so that a tight fit cuts no number."""
     pairs = list(combinations(range(len(c.sentences)), 2))
     cells = [[f"{float(matrix[a, b]):.3f}" for a, b in pairs] for matrix in c.similarity]
     pair_names = [f"S{a + 1} vs S{b + 1}" for a, b in pairs]
@@ -255,10 +266,15 @@ def _similarity_table(c: Comparison, layers_as_rows: bool) -> Table:
         )
     table = Table()
     for name in (corner, *columns):
-        table.add_column(name, justify="right", no_wrap=True)
+        table.add_column(name, justify="right")
     for name, values in rows:
         table.add_row(name, *values)
     return table
+
+
+def _width(console: Console, table: Table) -> int:
+    """The cells ``table`` takes when nothing in it wraps."""
+    return Measurement.get(console, console.options.update_width(10_000), table).maximum
 
 
 def _followed(c: Comparison) -> str:
@@ -269,9 +285,9 @@ def _followed(c: Comparison) -> str:
 def print_comparison(console: Console, c: Comparison, model: str) -> None:
     """The word's cosine similarity between sentence pairs, layer by layer, and what it attends."""
     table = _similarity_table(c, layers_as_rows=True)
-    unbounded = console.options.update_width(10_000)
-    if Measurement.get(console, unbounded, table).maximum > console.width:
-        table = _similarity_table(c, layers_as_rows=False)
+    if _width(console, table) > console.width:
+        pairs_as_rows = _similarity_table(c, layers_as_rows=False)
+        table = min(table, pairs_as_rows, key=partial(_width, console))
     sentences = Table.grid(padding=(0, 2))
     for i, (sentence, attended) in enumerate(zip(c.sentences, c.attended, strict=True)):
         sentences.add_row(f"S{i + 1}", Text(sentence))

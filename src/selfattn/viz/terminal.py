@@ -73,23 +73,55 @@ def bar(value: float, largest: float, width: int = BAR_WIDTH) -> str:
     return "█" * full + (" ▏▎▍▌▋▊▉"[rest] if rest else "")
 
 
-def weights_bars(tokens: Sequence[str], weights: ArrayLike, title: str) -> Table:
+def weights_bars(tokens: Sequence[str], weights: ArrayLike, title: str) -> RowTable:
     """One query's attention row: per key token its weight and a bar; the total in the footer.
 
     The bars are scaled to the largest weight so that small rows stay readable; the footer's
     total (1.000 for an unmasked row) is the check that the softmax did its job.
     """
     row = _one_row(weights, len(tokens), "weights")
-    table = Table(
-        title=title, caption="one query row: how much each key is attended", show_footer=True
-    )
-    table.add_column("key", style="bold", footer="total")
-    table.add_column("weight", justify="right", footer=f"{row.sum():.3f}")
-    table.add_column("", style="blue", no_wrap=True)
-    largest = float(row.max(initial=0.0))
-    for token, weight in zip(tokens, row, strict=True):
-        table.add_row(Text(token), f"{weight:.3f}", bar(weight, largest))
-    return table
+    caption = "one query row: how much each key is attended"
+    return RowTable(tokens, {"weight": row}, title, caption)
+
+
+class RowTable:
+    """One query row as a table: per key its numbers (the last column: the weights, totalled
+    in the footer) and a bar of its weight. The bars take the cells the console leaves,
+    ``BAR_WIDTH`` at most, and are left out where fewer than ``MIN_BAR`` are free, so that a
+    narrow terminal cuts no number."""
+
+    MIN_BAR = 4
+
+    def __init__(
+        self, keys: Sequence[str], columns: dict[str, np.ndarray], title: str, caption: str
+    ) -> None:
+        self.keys, self.columns, self.title, self.caption = list(keys), columns, title, caption
+        self.weights = list(columns.values())[-1]
+
+    def table(self, bar_width: int) -> Table:
+        """The table with bars ``bar_width`` cells long at most (0: no bar column)."""
+        table = Table(title=self.title, caption=self.caption, show_footer=True)
+        table.add_column("key", style="bold", footer="total")
+        for name, values in self.columns.items():
+            total = f"{values.sum():.3f}" if values is self.weights else ""
+            table.add_column(name, justify="right", no_wrap=True, footer=total)
+        if bar_width:
+            table.add_column("", style="blue", no_wrap=True)
+        largest = float(self.weights.max(initial=0.0))
+        for i, key in enumerate(self.keys):
+            numbers = [f"{values[i]:.3f}" for values in self.columns.values()]
+            bars = [bar(self.weights[i], largest, bar_width)] if bar_width else []
+            table.add_row(Text(key), *numbers, *bars)
+        return table
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement.get(console, options, self.table(BAR_WIDTH))
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        unbounded = options.update_width(10_000)
+        numbers_only = Measurement.get(console, unbounded, self.table(0)).maximum
+        free = options.max_width - numbers_only - 3  # a column costs a border and padding
+        yield self.table(min(BAR_WIDTH, free) if free >= self.MIN_BAR else 0)
 
 
 def scale_formula(scale: float, similarity: str, key_width: int) -> str | None:
@@ -114,38 +146,20 @@ def step_table(
     scaled: ArrayLike,
     weights: ArrayLike,
     scale: str,
-) -> Table:
+) -> RowTable:
     """The steps of one query row, per key: raw score, scaled score, weight and a bar.
 
     Reading across a row is the guide's recipe for one key: similarity, times the scale
     (as :func:`written_scale` writes it), then the softmax over the whole row.
     """
     n = len(tokens)
-    score_row = _one_row(scores, n, "scores")
-    scaled_row = _one_row(scaled, n, "scaled")
-    weight_row = _one_row(weights, n, "weights")
-    table = Table(
-        title="score → scaled → weight",
-        caption=f"scaled = score × scale, scale = {scale}\nweight = softmax(scaled) over the row",
-        show_footer=True,
-    )
-    table.add_column("key", style="bold", footer="total")
-    table.add_column("score", justify="right")
-    table.add_column("scaled", justify="right")
-    table.add_column("weight", justify="right", footer=f"{weight_row.sum():.3f}")
-    table.add_column("", style="blue", no_wrap=True)
-    largest = float(weight_row.max(initial=0.0))
-    for token, score, scaled_value, weight in zip(
-        tokens, score_row, scaled_row, weight_row, strict=True
-    ):
-        table.add_row(
-            Text(token),
-            f"{score:.3f}",
-            f"{scaled_value:.3f}",
-            f"{weight:.3f}",
-            bar(weight, largest),
-        )
-    return table
+    columns = {
+        "score": _one_row(scores, n, "scores"),
+        "scaled": _one_row(scaled, n, "scaled"),
+        "weight": _one_row(weights, n, "weights"),
+    }
+    caption = f"scaled = score × scale, scale = {scale}\nweight = softmax(scaled) over the row"
+    return RowTable(tokens, columns, "score → scaled → weight", caption)
 
 
 def _one_row(values: ArrayLike, length: int, name: str) -> np.ndarray:
@@ -211,7 +225,7 @@ class Heatmap:
         yield _centred(self.title, grid_width, "bold")
         yield from self._column_header(label_width, cell)
         index_width = len(str(len(self.rows) - 1))
-        coloured = console.color_system is not None
+        coloured = console.color_system is not None and not console.no_color  # NO_COLOR
         for i, (label, values) in enumerate(zip(self.rows, self.matrix, strict=True)):
             line = Text(f"{i:>{index_width}} {set_cell_size(label, label_width - index_width)}")
             for value in values:
