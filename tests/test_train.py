@@ -231,6 +231,37 @@ def test_resume_gives_the_same_losses_as_straight_training(corpus, tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_a_resume_trains_with_the_weight_decay_it_is_given(corpus, tmp_path, monkeypatch):
+    """10 steps at weight decay 0.1, resumed to 20 with --weight-decay 0 == 20 straight steps
+    whose AdamW is set to weight decay 0 (torch's own group setting) before step 11: weights
+    bit-exact. The resumed optimizer took the checkpoint's 0.1 back (config.json said 0)."""
+    out = tmp_path / "out"
+    settings = {"max_iters": 20, "eval_interval": 10}
+    train_gpt(corpus, out, preset="tiny", overrides={**settings, "max_iters": 10})
+    resumed = train_gpt(corpus, out, overrides={**settings, "weight_decay": 0.0}, resume=True)
+
+    def decay_until_step_ten(model, config):
+        optimizer = configure_optimizer(model, config)
+        steps = []
+
+        def before_step(optimizer, *_):
+            steps.append(len(steps) + 1)
+            if steps[-1] == 11:
+                for group in optimizer.param_groups:
+                    group["weight_decay"] = 0.0
+
+        optimizer.register_step_pre_hook(before_step)
+        return optimizer
+
+    monkeypatch.setattr(run_module, "configure_optimizer", decay_until_step_ten)
+    straight = train_gpt(corpus, tmp_path / "straight", preset="tiny", overrides=settings)
+    assert load_checkpoint(out)[2].train.weight_decay == 0.0
+    for (name, a), b in zip(
+        straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
 EVERY_TEN = {"max_iters": 30, "eval_interval": 10}  # evaluations at steps 0, 10, 20 and 30
 
 
@@ -914,6 +945,65 @@ def test_a_failed_save_is_one_line(corpus, tmp_path, monkeypatch):
     assert f"cannot write the checkpoint of step 2 in {out}: No space left on device" in line
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs POSIX file-size limits")
+def test_a_write_the_system_refuses_in_safetensors_is_one_line(corpus, tmp_path):
+    """A real refused write (a 32 KiB file-size limit, EFBIG, as a full disk gives ENOSPC)
+    inside safetensors' writer: it raises a SafetensorError, not an OSError, so `selfattn
+    train` printed a traceback; now the same one line as any failed save (seen on a full tmpfs),
+    which no longer says "the previous checkpoint is kept" when there is none."""
+    import resource
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, resource.RLIM_INFINITY))
+
+    out = tmp_path / "out"
+    args = ["--data", str(corpus), "--out", str(out), "--preset", "tiny", "--device", "cpu"]
+    result = subprocess.run(
+        [sys.executable, "-m", "selfattn", "train", *args, "--max-iters", "2"],
+        capture_output=True, text=True, timeout=120, preexec_fn=limit_file_size,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr == (
+        f"Error: cannot write the checkpoint of step 2 in {out}: File too large; "
+        "nothing was saved\n"
+    )
+    assert not (out / "LATEST").exists()
+    assert [entry.name for entry in out.iterdir()] == [".lock"]  # no temporary folder left
+
+
+def _ddp_full_disk_worker(rank: int, port: int, corpus: Path, out: Path) -> None:
+    """Rank 0's save fails (a full disk); each rank writes how its run ended."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    run_module.save_checkpoint = full  # (a spawned process of its own)
+    try:
+        train_gpt(corpus, out / "ckpt", preset="tiny", overrides={"max_iters": 4}, device="cpu")
+        outcome = "trained"
+    except SelfAttnError as error:
+        outcome = str(error)
+    (out / f"rank{rank}.txt").write_text(outcome)
+
+
+def test_ddp_ranks_all_stop_when_rank_zero_cannot_save(corpus, tmp_path):
+    """gloo, 2 ranks, rank 0's save at step 4 (the last) fails: every rank stops with a
+    one-line error. Rank 1 carried on as if it had saved: here it ended "trained"; with steps
+    left it died at its next collective with gloo's "Connection closed by peer" traceback
+    (under torchrun on a full tmpfs)."""
+    _run_two_ranks(_ddp_full_disk_worker, corpus, tmp_path, seconds=60)
+    assert (tmp_path / "rank0.txt").read_text() == (
+        f"cannot write the checkpoint of step 4 in {tmp_path / 'ckpt'}: No space left on "
+        "device; nothing was saved"
+    )
+    assert (tmp_path / "rank1.txt").read_text() == "rank 0 could not write the checkpoint of step 4"
+
+
 @pytest.mark.parametrize(
     "error",
     [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
@@ -1076,6 +1166,38 @@ def test_checkpoint_files_are_readable_by_others_like_their_folder(trained):
     assert folder.stat().st_mode & 0o777 == 0o755
     modes = {path.name: path.stat().st_mode & 0o777 for path in folder.iterdir()}
     assert set(modes.values()) == {0o644}, modes
+
+
+def test_whatever_a_save_renames_into_place_is_synced_before_and_its_folder_after(
+    trained, tmp_path, monkeypatch
+):
+    """POSIX durability: a file's name is data of its folder, so a folder renamed into place
+    must be fsynced itself, its files too, before the rename, and the folder it lands in after.
+    The step folder's own entries were not synced: after a power cut it could come back
+    without its files, with LATEST already naming it."""
+    events: list[tuple[str, Path, Path | None]] = []
+    real_fsync, real_replace = checkpoint_module._fsync, os.replace
+
+    def fsync(path):
+        events.append(("sync", Path(path), None))
+        real_fsync(path)
+
+    def replace(src, dst):
+        events.append(("rename", Path(src), Path(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint_module, "_fsync", fsync)
+    monkeypatch.setattr(checkpoint_module.os, "replace", replace)
+    save_checkpoint(tmp_path / "out", *load_checkpoint(trained))
+    renames = [index for index, (kind, *_) in enumerate(events) if kind == "rename"]
+    assert len(renames) == 2  # the step folder, then LATEST
+    for index in renames:
+        _, source, target = events[index]
+        moved = [source / entry.name for entry in target.iterdir()] if target.is_dir() else []
+        synced_before = {path for kind, path, _ in events[:index] if kind == "sync"}
+        synced_after = {path for kind, path, _ in events[index + 1 :] if kind == "sync"}
+        assert {source, *moved} <= synced_before, (source, synced_before)
+        assert target.parent in synced_after, target
 
 
 def test_characters_outside_the_vocabulary_are_named_briefly(corpus, trained, tmp_path):

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from selfattn.train.loop import TrainConfig
 
 FORMAT = "selfattn-train-checkpoint"
 LATEST = "LATEST"
+OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors names the errno of a failed write
 T = TypeVar("T")  # what a checkpoint file reads as
 
 
@@ -99,15 +101,13 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0o700 would hide the checkpoint from other users
-        save_model(model, str(tmp / "model.safetensors"))
+        _write_tensors(tmp / "model.safetensors", lambda file: save_model(model, file))
         _write_json(tmp / "config.json", config.to_json())
         tokenizer.save(tmp / "tokenizer.json")
         tensors, groups = _split_optimizer_state(state.optimizer)
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        save_file(
-            {key: value.contiguous() for key, value in state.rng.items()},
-            str(tmp / "rng.safetensors"),
-        )
+        _write_tensors(tmp / "optimizer.safetensors", lambda file: save_file(tensors, file))
+        rng = {key: value.contiguous() for key, value in state.rng.items()}
+        _write_tensors(tmp / "rng.safetensors", lambda file: save_file(rng, file))
         _write_json(
             tmp / "state.json",
             {
@@ -120,6 +120,7 @@ def save_checkpoint(
         for path in tmp.iterdir():
             path.chmod(0o644)  # safetensors writes 0o600: readable like the JSON files
             _fsync(path)
+        _fsync(tmp)  # its entries: the files' names are durable only once the folder is synced
         final = out_dir / f"step-{state.step:07d}-{tmp.name.removeprefix('.tmp-')}"
         os.replace(tmp, final)
         _fsync(out_dir)
@@ -363,6 +364,20 @@ def _join_optimizer_state(tensors: dict[str, Tensor], groups: list[dict]) -> dic
         if "betas" in group:
             group["betas"] = tuple(group["betas"])
     return {"state": state, "param_groups": groups}
+
+
+def _write_tensors(path: Path, write: Callable[[str], None]) -> None:
+    """``write(str(path))`` with a safetensors writer; a write the system refused (a full disk,
+    a file-size limit) is raised as the OSError it is, as Python's own writes raise it
+    (safetensors raises a SafetensorError saying "I/O error: ... (os error 28)")."""
+    try:
+        write(str(path))
+    except SafetensorError as error:
+        code = OS_ERROR.search(str(error))
+        if code is None:
+            raise
+        number = int(code.group(1))
+        raise OSError(number, os.strerror(number), str(path)) from error
 
 
 def _write_json(path: Path, data: object) -> None:

@@ -159,6 +159,7 @@ def _train_gpt(
         step: int, history: list[dict[str, float]], losses_since_eval: list[float] | None
     ) -> None:
         states = distributed.gather(_rng_state(batches, context))
+        failure: SelfAttnError | None = None
         if context.is_main:
             rng = {
                 f"rank{r}.{k}": v for r, per_rank in enumerate(states) for k, v in per_rank.items()
@@ -167,10 +168,10 @@ def _train_gpt(
             try:
                 save_checkpoint(out, model, data.tokenizer, config, state)
             except OSError as error:
-                raise SelfAttnError(
-                    f"cannot write the checkpoint of step {step} in {out}: "
-                    f"{error.strerror or error}; the previous checkpoint is kept"
-                ) from None
+                failure = _cannot_save(out, step, error)
+        # every rank stops with rank 0 (the others would wait for it at the next collective)
+        if distributed.any_across_ranks(failure is not None, context.device):
+            raise failure or SelfAttnError(f"rank 0 could not write the checkpoint of step {step}")
 
     result = train(
         distributed.wrap(model, context),
@@ -264,16 +265,31 @@ def _make_out_dir(out: Path) -> None:
         ) from None
 
 
+def _cannot_save(out: Path, step: int, error: OSError) -> SelfAttnError:
+    """The one line for a checkpoint that could not be written, saying what is left."""
+    kept = "the previous checkpoint is kept" if has_checkpoint(out) else "nothing was saved"
+    return SelfAttnError(
+        f"cannot write the checkpoint of step {step} in {out}: {error.strerror or error}; {kept}"
+    )
+
+
 def _load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, out: Path) -> None:
     """Restore AdamW's moments; refuse ones that do not fit the parameters (torch's fused
-    kernel crashes on them)."""
+    kernel crashes on them). The hyper-parameters stay this run's (``load_state_dict`` would
+    bring back the saved ones: a --weight-decay given on resume did nothing)."""
     params = [param for group in optimizer.param_groups for param in group["params"]]
+    settings = [
+        {key: value for key, value in group.items() if key != "params"}
+        for group in optimizer.param_groups
+    ]
     try:
         for index, tensors in saved["state"].items():
             for name, value in tensors.items():
                 if name != "step" and value.shape != params[index].shape:
                     raise ValueError(f"{name} of parameter {index} has shape {list(value.shape)}")
         optimizer.load_state_dict(saved)
+        for group, kept in zip(optimizer.param_groups, settings, strict=True):
+            group.update(kept)
     except (IndexError, KeyError, ValueError) as error:
         raise SelfAttnError(
             f"the optimizer state in the checkpoint of {out} does not fit the model ({error}); "
