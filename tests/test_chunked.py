@@ -19,7 +19,7 @@ import torch
 
 from selfattn.attention import attention, choose_backend, make_call
 from selfattn.kernels import chunked_attention
-from selfattn.kernels.chunked import finite_bias
+from selfattn.kernels.chunked import _ChunkedAttention, finite_bias
 
 SHAPES = [  # (T, S, D): primes, S != T both ways
     (7, 7, 5),
@@ -274,6 +274,41 @@ def test_a_float64_mask_beyond_the_compute_range_masks_as_on_the_explicit_path(d
     torch.testing.assert_close(output.float(), expected.float(), atol=atol, rtol=0)
 
 
+def test_an_expanded_mask_is_tiled_at_its_own_size(monkeypatch):
+    """A (B, 1, 1, S) padding bias given expanded to (B, H, T, S) (stride 0) reaches the tiles
+    at its own size: finite_bias's casts and clamps used to allocate all of it, 1.7 GiB of
+    temporaries for a 512 MiB view at T = S = 4,096 with 8 heads (where auto takes chunked to
+    avoid (T, S) tensors). Output and gradients, the padding bias's too, within 1e-10 of the
+    explicit path (float64 inputs)."""
+    stored = []  # bytes of the bias the tiles read
+    apply = _ChunkedAttention.apply
+
+    def recording(*args):
+        stored.append(args[3].untyped_storage().nbytes())
+        return apply(*args)
+
+    monkeypatch.setattr(_ChunkedAttention, "apply", recording)
+    query, key, value = _inputs(13, 29, 5, torch.float64)
+    padding = torch.randn(
+        2, 1, 1, 29, generator=torch.Generator().manual_seed(7), dtype=torch.float64
+    )
+    padding[1, ..., 20:] = float("-inf")
+    grad_output = torch.randn(2, 3, 13, 7, dtype=torch.float64)
+    results = {
+        backend: _outputs_and_grads(
+            lambda q, k, v, b, backend=backend: attention(
+                q, k, v, mask=b.expand(2, 3, 13, 29), causal=True, backend=backend
+            ),
+            [query, key, value, padding],
+            grad_output,
+        )
+        for backend in ("explicit", "chunked")
+    }
+    assert stored == [padding.untyped_storage().nbytes()]  # B · S elements, not B · H · T · S
+    for got, want in zip(results["chunked"], results["explicit"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+
+
 def test_finite_bias_clamps_values_far_beyond_the_limit_and_passes_gradients():
     """In float64, -1e300 clamped to a limit of ~9e37 is that limit (it was bias + (clamp -
     bias) = 0: cancelled); ±inf and values within the limit stay; every gradient is 1. A float64
@@ -339,6 +374,15 @@ def test_double_backward_is_refused_by_name():
     output = run(query, key, value)  # grad_output needs no grad here, query does
     with pytest.raises(RuntimeError, match="'chunked' has first derivatives only"):
         torch.autograd.grad(output.sum(), query, create_graph=True)
+
+
+@pytest.mark.parametrize("blocks", [(None, 0), (None, -3), (0, 4), (-2, 4)])
+def test_block_sizes_that_are_not_positive_are_refused(blocks):
+    """A key tile of 0 with the default query tile raised ZeroDivisionError (and -3 blamed a
+    block_q of 16 the caller never gave): the sizes given are checked first."""
+    query, key, value = _inputs(5, 6, 3, torch.float32)
+    with pytest.raises(ValueError, match=rf"positive, got block_q={blocks[0]}, block_k="):
+        _chunked(query, key, value, blocks=blocks)
 
 
 def test_dropout_is_refused():

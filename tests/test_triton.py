@@ -263,6 +263,21 @@ def test_a_mask_over_five_dim_inputs_is_copied_at_its_own_size_only(mask_shape, 
     assert_matches_reference(*_inputs(33, 64, 16, lead=lead), mask=mask)
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_an_expanded_mask_reaches_the_kernels_at_its_own_size(dtype):
+    """A (B, 1, 1, S) padding mask given expanded to (B, H, T, S) is read at its own size
+    (B · S elements, broadcast at stride 0): a float one used to be copied in full by the
+    clamp to float32's range. Results within twice SDPA's error."""
+    from selfattn.kernels.triton_attention import _kernel_mask
+
+    padding = torch.randn(2, 1, 1, 64, generator=torch.Generator().manual_seed(10)).to(dtype)
+    padding[1, ..., 40:] = False if dtype == torch.bool else float("-inf")
+    mask = padding.expand(2, 3, 33, 64)
+    view, _, _ = _kernel_mask(mask, torch.Size((2, 3)), 33, 64, torch.device("cpu"))
+    assert view.untyped_storage().nbytes() == padding.untyped_storage().nbytes()
+    assert_matches_reference(*_inputs(33, 64, 16), mask=mask, causal=True)
+
+
 @pytest.mark.parametrize("lead", [(5, 2), (9,)], ids=["batch-by-heads", "heads-over-the-cap"])
 def test_more_heads_than_a_grid_axis_takes_go_in_several_launches(monkeypatch, lead):
     """CUDA caps the grid axis that holds the heads at 65,535 (a cap of 4 here): more heads go
@@ -465,12 +480,34 @@ def test_why_not_explains_each_refusal(monkeypatch):
     double = torch.randn(7, 16, dtype=torch.float64)
     assert "float64" in _why_not(double, double, double)
     assert "gradients for a float mask" in _why_not(mask=torch.zeros(7, 7, requires_grad=True))
+    for refused in (_why_not(wide, wide, wide), _why_not(double, double, double)):
+        assert "use backend='sdpa', 'chunked' or 'explicit'" in refused  # the way out
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     message = _why_not()
     assert "CUDA" in message and "TRITON_INTERPRET=1" in message
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *args: None)
     assert "pip install" in _why_not()
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_a_float_mask_that_requires_grad_is_served_where_no_gradient_is_asked(grad_mode):
+    """A learned float mask (a parameter) evaluated under no_grad or inference_mode needs no
+    gradient: the kernels take it (it used to be refused, so auto left Triton at evaluation).
+    Output within twice SDPA's error of the float64 explicit path. With grad mode on it is
+    refused, naming the ways out."""
+    q, k, v, _ = _inputs(33, 64, 16)
+    bias = torch.randn(3, 33, 64, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    with grad_mode():
+        expected = attention(q, k, v, mask=bias, causal=True, backend="explicit")
+        q, k, v, learned = (x.float().requires_grad_() for x in (q, k, v, bias))
+        output = attention(q, k, v, mask=learned, causal=True, backend="triton")
+        baseline = attention(q, k, v, mask=learned, causal=True, backend="sdpa")
+    error = (output.double() - expected).abs().max().item()
+    base_error = (baseline.double() - expected).abs().max().item()
+    assert error <= 2 * base_error + ABS_FLOOR[torch.float32]
+    with pytest.raises(ValueError, match=r"gradients for a float mask; detach the mask"):
+        attention(q, k, v, mask=learned, causal=True, backend="triton")
 
 
 def test_refusals_raise_from_attention():

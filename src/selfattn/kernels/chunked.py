@@ -37,7 +37,8 @@ below the row's maximum, natural units) stays slow either way: ``exp2`` and the
 weights-values product then take several times longer. Only sharply peaked rows get there.
 
 Masks follow the explicit path: ``allowed`` is boolean (True = may attend), ``bias`` is added to
-the scaled scores, both broadcast to ``(*lead, T, S)`` and are sliced per tile, never expanded.
+the scaled scores, both broadcast to ``(*lead, T, S)`` and are sliced per tile, never expanded
+(one given expanded, with stride-0 axes, is first narrowed back to its own size).
 ``causal`` aligns bottom-right (query i sees keys ``j <= i + S - T``); key tiles entirely above
 the diagonal are skipped, so causal attention costs about half. A row with nothing to attend
 gets output 0 and zero gradients. Inputs in float16/bfloat16 are computed in float32.
@@ -85,16 +86,16 @@ def chunked_attention(
         ``(*lead, T, Dv)`` in the dtype of the inputs.
     """
     lead, t, dv = query.shape[:-2], query.shape[-2], value.shape[-1]
+    if (block_q is not None and block_q < 1) or block_k < 1:
+        raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
     if block_q is None:
         per_query = max(1, math.prod(lead)) * block_k  # a tile of every head (batch 0: none)
         block_q = max(16, min(MAX_BLOCK_Q, TILE_ELEMENTS // per_query))
-    if block_q < 1 or block_k < 1:
-        raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
     compute = torch.float32 if query.dtype in REDUCED_PRECISION else query.dtype
-    masks = _Masks(lead, at_least_2d(allowed), causal, has_bias=bias is not None)
+    masks = _Masks(lead, unexpanded(at_least_2d(allowed)), causal, has_bias=bias is not None)
     # (N, T, D), (N, S, D), (N, S, Dv) with N = prod(lead): one batched matmul per tile.
     flat = [x.to(compute).reshape(math.prod(lead), *x.shape[-2:]) for x in (query, key, value)]
-    bias = finite_bias(at_least_2d(bias), compute, masks.unit)
+    bias = finite_bias(unexpanded(at_least_2d(bias)), compute, masks.unit)
     output = _ChunkedAttention.apply(*flat, bias, masks, scale, block_q, block_k)
     return output.reshape(*lead, t, dv).to(query.dtype)
 
@@ -104,6 +105,16 @@ def at_least_2d(mask: Tensor | None) -> Tensor | None:
     if mask is None or mask.dim() >= 2:
         return mask
     return mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
+
+
+def unexpanded(mask: Tensor | None) -> Tensor | None:
+    """The mask at its own size: each axis it is expanded along (stride 0) narrowed to 1.
+
+    A view, equal to the mask once broadcast; the casts and clamps of ``finite_bias`` on an
+    expanded (B, H, T, S) view would otherwise allocate all of it."""
+    if mask is None:
+        return None
+    return mask[tuple(slice(0, 1) if step == 0 else slice(None) for step in mask.stride())]
 
 
 def _tile(mask: Tensor, rows: slice, cols: slice) -> Tensor:

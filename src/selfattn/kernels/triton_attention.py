@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from selfattn.kernels.chunked import LOG2E, finite_bias, refuse_double_backward
+from selfattn.kernels.chunked import LOG2E, finite_bias, refuse_double_backward, unexpanded
 
 MAX_HEAD_DIM = 256
 # CUDA caps a grid's second axis at 65,535; the kernels put the heads (outer · inner) there, so
@@ -67,6 +67,7 @@ MAX_HEAD_DIM = 256
 MAX_GRID_HEADS = 65_535
 MAX_HEAD_OFFSET = 2**31 - 1  # within a head, Q/K/V/O rows are addressed in int32
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+OTHER_BACKENDS = "backend='sdpa', 'chunked' or 'explicit'"  # what a refusal points to
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Triton's interpreter holds bfloat16 tiles as the uint16 words of their bits (numpy has no
 # bfloat16): its tl.dot multiplies those words as integers, and its casts to bfloat16 truncate.
@@ -1130,18 +1131,20 @@ def _kernel_mask(
     """The mask as a (outer, inner, T, S) view with broadcast dims at stride 0, and its kind.
 
     ``inner`` is the last leading dim (heads, usually; 1 if there are more than one launch
-    takes); a key-padding mask of shape (B, 1, 1, S) thus stays (B, 1, 1, S) in memory, read
-    with strides (S, 0, 0, 1). Only merging the outer leading dims (of 5-D inputs and up)
-    may copy, and then only at the mask's own size in the other three.
+    takes); a key-padding mask of shape (B, 1, 1, S), or one expanded from it to (B, H, T, S),
+    thus stays (B, 1, 1, S) in memory, read with strides (S, 0, 0, 1). Only merging the outer
+    leading dims (of 5-D inputs and up) may copy, and then only at the mask's own size in the
+    other three.
     """
     inner = lead[-1] if len(lead) > 0 and lead[-1] <= MAX_GRID_HEADS else 1
     if mask is None:
         return None, inner, MASK_NONE
     outer_dims = lead[:-1] if inner > 1 else lead
     outer = math.prod(outer_dims)
+    mask = unexpanded(mask).to(device)
     if mask.dtype != torch.bool:  # the kernels add it in base 2, in float32
-        mask = finite_bias(mask.to(device), torch.float32, LOG2E)
-    mask = mask.to(device).reshape((1,) * (len(lead) + 2 - mask.dim()) + mask.shape)
+        mask = finite_bias(mask, torch.float32, LOG2E)
+    mask = mask.reshape((1,) * (len(lead) + 2 - mask.dim()) + mask.shape)
     own = mask.shape[len(outer_dims) :]  # (inner?, T, S), 1 where the mask broadcasts
     merged = mask.expand(*outer_dims, *own).reshape(outer, math.prod(own[:-2]), *own[-2:])
     view = merged.expand(outer, inner, t, s)
@@ -1150,24 +1153,38 @@ def _kernel_mask(
     return view, inner, MASK_FLOAT
 
 
+def _needs_mask_gradient(mask: Tensor | None) -> bool:
+    """Whether autograd would ask for the gradient of this float mask: it requires grad and
+    grad mode is on (under torch.no_grad or inference_mode the kernels serve it)."""
+    is_float = mask is not None and mask.dtype != torch.bool
+    return is_float and mask.requires_grad and torch.is_grad_enabled()
+
+
 def unsupported_reason(
     query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
 ) -> str | None:
-    """Why these tensors cannot go through the kernels (device, dtype, head dim), or None."""
+    """Why these tensors cannot go through the kernels (device, dtype, head dim, a float mask
+    that would need a gradient), or None; each reason names a way out."""
     if not (query.is_cuda or (INTERPRETING and query.device.type == "cpu")):
         return (
             f"the Triton kernels run on CUDA tensors (or on CPU with TRITON_INTERPRET=1 set "
             f"before triton is imported); got a tensor on {query.device}"
         )
     if query.dtype not in SUPPORTED_DTYPES:
-        return f"the Triton kernels take float16, bfloat16 or float32, got {query.dtype}"
+        return (
+            f"the Triton kernels take float16, bfloat16 or float32, got {query.dtype}; "
+            f"cast the inputs to one of them, or use {OTHER_BACKENDS}"
+        )
     if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
         return (
             f"the Triton kernels support head dims up to {MAX_HEAD_DIM}, got "
-            f"{query.shape[-1]} (query/key) and {value.shape[-1]} (value)"
+            f"{query.shape[-1]} (query/key) and {value.shape[-1]} (value); use {OTHER_BACKENDS}"
         )
-    if mask is not None and mask.dtype != torch.bool and mask.requires_grad:
-        return "the Triton kernels do not compute gradients for a float mask"
+    if _needs_mask_gradient(mask):
+        return (
+            "the Triton kernels do not compute gradients for a float mask; detach the mask, "
+            f"run under torch.no_grad(), or use {OTHER_BACKENDS}, which differentiate it"
+        )
     head_dim, value_dim = query.shape[-1], value.shape[-1]
     farthest = max(  # the output is laid out like the query, value_dim wide
         _largest_offset(query, max(head_dim, value_dim)),
