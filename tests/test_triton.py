@@ -401,6 +401,8 @@ def test_tensor_descriptors_only_for_layouts_the_copy_engine_takes():
     assert not _tma_ok(rows, rows.transpose(1, 2))  # last stride is not 1
     assert not _tma_ok(torch.randn(3, 33, 5))  # 20-byte rows are not 16-byte aligned
     assert not _tma_ok(torch.randn(3 * 33 * 16 + 1)[1:].view(3, 33, 16))  # misaligned start
+    assert not _tma_ok(rows, torch.randn(3, 1, 16).expand(3, 33, 16))  # rows overlap (stride 0)
+    assert _tma_ok(torch.randn(1, 33, 16).expand(3, 33, 16))  # heads may share their rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -197,14 +197,18 @@ def _is_hopper(tensor: Tensor) -> bool:
 def _tma_ok(*tensors: Tensor) -> bool:
     """Whether per-head (S, D) tensor descriptors can address these (N, S, D) tensors.
 
-    The copy engine needs a unit last stride and 16-byte aligned rows and head starts. Under
-    the interpreter (CPU tensors) the same layout rule applies, so tests can take this path.
+    The copy engine needs a unit last stride, 16-byte aligned rows and head starts, and rows
+    that do not overlap (CUDA's tensor maps step at least a row's length from one row to the
+    next: a key expanded along S, with row stride 0, is read without them). Under the
+    interpreter (CPU tensors) the same layout rule applies, so tests can take this path.
     """
     if not HAS_TENSOR_DESCRIPTORS or not (INTERPRETING or _is_hopper(tensors[0])):
         return False
     for tensor in tensors:
         itemsize = tensor.element_size()
         if tensor.stride(-1) != 1 or tensor.data_ptr() % 16:
+            return False
+        if tensor.stride(-2) < tensor.shape[-1]:
             return False
         if any(stride * itemsize % 16 for stride in tensor.stride()[:-1]):
             return False
