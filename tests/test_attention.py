@@ -159,6 +159,47 @@ def test_fully_masked_rows_give_zero_without_nan(backend, kind):
     )
 
 
+def compile_whole(fn):
+    """``fn`` under ``torch.compile(fullgraph=True)``: any graph break is an error.
+
+    Backend "aot_eager": dynamo's graph and AOTAutograd's traced backward, run by the eager
+    kernels, so the forward and the gradients are traced in seconds on the CPU, with no
+    Inductor C++ build; a graph break fails the same way whichever backend runs the graph.
+    """
+    torch._dynamo.reset()  # an empty cache: attention()'s variants stay below the recompile limit
+    return torch.compile(fn, fullgraph=True, backend="aot_eager")
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "auto"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize(("causal", "similarity"), [(False, "dot"), (True, "cosine")])
+def test_compiles_whole_with_masks_and_matches_eager(backend, kind, causal, similarity):
+    """fullgraph=True with a mask and a fully masked row (before: a graph break at the
+    ``bool(empty_rows.any())`` of the sdpa path); float64 outputs and gradients equal eager's
+    within 1e-12, and the fully masked row is 0, its gradient too, with no NaN anywhere."""
+    q, k, v = qkv((2, 2), 5, 6, 4, 3, grad=True)
+    allowed = torch.rand(5, 6, generator=torch.Generator().manual_seed(5)) > 0.3
+    allowed[:, -1] = True
+    allowed[1] = False  # query 1: nothing to attend
+    mask = (
+        allowed if kind == "bool" else torch.zeros(5, 6).double().masked_fill(~allowed, -math.inf)
+    )
+    upstream = torch.randn(2, 2, 5, 3, generator=torch.Generator().manual_seed(6)).double()
+
+    def run(q, k, v, mask):
+        return attention(q, k, v, mask=mask, causal=causal, similarity=similarity, backend=backend)
+
+    results = []
+    for fn in (run, compile_whole(run)):
+        output = fn(q, k, v, mask)
+        results.append((output, *torch.autograd.grad(output, (q, k, v), upstream)))
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, atol=1e-12, rtol=0)
+        assert not compiled.isnan().any()
+    output, q_grad, _, _ = results[1]
+    assert torch.all(output[..., 1, :] == 0) and torch.all(q_grad[..., 1, :] == 0)
+
+
 @pytest.mark.parametrize("backend", EXACT_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_reduced_precision_no_worse_than_twice_sdpa(backend, dtype):
@@ -367,6 +408,19 @@ def test_float16_with_a_float32_mask_beyond_its_range(backend, value):
     assert (output.double() - reference).abs().max() <= bound
 
 
+def test_float16_with_a_float32_mask_compiles_whole_in_float32():
+    """Eager sdpa asks whether a wider float mask overflows float16 (a bool of tensor data, a
+    graph break before); compiled, it always runs such a call in float32: the float32 result
+    cast to float16, within float16's rounding near 1 (1e-3)."""
+    half = qkv((2, 3), 4, 6, 8, 8, dtype=torch.float16)
+    mask = torch.randn(2, 1, 4, 6, generator=torch.Generator().manual_seed(7))
+    expected = attention(*(x.float() for x in half), mask=mask, backend="sdpa").half()
+    compiled = compile_whole(lambda q, k, v, mask: attention(q, k, v, mask=mask, backend="sdpa"))
+    output = compiled(*half, mask)
+    assert output.dtype == torch.float16
+    torch.testing.assert_close(output, expected, atol=1e-3, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_chunked_biases_at_the_float_limits_as_on_the_explicit_path(dtype):
     """A finite bias at finfo.min (Hugging Face's "masked") or finfo.max times log2(e) must
@@ -559,3 +613,28 @@ def test_trace_holds_what_the_similarity_saw_in_the_compute_dtype():
     output, trace = attention(*half, backend="explicit", return_trace=True)
     assert trace.weights.dtype == trace.scores.dtype == torch.float32
     assert output.dtype == trace.output.dtype == torch.float16
+
+
+def test_an_expanded_mask_reaches_sdpa_at_its_own_size(monkeypatch):
+    # A key-padding mask expanded to (B, H, T, S) by the caller (stride 0 on H and T) used to
+    # be filled at its full size before torch's kernel (isneginf, zeros_like, where): 32x the
+    # mask's own bytes here. Now it is narrowed back to (B, 1, 1, S) first; the result equals
+    # that of the unexpanded mask (float64, 1e-12).
+    torch.manual_seed(5)
+    b, h, t, s = 2, 4, 8, 8
+    q, k, v = (torch.randn(b, h, n, 16, dtype=torch.float64) for n in (t, s, s))
+    padding = torch.zeros(b, 1, 1, s, dtype=torch.float64)
+    padding[0, ..., -3:] = -math.inf
+    handed: list[int] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, attn_mask=None, **kwargs):
+        handed.append(attn_mask.untyped_storage().nbytes())
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    output = attention(q, k, v, mask=padding.expand(b, h, t, s), backend="sdpa")
+    monkeypatch.undo()
+    expected = attention(q, k, v, mask=padding, backend="explicit")
+    torch.testing.assert_close(output, expected, atol=1e-12, rtol=0)
+    assert handed == [padding.untyped_storage().nbytes()]

@@ -18,6 +18,9 @@ from selfattn import (
     attention,
     record,
 )
+from selfattn.errors import SelfAttnError
+from selfattn.models.gpt import GPT, GPTConfig
+from test_attention import compile_whole
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -423,6 +426,58 @@ def test_record_does_not_force_the_slow_path(monkeypatch):
     with record(layer):
         layer(torch.randn(1, 4, 8))
     assert used == [1]
+
+
+def _layer_and_run(kind):
+    """A float64 layer in training mode (dropout 0, so both runs compute the same) and a
+    function that runs it (or its compiled twin) on fixed inputs."""
+    torch.manual_seed(8)
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    if kind == "multihead":
+        padding = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+        padding[1] = False  # the second sequence is all padding: every row fully masked
+        return MultiHeadAttention(16, 4).double().train(), lambda layer: layer(x, mask=padding)
+    if kind == "block":
+        block = TransformerBlock(16, 4, 32, norm_first=True).double().train()
+        return block, lambda layer: layer(x, causal=True)
+    gpt = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    ids = torch.randint(0, 11, (2, 8))
+    return gpt.double().train(), lambda model: model(ids, ids).loss
+
+
+@pytest.mark.parametrize("kind", ["multihead", "block", "gpt"])
+def test_layers_compile_whole_and_match_eager(kind):
+    """torch.compile(fullgraph=True) (aot_eager, see compile_whole) on MultiHeadAttention with
+    a fully padded sequence, a causal TransformerBlock and a GPT's training forward with its
+    loss (before: a graph break where attend read record()'s context variable): float64
+    outputs and parameter gradients equal eager's within 1e-12, with no NaN."""
+    layer, run = _layer_and_run(kind)
+    results = []
+    for model in (layer, compile_whole(layer)):
+        output = run(model)
+        results.append((output, *torch.autograd.grad(output.sum(), list(layer.parameters()))))
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, atol=1e-12, rtol=0)
+        assert not compiled.isnan().any()
+
+
+def test_record_sees_eager_calls_only_and_refuses_a_compiled_model():
+    """A compiled graph runs no Python: inside record() it runs whole (fullgraph=True) and
+    reports nothing, while the same layer run eagerly is recorded. A compiled model handed to
+    record() (torch.compile(layer) or layer.compile()) is a one-line error, not an empty
+    recording."""
+    layer = MultiHeadAttention(8, 2)
+    compiled = compile_whole(layer)
+    x = torch.randn(1, 4, 8)
+    with record() as rec:
+        assert torch.equal(compiled(x), layer(x))
+    assert len(rec) == 1
+    in_place = MultiHeadAttention(8, 2)
+    in_place.compile(fullgraph=True, backend="aot_eager")
+    for model in (compiled, nn.Sequential(in_place)):
+        message = r"record\(\) cannot see inside the compiled MultiHeadAttention.*: a torch"
+        with pytest.raises(SelfAttnError, match=message), record(model):
+            pass
 
 
 def _attention_layer(kind, dropout):

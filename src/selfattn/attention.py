@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from selfattn.errors import SelfAttnError
-from selfattn.kernels.chunked import at_least_2d, chunked_attention
+from selfattn.kernels.chunked import at_least_2d, chunked_attention, unexpanded
 
 SIMILARITIES = ("dot", "cosine")
 REDUCED_PRECISION = (torch.float16, torch.bfloat16)
@@ -228,15 +228,23 @@ def _sdpa(call: AttentionCall) -> Tensor:
         scale=call.scale,
     )
     output = output.reshape(*lead, t, value.shape[-1]).to(call.query.dtype)
-    if empty_rows is not None and bool(empty_rows.any()):  # padding masks never have them
+    # Padding masks never have empty rows, so eager skips the fill; a compiled graph cannot
+    # branch on tensor data and always fills.
+    if empty_rows is not None and (torch.compiler.is_compiling() or bool(empty_rows.any())):
         output = output.masked_fill(empty_rows, 0.0)
     return output
 
 
 def _overflows(mask: Tensor, dtype: torch.dtype) -> bool:
-    """Whether a float mask has finite values beyond ``dtype``'s range (inf once cast)."""
+    """Whether a float mask has finite values beyond ``dtype``'s range (inf once cast).
+
+    While torch.compile traces, whether it could: a graph cannot branch on tensor data, so a
+    compiled call with a wider mask always runs in float32 (as accurate, never less).
+    """
     if mask.dtype.itemsize <= dtype.itemsize or not dtype.is_floating_point:
         return False
+    if torch.compiler.is_compiling():
+        return True
     finite = mask.masked_fill(~torch.isfinite(mask), 0)
     return bool(finite.abs().amax() > torch.finfo(dtype).max) if finite.numel() else False
 
@@ -489,7 +497,9 @@ def make_call(
     if mask is not None:
         if not isinstance(mask, Tensor):
             raise ValueError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
-        mask = mask.to(query.device)  # a mask made on the CPU serves a GPU call as it is
+        # At its own size (an expanded view narrowed back, so no backend's cast or fill
+        # allocates all of it); a mask made on the CPU serves a GPU call as it is.
+        mask = unexpanded(mask).to(query.device)
         target = (*query.shape[:-2], t, s)
         if mask.dim() > len(target):
             raise ValueError(f"mask has more dims ({mask.dim()}) than the scores ({len(target)})")

@@ -1,7 +1,8 @@
 """Layers built on the core: the single head of the guide, multi-head attention, positions, blocks.
 
 Every attention module calls :func:`selfattn.attention` through :meth:`AttentionModule.attend`,
-which also reports the call to an active :func:`selfattn.record` block.
+which also reports the call to an active :func:`selfattn.record` block (eager calls only: under
+``torch.compile`` it does not look, so a layer compiles whole with ``fullgraph=True``).
 """
 
 from __future__ import annotations

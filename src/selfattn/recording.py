@@ -5,6 +5,10 @@ reports the query, key and value it hands to :func:`selfattn.attention` (after t
 its mask and options. The run itself stays on the fast backend and its outputs are unchanged;
 weights and full traces are recomputed afterwards with the explicit path, only for the
 layers and heads someone looks at.
+
+Only eager calls are recorded: a graph made by ``torch.compile`` runs no Python, so the layers
+do not look for a recording while it is traced (which keeps ``fullgraph=True`` possible), and
+``record()`` refuses a compiled model instead of handing back an empty recording.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from selfattn.attention import AttentionTrace, attention
+from selfattn.errors import SelfAttnError
 
 
 @dataclass(frozen=True, repr=False)
@@ -174,10 +179,13 @@ def record(*models: nn.Module) -> Iterator[Recording]:
 
     Pass the model(s) to name each capture by its qualified module name
     (``encoder.layers.3.attention``); layers are numbered by order of first call.
+    Calls inside a ``torch.compile`` graph are not recorded; a compiled model passed here is
+    a :class:`SelfAttnError`.
     """
     recording = Recording()
     for model in models:
         for name, module in model.named_modules():
+            _refuse_compiled(module, name)
             recording.names[id(module)] = name or type(module).__name__
     token = _ACTIVE.set(recording)
     try:
@@ -186,6 +194,20 @@ def record(*models: nn.Module) -> Iterator[Recording]:
         _ACTIVE.reset(token)
 
 
+def _refuse_compiled(module: nn.Module, name: str) -> None:
+    """A one-line error for a module compiled by ``torch.compile(module)`` or ``.compile()``."""
+    original = getattr(module, "_orig_mod", module)  # what torch.compile(module) wraps
+    if original is module and getattr(module, "_compiled_call_impl", None) is None:
+        return
+    where = f" {name!r}" if name else ""
+    raise SelfAttnError(
+        f"record() cannot see inside the compiled {type(original).__name__}{where}: a "
+        "torch.compile graph runs no Python; record and run the uncompiled module"
+        + (" (its ._orig_mod)" if original is not module else "")
+    )
+
+
 def active_recording() -> Recording | None:
-    """The recording of the innermost ``record()`` block, or None outside one."""
-    return _ACTIVE.get()
+    """The recording of the innermost ``record()`` block; None outside one, and while
+    torch.compile traces (a compiled graph cannot report its calls)."""
+    return None if torch.compiler.is_compiling() else _ACTIVE.get()
