@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from selfattn import explain as explaining
 from selfattn.attention import choose_backend, make_call
 from selfattn.cli import app
-from selfattn.errors import SelfAttnError
+from selfattn.errors import Message, Options, SelfAttnError, message_of, worded
 from selfattn.models.loading import load
 from selfattn.text import is_mark
 from selfattn.viz import report
@@ -1139,3 +1139,35 @@ def test_an_error_about_a_long_compared_sentence_quotes_its_start():
     line = result.stderr.strip()
     assert line.startswith("Error: sentence 1 ('bank word word") and "…'): the text is" in line
     assert len(line) < 250, line
+
+
+def page_naming(options: tuple[str, ...]) -> str:
+    return " or ".join(f"the {name.title()} field" for name in options)
+
+
+def test_a_message_names_options_as_the_command_line_does_and_another_front_end_its_way():
+    message = Message("give the word too (", Options("--word; word= in Python", ("word",)), ")")
+    assert message == "give the word too (--word; word= in Python)"  # str: the command line's
+    assert str(SelfAttnError(message)) == message
+    assert message.worded(page_naming) == "give the word too (the Word field)"
+    joined = Message.joined("; ", [message, "a plain note"])
+    assert joined.worded(page_naming) == "give the word too (the Word field); a plain note"
+    assert worded("a plain message", page_naming) == "a plain message"
+    assert message_of(ValueError(message)) is message
+    assert message_of(ValueError("plain", 2)) == "('plain', 2)"
+
+
+def test_an_error_about_a_compared_sentence_keeps_the_options_it_names():
+    refusal = Message("pick ", Options("--occurrence", ("occurrence",)), " again")
+
+    class Refusing:
+        name = "refusing"
+
+        def run(self, text: str, truncate: bool = False):
+            raise SelfAttnError(refusal)
+
+    with pytest.raises(SelfAttnError) as caught:
+        explaining.compare_texts(Refusing(), ["a bank", "the bank"], "bank")
+    message = message_of(caught.value)
+    assert message == "sentence 1 ('a bank'): pick --occurrence again"
+    assert message.worded(page_naming) == "sentence 1 ('a bank'): pick the Occurrence field again"

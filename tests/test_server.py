@@ -89,7 +89,54 @@ def cli_json(*args: str) -> dict:
 def test_explain_equals_the_command_line(client, cli, body, args):
     response = client.post("/api/explain", json={"text": BANK} | body)
     assert response.status_code == 200
-    assert response.json() == cli_json("explain", BANK, "--json", *args)
+    printed = cli_json("explain", BANK, "--json", *args)
+    # but for the options a message names: the page's fields, not the command line's flags
+    page_choice = printed["choice"].replace("--layer/--head", "the Layer field or the Head field")
+    assert response.json() == printed | {"choice": page_choice}
+
+
+@pytest.mark.parametrize(
+    ("body", "fields"),
+    [
+        ({"text": BANK, "word": "bank"}, "the Layer field or the Head field"),
+        ({"text": BANK, "word": "bank", "layer": 1}, "the Head field"),
+        ({"text": BANK, "word": "bank", "head": 0}, "the Layer field"),
+    ],
+)
+def test_how_the_head_was_chosen_names_the_pages_fields(client, body, fields):
+    choice = client.post("/api/explain", json=body).json()["choice"]
+    assert choice.endswith(f"; pick another with {fields}")
+
+
+def test_a_phrases_note_names_the_pages_tokens_not_the_command_lines_index(client):
+    body = {"text": "A well-known bank.", "word": "well-known", "layer": 0, "head": 0}
+    note = client.post("/api/explain", json=body).json()["query"]["note"]
+    assert note.endswith("explain shows one query token: a token clicked in Explore shows another")
+    assert client.post("/api/view", json=body).json()["note"] == note
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (
+            {"text": BANK, "occurrence": 1},
+            "occurrence 1 counts the matches of a word, and no word is given: give the word too "
+            "(the Word field) or leave the occurrence out",
+        ),
+        (
+            {"text": BANK, "similarity": "dot"},
+            "another similarity or scale is recomputed for one query of one head: give the word "
+            "to explain or its token index (the Word field or a token clicked in Explore)",
+        ),
+        (
+            {"text": TWO_BANKS, "word": "bank", "occurrence": 2},
+            "there is no occurrence 2 of the word 'bank': it occurs 2 times in the text; the "
+            "Occurrence field counts from 0 (0 = the first, -1 = the last)",
+        ),
+    ],
+)
+def test_errors_name_the_pages_fields_where_the_command_line_names_flags(client, body, error):
+    assert detail(client.post("/api/explain", json=body), 400) == error
 
 
 @pytest.mark.parametrize("occurrence", [0, 1])

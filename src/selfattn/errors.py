@@ -1,10 +1,75 @@
-"""The one exception the library raises for problems a user can fix.
+"""The one exception the library raises for problems a user can fix, and the wording of
+messages that name options.
 
-Every message is one line: what is wrong, then what to do about it.
+Every message is one line: what is wrong, then what to do about it. A message that names the
+options to change (``--word; word= in Python``) can be a :class:`Message`: a str worded for the
+command line and Python, whose option names another front end (the web explorer's form fields)
+words its own way with :meth:`Message.worded`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
 
 class SelfAttnError(ValueError):
     """A problem with the user's input or files (checkpoint, text, options), and its fix."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """Where a message names options: ``text`` as the command line and Python name them,
+    ``names`` the options by their Python names (``("word", "index")``)."""
+
+    text: str
+    names: tuple[str, ...]
+
+
+Part = str | Options
+Naming = Callable[[tuple[str, ...]], str]  # options by their Python names -> a front end's words
+
+
+class Message(str):
+    """A message as the command line and Python word it (the str), made of ``parts`` whose
+    :class:`Options` another front end names its own way (:meth:`worded`)."""
+
+    parts: tuple[Part, ...]
+
+    def __new__(cls, *parts: Part) -> Message:
+        message = super().__new__(cls, "".join(_text(part) for part in parts))
+        message.parts = parts
+        return message
+
+    def worded(self, naming: Naming) -> str:
+        """The message with each option named by ``naming``."""
+        return "".join(part if isinstance(part, str) else naming(part.names) for part in self.parts)
+
+    @classmethod
+    def joined(cls, separator: str, messages: Iterable[str]) -> Message:
+        """``separator.join(messages)``, keeping their options."""
+        parts: list[Part] = []
+        for message in messages:
+            parts += [separator] if parts else []
+            parts += parts_of(message)
+        return cls(*parts)
+
+
+def parts_of(message: str) -> tuple[Part, ...]:
+    """A message's parts: a :class:`Message`'s own, a plain str whole."""
+    return message.parts if isinstance(message, Message) else (message,)
+
+
+def message_of(error: BaseException) -> str:
+    """The error's message: the :class:`Message` it was raised with, else its str."""
+    given = error.args[0] if len(error.args) == 1 else None
+    return given if isinstance(given, Message) else str(error)
+
+
+def worded(message: str, naming: Naming) -> str:
+    """``message`` with its options named by ``naming``; a plain str as it is."""
+    return message.worded(naming) if isinstance(message, Message) else message
+
+
+def _text(part: Part) -> str:
+    return part if isinstance(part, str) else part.text

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from selfattn.attention import AttentionTrace
-from selfattn.errors import SelfAttnError
+from selfattn.errors import Message, Options, SelfAttnError, message_of, parts_of
 from selfattn.recording import Recording
 from selfattn.text import check_word, is_mark, join_pieces
 
@@ -143,7 +143,7 @@ class Explanation:
         """What the query token is of the text asked for, when only a part of it: the first
         token of a phrase, or one piece of a word."""
         notes = [note for note in (self.phrase_note, self.piece_note) if note is not None]
-        return "; ".join(notes) if notes else None
+        return Message.joined("; ", notes) if notes else None
 
     @property
     def phrase_note(self) -> str | None:
@@ -151,10 +151,11 @@ class Explanation:
         phrase = self.query_phrase
         if phrase is None:
             return None
-        return (
+        return Message(
             f"first token of '{phrase.text}', {phrase.words} words to the model at tokens "
-            f"{phrase.tokens[0]}..{phrase.tokens[-1]}; explain shows one query token: "
-            "--index N shows another"
+            f"{phrase.tokens[0]}..{phrase.tokens[-1]}; explain shows one query token: ",
+            Options("--index N", ("index",)),
+            " shows another",
         )
 
     @property
@@ -332,8 +333,10 @@ def never_attended(trace: AttentionTrace) -> Tensor:
     return hidden.all(0) if hidden.dim() == 3 else hidden
 
 
-QUERY_OPTIONS = (
-    "the word to explain or its token index (--word or --index; word= or index= in Python)"
+QUERY_OPTIONS = Message(
+    "the word to explain or its token index (",
+    Options("--word or --index; word= or index= in Python", ("word", "index")),
+    ")",
 )
 
 
@@ -347,8 +350,10 @@ def _check_experiment(has_query: bool, head: int | str | None, query_options: st
         missing.append("a head number instead of 'mean' (or no head, to have one chosen)")
     if missing:
         raise ValueError(
-            "another similarity or scale is recomputed for one query of one head: give "
-            + " and ".join(missing)
+            Message(
+                "another similarity or scale is recomputed for one query of one head: give ",
+                *Message.joined(" and ", missing).parts,
+            )
         )
 
 
@@ -375,8 +380,12 @@ def explain_text(
         raise TypeError(f"index= takes a token's number, got {index!r}; a word goes in word=")
     if word is None and occurrence != 0:
         raise ValueError(
-            f"occurrence {occurrence} counts the matches of a word, and no word is given: give "
-            "the word too (--word; word= in Python) or leave the occurrence out"
+            Message(
+                f"occurrence {occurrence} counts the matches of a word, and no word is given: "
+                "give the word too (",
+                Options("--word; word= in Python", ("word",)),
+                ") or leave the occurrence out",
+            )
         )
     if options.get("similarity") is not None or options.get("scale") is not None:
         _check_experiment(word is not None or index is not None, options.get("head"), QUERY_OPTIONS)
@@ -525,9 +534,7 @@ def choose_head(
     row, column = divmod(best, by_layer.shape[1])
     score = by_layer[row, column].item()
     moved = best != int(by_layer.argmax())  # a positional head would have won
-    chosen_flags = "/".join(
-        flag for flag, given in (("--layer", layer), ("--head", head)) if given is None
-    )
+    left_out = tuple(name for name, given in (("layer", layer), ("head", head)) if given is None)
     if score > 0:
         reason = f"{who} the most weight here, {score:.2f}, on other content words"
     else:
@@ -536,7 +543,8 @@ def choose_head(
             "has no other, or, in a decoder, none comes before), so the first is shown"
         )
     note = _passed_over_note(int(passed_over.sum())) if moved else ""
-    choice = f"chosen: {reason}{note}; pick another with {chosen_flags}"
+    flags = Options("/".join(f"--{name}" for name in left_out), left_out)
+    choice = Message(f"chosen: {reason}{note}; pick another with ", flags)
     chosen = column if head is None else head
     return layers[row], None if chosen == HEAD_MEAN else chosen, choice
 
@@ -706,7 +714,9 @@ def _naming_sentence(number: int, text: str) -> Iterator[None]:
         yield
     except SelfAttnError as error:
         shown = text if len(text) <= SHOWN_SENTENCE else text[: SHOWN_SENTENCE - 1] + "…"
-        raise SelfAttnError(f"sentence {number} ({shown!r}): {error}") from None
+        raise SelfAttnError(
+            Message(f"sentence {number} ({shown!r}): ", *parts_of(message_of(error)))
+        ) from None
 
 
 def compare_texts(

@@ -5,7 +5,9 @@ nothing on disk. Every endpoint calls the same code as the command line: ``/api/
 returns ``explain_text(...)[1].to_json()`` exactly as ``selfattn explain --json`` prints it,
 ``/api/compare`` what ``selfattn compare --json`` prints and ``/api/view`` the payload of the
 offline page (:func:`selfattn.viz.report.page_data`), which the live page renders with the
-same script.
+same script. Only the wording of options differs: where a message (an error, how the head was
+chosen, a note) names options to change, the page's form fields are named ("the Word field"),
+not the command line's flags (see :class:`selfattn.errors.Message`).
 
 Safety, because a browser tab is an untrusted client:
 
@@ -20,8 +22,8 @@ Safety, because a browser tab is an untrusted client:
   waits in a bounded queue instead of piling up memory. A request whose client leaves before
   its run starts is dropped and frees its place in the queue.
 - Every error is one line of ``detail``: user mistakes (``SelfAttnError``, ``ValueError``,
-  ``IndexError``) are 400 with their message, anything else is a generic 500 whose traceback
-  goes to the server's log only.
+  ``IndexError``) are 400 with their message (options named as the page names them), anything
+  else is a generic 500 whose traceback goes to the server's log only.
 - The page is served from the package with a strict Content-Security-Policy: scripts and
   styles from this server only, requests to this server only, nothing from the network.
   FastAPI's ``/docs`` page loads its assets from a CDN, so it is switched off;
@@ -55,7 +57,7 @@ from starlette.exceptions import HTTPException
 from uvicorn.server import HANDLED_SIGNALS
 
 from selfattn import explain as explaining
-from selfattn.errors import SelfAttnError
+from selfattn.errors import SelfAttnError, message_of, worded
 from selfattn.models.model import Model
 from selfattn.viz import report
 
@@ -267,8 +269,33 @@ def _refuse_body(request: Request) -> JSONResponse | None:
 
 
 def as_json(data: dict) -> Response:
-    """Serialise on the worker (large payloads), exactly as the command line prints them."""
-    return Response(json.dumps(data), media_type="application/json")
+    """Serialise on the worker (large payloads) as the command line prints them, options named
+    as the page names them."""
+    return Response(json.dumps(for_the_page(data)), media_type="application/json")
+
+
+# The page's names for the options that messages name: its form fields, and Explore's tokens
+PAGE_NAMES = {
+    "word": "the Word field",
+    "occurrence": "the Occurrence field",
+    "layer": "the Layer field",
+    "head": "the Head field",
+    "index": "a token clicked in Explore",
+}
+
+
+def page_naming(options: tuple[str, ...]) -> str:
+    """Options as the page names them: "the Layer field or the Head field" (an option it has
+    no name for by its API field)."""
+    return " or ".join(PAGE_NAMES.get(name, name) for name in options)
+
+
+def for_the_page(value: Any) -> Any:
+    """``value`` with each message in it worded for the page (:func:`page_naming`); messages
+    sit in objects, so lists (of numbers, tokens) are left as they are."""
+    if isinstance(value, dict):
+        return {key: for_the_page(item) for key, item in value.items()}
+    return worded(value, page_naming) if isinstance(value, str) else value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,7 +491,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_reply(503, "the explorer is busy; retry in a moment", **{"Retry-After": "1"})
 
     async def user_error(_request: Request, error: Exception) -> JSONResponse:
-        return error_reply(400, _one_line(error))
+        return error_reply(400, _one_line(worded(message_of(error), page_naming)))
 
     for kind in (SelfAttnError, ValueError, IndexError):
         app.add_exception_handler(kind, user_error)

@@ -32,7 +32,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders
 
-from selfattn.errors import SelfAttnError
+from selfattn.errors import Message, Options, SelfAttnError
 
 # CJK ideographs, the ranges BERT's tokenizer splits into one word per character.
 CJK = (
@@ -76,9 +76,12 @@ class Encoding:
         if not -len(matches) <= occurrence < len(matches):
             count = f"{len(matches)} time" + ("s" if len(matches) > 1 else "")
             raise SelfAttnError(
-                f"there is no occurrence {occurrence} of the word {word!r}: it occurs {count} "
-                "in the text; --occurrence (occurrence= in Python) counts from 0 (0 = the "
-                "first, -1 = the last)"
+                Message(
+                    f"there is no occurrence {occurrence} of the word {word!r}: it occurs "
+                    f"{count} in the text; ",
+                    Options("--occurrence (occurrence= in Python)", ("occurrence",)),
+                    " counts from 0 (0 = the first, -1 = the last)",
+                )
             )
         return matches[occurrence]
 
