@@ -211,6 +211,42 @@ def test_url_hash_chooses_the_first_selection(browser, tmp_path):
     watched.check_clean()
 
 
+@pytest.mark.parametrize(
+    ("fragment", "shown", "notice"),
+    [
+        (
+            "#layer=9&head=x",
+            ("1", "0"),
+            "The address's layer=9 and head=x are not on this page (layers 0..1, heads 0..2 or "
+            "mean): showing layer 1, head 0.",
+        ),
+        (
+            "#layer=0&head=mean&query=abc",
+            ("0", "mean"),
+            "The address's query=abc is not on this page (tokens 0..5): showing query 0.",
+        ),
+        ("#layer=0&head=mean&query=5", ("0", "mean"), None),
+    ],
+)
+def test_a_hash_the_page_cannot_show_is_said_in_one_line(
+    browser, tmp_path, fragment, shown, notice
+):
+    path, _ = write_page(tmp_path)
+    watched = Watched(browser, path, fragment)
+    page = watched.page
+    assert (page.input_value("#layer"), page.input_value("#head")) == shown
+    said = page.text_content("#hash-notice") if page.is_visible("#hash-notice") else None
+    assert said == notice
+    page.evaluate("location.hash = '#layer=0&head=7'")  # typed into the address bar
+    page.wait_for_function("() => location.hash.includes('head=2')")
+    assert page.text_content("#hash-notice") == (
+        "The address's head=7 is not on this page (heads 0..2 or mean): showing head 2."
+    )
+    page.select_option("#layer", "1")  # the address holds what is shown again
+    assert not page.is_visible("#hash-notice")
+    watched.check_clean()
+
+
 def test_user_text_shows_as_text(browser, tmp_path):
     path, _ = write_page(tmp_path)
     watched = Watched(browser, path)

@@ -537,6 +537,12 @@ def test_compare_from_an_address_without_a_word_says_it_needs_one(browser, base_
         ("layer=abc", "layer: Input should be a valid integer"),
         ("head=x", "head: give a head number (0 = first) or 'mean'"),
         ("index=-1", "token index -1 is out of range: tokens 0..10"),
+        ("word=bank&index=3", "give either a word or a token index, not both"),  # not index dropped
+        (
+            "occurrence=1",  # named as the page names it, not as the command line does
+            "occurrence 1 counts the matches of a word, and no word is given: give the word too "
+            "(the Word field) or leave the occurrence out",
+        ),
     ],
 )
 def test_explore_refuses_a_bad_address_in_one_line_as_well(browser, base_url, given, error):
@@ -840,12 +846,51 @@ def test_wording_of_equal_entropies_sentence_counts_and_the_text_limit(browser, 
     assert not page.is_visible("#explore-text-limit")
 
     page.click("#tab-compare")
-    page.click(".sentence-row:nth-child(2) .remove")  # stays: two rows at least
     page.fill(".sentence-row:nth-child(2) .compare-sentence", "")
     page.fill("#compare-word", "bank")
     page.click("#compare-run")
     page.wait_for_selector("#compare-result[data-ready='error']", state="attached")
     assert page.text_content("#error") == "give 2 to 4 sentences to compare"
+
+
+def test_entropies_the_same_as_shown_are_as_spread_whatever_the_rounding_noise(browser, base_url):
+    # the model's own similarity, and its scale 1/sqrt(32) to 7 digits: entropies 3e-7 apart
+    same = f"/?view=ablation&text={quote(BANK)}&word=bank&similarity=dot&scale=0.1767767"
+    watched = Watched(browser, base_url, same)
+    watched.wait("#ablation-result")
+    page = watched.page
+    entropies = [f"#ablation-entropy-{whose}" for whose in ("model", "recomputed")]
+    assert len({page.get_attribute(shown, "data-value") for shown in entropies}) == 2
+    assert len({page.text_content(shown) for shown in entropies}) == 1
+    verdict = page.text_content("#ablation-verdict")
+    assert verdict == "recomputed weights are as spread as the model's"  # as the terminal says
+    watched.check_clean()
+
+
+def test_similarity_and_scale_says_to_pick_another_head_with_its_fields(browser, base_url):
+    watched = Watched(browser, base_url, f"/?view=ablation&text={quote(BANK)}&word=bank")
+    watched.wait("#ablation-result")
+    choice = watched.page.text_content("#ablation-result .hint")
+    assert choice.startswith("chosen: ")
+    assert choice.endswith("; pick another with the Layer field or the Head field")
+
+
+def test_a_sentence_can_be_removed_only_while_more_than_two_are_left(browser, base_url):
+    watched = Watched(browser, base_url, "/?view=compare")
+    page = watched.page
+    removes = page.locator(".sentence-row .remove")
+
+    def removable() -> list[tuple[bool, str]]:
+        return [(removes.nth(i).is_enabled(), removes.nth(i).get_attribute("title"))
+                for i in range(removes.count())]  # fmt: skip
+
+    two_left = (False, "Compare needs at least two sentences")
+    assert removable() == [two_left] * 2
+    page.click("#compare-add")
+    assert removable() == [(True, f"remove sentence {n}") for n in (1, 2, 3)]
+    page.click(".sentence-row:nth-child(1) .remove")
+    assert removable() == [two_left] * 2
+    watched.check_clean()
 
 
 def test_screen_readers_hear_each_result_and_name_each_sentence(browser, base_url):

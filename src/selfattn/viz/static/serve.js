@@ -125,7 +125,7 @@
     return fields;
   }
 
-  /** A run from an address without a word says so here: the server's message names the command line's options. */
+  /** A run from an address without a word says so here, in the view's own terms: the server's message offers a token index too, which Compare and Similarity & scale have not. */
   function requireWord(word, why) {
     if (!word) throw new Error(`give a word: ${why}`);
   }
@@ -135,8 +135,9 @@
   async function explore(fromAddress) {
     const { text, word } = INPUTS.explore();
     if (!fromAddress) navigate("explore"); // its address has no layer, head nor index: the server chooses them
-    // the address exactly: which match of the word, its layer and head, or the query token without a word
-    const body = { text, ...addressFields(params(), ["occurrence", "layer", "head", ...(word ? [] : ["index"])]) };
+    // the address exactly: which match of the word, its layer and head, the query token (never with a
+    // word: the page's own addresses hold one or the other, so the server refuses both in one line)
+    const body = { text, ...addressFields(params(), ["occurrence", "layer", "head", "index"]) };
     if (word) body.word = word;
     await request("explore", {
       fetch: () => api("/api/view", body),
@@ -183,12 +184,17 @@
     renumber();
   }
 
+  /** Number the rows again; their "×" is off (its title says why) while two rows are left. */
   function renumber() {
     const rows = [...document.querySelectorAll("#compare-sentences .sentence-row")];
+    const removable = rows.length > 2;
     rows.forEach((row, i) => {
       row.querySelector(".label").textContent = `S${i + 1}`;
       row.querySelector(".compare-sentence").setAttribute("aria-label", `sentence ${i + 1}`);
-      row.querySelector(".remove").setAttribute("aria-label", `remove sentence ${i + 1}`);
+      const remove = row.querySelector(".remove");
+      remove.setAttribute("aria-label", `remove sentence ${i + 1}`);
+      remove.disabled = !removable;
+      remove.title = removable ? `remove sentence ${i + 1}` : "Compare needs at least two sentences";
     });
     $("compare-add").disabled = rows.length >= limits().max_sentences;
   }
@@ -310,9 +316,17 @@
     });
   }
 
+  const bits = (steps) => fmt(steps.entropy_bits, 3); // an entropy as the page shows it
+
   function entropyLine(id, label, steps) {
     const how = steps.similarity === "cosine" ? "cosine" : "dot product";
-    return h("p", { class: "entropy" }, h("b", {}, label), ` ${how}, scale ${fmt(steps.scale)} · entropy `, h("b", { id, "data-value": String(steps.entropy_bits) }, `${fmt(steps.entropy_bits, 3)} bits`));
+    return h("p", { class: "entropy" }, h("b", {}, label), ` ${how}, scale ${fmt(steps.scale)} · entropy `, h("b", { id, "data-value": String(steps.entropy_bits) }, `${bits(steps)} bits`));
+  }
+
+  /** The recomputed weights against the model's by their entropies as shown, as the terminal's report words it: the same digits are "as spread as". */
+  function spreadVerdict(own, alt) {
+    if (bits(alt) === bits(own)) return "as spread as";
+    return alt.entropy_bits < own.entropy_bits ? "sharper than" : "flatter than";
   }
 
   function showAblation(data) {
@@ -335,7 +349,7 @@
         bar(alt.weights[j], "recomputed"),
       ),
     );
-    const verdict = alt.entropy_bits < own.entropy_bits ? "sharper than" : alt.entropy_bits > own.entropy_bits ? "flatter than" : "as spread as";
+    const verdict = spreadVerdict(own, alt);
     const head = data.head === "mean" ? "mean of heads" : `head ${data.head}`;
     $("ablation-result").replaceChildren(
       h(

@@ -235,9 +235,11 @@
     };
     const state = { layer: 0, head: 0, query: 0, hover: null, shadeBy: "matrix", sortByWeight: false };
     applySelection(state, payload.selection || {}, model);
-    if (hash) applySelection(state, readHash(), model);
+    const asked = hash ? readHash() : {};
+    applySelection(state, asked, model);
 
     const ui = buildLayout(model);
+    noteHash(ui.hashNotice, asked, state, model);
     root.replaceChildren(ui.page);
     palette = readPalette();
     const tokenEls = buildTokens(model, ui.flow);
@@ -291,7 +293,15 @@
 
     function select(changes) {
       applySelection(state, changes, model);
+      ui.hashNotice.hidden = true; // the address now holds what is shown
       update();
+    }
+
+    /** Show what an edited hash asks for (the nearest the page has, and a notice, where it has not that). */
+    function selectFromHash() {
+      const changes = readHash();
+      select(changes);
+      noteHash(ui.hashNotice, changes, state, model);
     }
 
     ui.layer.addEventListener("change", () => select({ layer: ui.layer.value }));
@@ -325,7 +335,7 @@
       thumbs[state.layer * model.heads + (state.head === "mean" ? 0 : state.head)].focus();
     });
     attachMapEvents(ui, model, state, current, select);
-    if (hash) window.addEventListener("hashchange", () => select(readHash()), { signal });
+    if (hash) window.addEventListener("hashchange", selectFromHash, { signal });
     const redrawLines = () => showRow(state.hover ?? state.query);
     // The token strip changes size with the window, and from none to its own when a hidden explorer
     // (drawn while another view of the live page was open) shows again: the lines follow its tokens.
@@ -361,6 +371,21 @@
     update();
     document.title = `${model.model}: attention explorer`;
     root.dataset.ready = "true";
+  }
+
+  /**
+   * Say in `notice` which values of the hash (`asked`) the page has not, such as layer=9 or head=x,
+   * and what it shows instead (`state`, where applySelection put them); hidden when it has them all.
+   */
+  function noteHash(notice, asked, state, model) {
+    const offered = { layer: ["layers", model.layers], head: ["heads", model.heads], query: ["tokens", model.length] };
+    const onPage = (name, value) => (name === "head" && value === "mean") || (/^\d+$/.test(value) && +value < offered[name][1]);
+    const bad = Object.keys(offered).filter((name) => asked[name] !== undefined && !onPage(name, asked[name]));
+    notice.hidden = !bad.length;
+    const values = bad.map((name) => `${name}=${asked[name]}`).join(" and ");
+    const ranges = bad.map((name) => `${offered[name][0]} 0..${offered[name][1] - 1}${name === "head" ? " or mean" : ""}`).join(", ");
+    const shown = bad.map((name) => `${name} ${state[name]}`).join(", ");
+    notice.textContent = bad.length ? `The address's ${values} ${bad.length > 1 ? "are" : "is"} not on this page (${ranges}): showing ${shown}.` : "";
   }
 
   /** Merge a partial selection (numbers or strings from the hash) into state, in range. */
@@ -466,6 +491,8 @@
     const selection = h("p", { id: "selection", class: "selection", "aria-live": "polite" });
     // what the first query is of the word asked for (a phrase's first token, a piece): shown while it is the query
     const queryNote = h("p", { id: "query-note", class: "note", hidden: "" }, model.note || "");
+    // a value of the address's hash that the page has not (layer=9, head=x), and what it shows instead
+    const hashNotice = h("p", { id: "hash-notice", class: "notice", role: "status", hidden: "" });
     const header = h(
       "header",
       {},
@@ -482,6 +509,7 @@
       h("div", { class: "controls" }, layer, head, shadeBy),
       selection,
       queryNote,
+      hashNotice,
       h(
         "ol",
         { class: "steps" },
@@ -565,7 +593,7 @@
         grid,
       ),
     );
-    return { page, layer, head, shadeBy, sort, selection, queryNote, lines, flow, strip, summary, map, tip, legend, stepsBody, stepsFoot, stepTitle, stepNote, output, grid };
+    return { page, layer, head, shadeBy, sort, selection, queryNote, hashNotice, lines, flow, strip, summary, map, tip, legend, stepsBody, stepsFoot, stepTitle, stepNote, output, grid };
   }
 
   function buildTokens(model, flow) {
