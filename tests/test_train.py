@@ -1311,3 +1311,18 @@ def test_seeded_sampling_is_multinomial_on_the_tempered_softmax(wandering, tempe
         expected = torch.cat([expected, torch.multinomial(probs, 1, generator=generator)], 1)
     assert torch.equal(tokens, expected)
     assert len(set(tokens[0, 5:].tolist())) > 5  # really sampled, not one repeated token
+
+
+def test_the_default_prompt_is_refused_in_one_line_by_a_model_without_new_lines(tmp_path):
+    # A corpus without line breaks gives a vocabulary without "\n", generate's default prompt.
+    # Before: "characters not in the model's vocabulary: '\n'", a character never typed. Now
+    # the line names the default PROMPT and asks for one; a prompt given still works.
+    corpus = tmp_path / "one_line.txt"
+    corpus.write_text("to be or not to be, that is the question " * 40)
+    out = tmp_path / "out"
+    train_gpt(corpus, out, preset="tiny", overrides={"max_iters": 2}, device="cpu")
+    line = _error_line(["generate", "--checkpoint", str(out)])
+    assert "the default PROMPT, a new line, is not in this model's vocabulary" in line
+    result = CliRunner().invoke(app, ["generate", "--checkpoint", str(out), "to ", "--seed", "0",
+                                      "--max-new-tokens", "5"])  # fmt: skip
+    assert result.exit_code == 0 and result.stdout.startswith("to ") and len(result.stdout) == 9

@@ -232,6 +232,9 @@ def train(
     )
 
 
+DEFAULT_PROMPT = "\n"  # where nanoGPT's sampling starts too
+
+
 @app.command()
 def generate(
     checkpoint: Annotated[
@@ -242,13 +245,13 @@ def generate(
         typer.Option(help="A Hugging Face-style decoder folder (GPT-2 family), instead."),
     ] = None,
     prompt: Annotated[
-        str,
+        str | None,
         typer.Argument(
             metavar="PROMPT",
             help="Text to continue (for a model trained here, in characters of its text).",
             show_default="a new line",
         ),
-    ] = "\n",
+    ] = None,
     max_new_tokens: Annotated[
         int, typer.Option(min=0, help="Tokens to generate (characters, for a model trained here).")
     ] = 500,
@@ -269,10 +272,25 @@ def generate(
         )
     with _user_errors():
         network = _load(model, checkpoint)
+        prompt = _default_prompt(network) if prompt is None else prompt
         continuation = network.generate(
             prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
         )
     typer.echo(prompt + continuation)
+
+
+def _default_prompt(network) -> str:
+    """A new line, where nanoGPT's sampling starts too; refused in one line by a model whose
+    vocabulary lacks it (trained on a text without line breaks)."""
+    if network.tokenizer is not None:
+        try:
+            network.tokenizer.encode_ids([DEFAULT_PROMPT])
+        except SelfAttnError:
+            raise SelfAttnError(
+                "the default PROMPT, a new line, is not in this model's vocabulary (its "
+                "training text has none); give a PROMPT in characters of that text"
+            ) from None
+    return DEFAULT_PROMPT
 
 
 # ---------------------------------------------------------------------------------------------
