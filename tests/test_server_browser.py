@@ -710,15 +710,24 @@ def lines_fit_the_strip(page) -> bool:
     )
 
 
+def explore_answered_behind_compare(watched: Watched, word: str) -> None:
+    """Explore BANK for ``word``, its request answered only once the Compare view is open."""
+    page = watched.page
+    held = []
+    page.route("**/api/view", lambda route: held.append(route))
+    watched.explore(BANK, word)
+    for _ in range(600):
+        if held:
+            break
+        page.wait_for_timeout(50)
+    page.click("#tab-compare")
+    held[0].continue_()
+
+
 def test_the_lines_follow_the_tokens_drawn_or_resized_behind_another_view(browser, base_url):
     watched = Watched(browser, base_url)
     page = watched.page
-    held = []  # the explore request, answered only once the compare view is open
-    page.route("**/api/view", lambda route: held.append(route))
-    watched.explore(BANK, "bank")
-    page.wait_for_function("() => document.getElementById('app').ariaBusy === 'true'")
-    page.click("#tab-compare")
-    held[0].continue_()
+    explore_answered_behind_compare(watched, "bank")
     page.wait_for_selector("#app[data-ready='true']", state="attached")  # drawn while hidden
     page.click("#tab-explore")
     assert lines_fit_the_strip(page)
@@ -732,15 +741,7 @@ def test_the_lines_follow_the_tokens_drawn_or_resized_behind_another_view(browse
 def test_an_error_that_comes_back_while_another_view_is_open_shows_on_return(browser, base_url):
     watched = Watched(browser, base_url)
     page = watched.page
-    held = []  # the explore request, answered only once the compare view is open
-    page.route("**/api/view", lambda route: held.append(route))
-    watched.explore(BANK, "river")
-    for _ in range(600):
-        if held:
-            break
-        page.wait_for_timeout(50)
-    page.click("#tab-compare")
-    held[0].continue_()  # the server answers 400: no "river" in the text
+    explore_answered_behind_compare(watched, "river")  # the server answers 400: no "river"
     page.wait_for_selector("#app[data-ready='error']", state="attached")
     assert not page.is_visible("#error")  # not the compare view's error
     page.click("#tab-explore")
