@@ -14,6 +14,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -1044,6 +1045,9 @@ def test_the_benchmarks_quick_check_leaves_the_recorded_figure_alone(monkeypatch
     assert benchmark.parse_args(["--max-iters", "100"]).figure is None
 
 
+TRAINING_STATE = ("state.json", "optimizer.safetensors", "rng.safetensors")  # resume's only
+
+
 def _damage(trained: Path, tmp_path: Path, name: str, change) -> Path:
     """A copy of the trained folder whose checkpoint file ``name`` went through ``change``."""
     out = tmp_path / "damaged"
@@ -1080,16 +1084,19 @@ def _damage(trained: Path, tmp_path: Path, name: str, change) -> Path:
     ],
 )
 def test_a_damaged_checkpoint_names_the_file(trained, corpus, tmp_path, name, change, problem):
-    """generate and resume: one line naming the damaged file (a KeyError, TypeError or
-    IndexError traceback, or torch's 20-line size-mismatch list, before; a NaN weight, which
-    training never saves, generated garbage and made the resume say "training diverged")."""
+    """resume, and generate where it reads the file: one line naming the damaged file (a
+    KeyError, TypeError or IndexError traceback, or torch's 20-line size-mismatch list,
+    before; a NaN weight, which training never saves, generated garbage and made the resume
+    say "training diverged"). generate reads the model's files only, not the training state."""
     out = _damage(trained, tmp_path, name, change)
-    for args in (
-        ["generate", "--checkpoint", str(out), "All:", "--max-new-tokens", "5"],
-        ["train", "--data", str(corpus), "--out", str(out), "--resume", "--max-iters", "31"],
-    ):
+    generate = ["generate", "--checkpoint", str(out), "All:", "--max-new-tokens", "5"]
+    resume = ["train", "--data", str(corpus), "--out", str(out), "--resume", "--max-iters", "31"]
+    reads = [resume] if name in TRAINING_STATE else [generate, resume]
+    for args in reads:
         line = _error_line(args)
         assert "is unreadable: " + problem in line and "another --out" in line, line
+    if name in TRAINING_STATE:
+        assert CliRunner().invoke(app, generate).exit_code == 0
 
 
 def _change_tensor(data: bytes, key: str, value: Tensor | float | None) -> bytes:
@@ -1326,3 +1333,20 @@ def test_the_default_prompt_is_refused_in_one_line_by_a_model_without_new_lines(
     result = CliRunner().invoke(app, ["generate", "--checkpoint", str(out), "to ", "--seed", "0",
                                       "--max-new-tokens", "5"])  # fmt: skip
     assert result.exit_code == 0 and result.stdout.startswith("to ") and len(result.stdout) == 9
+
+
+def test_a_model_copied_without_its_training_state_still_generates(trained, tmp_path):
+    # Sampling needs config.json, tokenizer.json and model.safetensors only. Before, generate
+    # and explain refused a checkpoint without optimizer.safetensors and rng.safetensors
+    # (which are 2x the model and only resume needs); now they run, and resume still refuses.
+    copy = tmp_path / "model-only"
+    copy.mkdir()
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        shutil.copy(checkpoint_module.checkpoint_dir(trained) / name, copy / name)
+    args = ["generate", "All:", "--max-new-tokens", "20", "--seed", "1"]
+    full = CliRunner().invoke(app, [*args, "--checkpoint", str(trained)])
+    bare = CliRunner().invoke(app, [*args, "--checkpoint", str(copy)])
+    assert bare.exit_code == 0, bare.output
+    assert bare.stdout == full.stdout  # the same weights, the same seed: the same text
+    with pytest.raises(SelfAttnError, match=r"state\.json"):
+        load_checkpoint(copy)

@@ -1,8 +1,8 @@
 """Training transformers from scratch: character data, a model-agnostic loop, checkpoints, DDP.
 
 ``train_gpt`` is what ``selfattn train`` runs; ``load_checkpoint`` gives back a trained model,
-its tokenizer, configs and training state (for ``generate``); ``load_model`` gives it as the
-viewers' :class:`~selfattn.models.model.Model` (for ``explain``).
+its tokenizer, configs and training state (to resume); ``load_model`` gives the model alone as
+the viewers' :class:`~selfattn.models.model.Model` (for ``generate``, ``explain``, ``serve``).
 """
 
 from selfattn.train.checkpoint import (

@@ -146,6 +146,23 @@ def load_checkpoint(
     none or one is missing, damaged or does not fit the others.
     """
     directory = checkpoint_dir(path)
+    model, tokenizer, config = _load_trained(directory, device)
+    step, history, losses_since_eval, groups = _read(directory, "state.json", _read_state)
+    optimizer = _read(
+        directory,
+        "optimizer.safetensors",
+        lambda file: _join_optimizer_state(load_file(str(file), device=str(device)), groups),
+    )
+    rng = _read(directory, "rng.safetensors", lambda file: load_file(str(file)))
+    state = TrainingState(step, history, optimizer, rng, losses_since_eval)
+    return model, tokenizer, config, state
+
+
+def _load_trained(
+    directory: Path, device: torch.device | str
+) -> tuple[GPT, CharTokenizer, RunConfig]:
+    """What running the model needs: the network (eval mode), its tokenizer and configs,
+    read from config.json, tokenizer.json and model.safetensors only."""
     saved_config = _read(directory, "config.json", _read_json)
     if saved_config.get("format") != FORMAT:
         fix = (
@@ -166,13 +183,6 @@ def load_checkpoint(
             f"{tokenizer.vocab_size} characters for a vocabulary of {config.model.vocab_size} "
             "in config.json",
         )
-    step, history, losses_since_eval, groups = _read(directory, "state.json", _read_state)
-    optimizer = _read(
-        directory,
-        "optimizer.safetensors",
-        lambda file: _join_optimizer_state(load_file(str(file), device=str(device)), groups),
-    )
-    rng = _read(directory, "rng.safetensors", lambda file: load_file(str(file)))
     model = GPT(config.model)
     _read(
         directory,
@@ -180,8 +190,7 @@ def load_checkpoint(
         lambda file: safetensors.torch.load_model(model, str(file)),
     )
     _refuse_non_finite(directory, "model.safetensors", model.state_dict())
-    state = TrainingState(step, history, optimizer, rng, losses_since_eval)
-    return model.to(device).eval(), tokenizer, config, state
+    return model.to(device).eval(), tokenizer, config
 
 
 def _refuse_non_finite(directory: Path, name: str, tensors: dict[str, Tensor]) -> None:
@@ -259,8 +268,9 @@ def _is_count(value: object) -> bool:
 
 
 def load_model(path: Path, device: torch.device | str = "cpu", backend: str = "auto") -> Model:
-    """A checkpoint as a :class:`selfattn.models.model.Model`: what explain and the viewers use."""
-    network, tokenizer, config, _ = load_checkpoint(path, device)
+    """A checkpoint as a :class:`selfattn.models.model.Model`: what explain, generate and the
+    viewers use. Reads the model's files only: the optimizer and random state may be absent."""
+    network, tokenizer, config = _load_trained(checkpoint_dir(path), device)
     info = ModelConfig.for_decoder(config.model, "gpt")
     model = Model(network, info, name=str(path), tokenizer=Tokenizer(tokenizer.to_hf()))
     set_backend(model, backend)
