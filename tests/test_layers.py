@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from selfattn import (
+    KVCache,
     LearnedPositions,
     MultiHeadAttention,
     SelfAttention,
@@ -547,3 +548,17 @@ def test_negative_head_and_batch_count_from_the_end():
             capture.weights(head=0, batch=batch)
     with pytest.raises(IndexError, match=r"head -3 out of range: .* heads 0\.\.1"):
         capture.weights(head=-3)
+
+
+def test_a_cache_equals_the_uncached_layer_and_refuses_another_batch():
+    # Causal attention over 5 tokens fed as 3 then 2 through a KVCache equals one call over
+    # all 5 (float64, 1e-12). A cache reused for another batch size used to fail in torch.cat
+    # ("Sizes of tensors must match"); it is now one line naming the cache and the fix.
+    torch.manual_seed(9)
+    layer = MultiHeadAttention(16, 4).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    cache = KVCache()
+    parts = [layer(x[:, :3], causal=True, cache=cache), layer(x[:, 3:], causal=True, cache=cache)]
+    torch.testing.assert_close(torch.cat(parts, 1), layer(x, causal=True), atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match=r"holds keys of leading dims \(2, 4\).*got \(3, 4\)"):
+        layer(torch.randn(3, 1, 16, dtype=torch.float64), causal=True, cache=cache)

@@ -30,6 +30,11 @@ class KVCache:
 
     def extend(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """Append the new tokens' keys and values; return all of them."""
+        if self.key is not None and key.shape[:-2] != self.key.shape[:-2]:
+            raise ValueError(
+                f"this KVCache holds keys of leading dims {tuple(self.key.shape[:-2])} (batch, "
+                f"heads), got {tuple(key.shape[:-2])}; use a new cache for another batch"
+            )
         if self.key is not None:
             key = torch.cat([self.key, key], dim=-2)
             value = torch.cat([self.value, value], dim=-2)
