@@ -1350,3 +1350,18 @@ def test_a_model_copied_without_its_training_state_still_generates(trained, tmp_
     assert bare.stdout == full.stdout  # the same weights, the same seed: the same text
     with pytest.raises(SelfAttnError, match=r"state\.json"):
         load_checkpoint(copy)
+
+
+def test_ctrl_c_outside_the_steps_says_what_is_left(trained, corpus, tmp_path, monkeypatch):
+    # A Ctrl-C that reaches the command outside the training loop (before it, or in the
+    # moment after it while processes shut down) used to say "Interrupted before training
+    # started; nothing saved" even when a checkpoint had been saved; it now says which.
+    import selfattn.train
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(selfattn.train, "train_gpt", interrupted)
+    for out, said in ((trained, "the last checkpoint in"), (tmp_path / "new", "nothing saved")):
+        result = CliRunner().invoke(app, ["train", "--data", str(corpus), "--out", str(out)])
+        assert result.exit_code == 130 and said in result.output, result.output

@@ -204,9 +204,9 @@ def train(
         )  # fmt: skip
     except SelfAttnError as error:
         raise _fail(str(error)) from None
-    except KeyboardInterrupt:  # before the loop took over Ctrl-C: nothing to save yet
+    except KeyboardInterrupt:  # outside the loop, which saves on Ctrl-C: before it or after
         if _is_main_process():
-            console.print("Interrupted before training started; nothing saved.")
+            console.print(_interrupted_outside_the_loop(out), soft_wrap=True)
         raise typer.Exit(130) from None
     result = run.result
     if result.interrupted:
@@ -230,6 +230,15 @@ def train(
         f"{result.tokens_per_second:,.0f} tokens/s; checkpoint in {out}",
         soft_wrap=True,
     )
+
+
+def _interrupted_outside_the_loop(out: Path) -> str:
+    """What a Ctrl-C outside the training steps left: the last checkpoint, or nothing."""
+    from selfattn.train.checkpoint import has_checkpoint
+
+    if has_checkpoint(out):
+        return f"Interrupted outside the training steps; the last checkpoint in {out} is kept."
+    return "Interrupted before training started; nothing saved."
 
 
 DEFAULT_PROMPT = "\n"  # where nanoGPT's sampling starts too
