@@ -10,13 +10,15 @@ from selfattn.layers import (
     TransformerBlock,
 )
 from selfattn.models.loading import load
-from selfattn.models.model import Model, Run
+from selfattn.models.model import Generation, GenerationStep, Model, Run
 from selfattn.recording import Capture, Recording, record
 
 __all__ = [
     "BACKENDS",
     "AttentionTrace",
     "Capture",
+    "Generation",
+    "GenerationStep",
     "KVCache",
     "LearnedPositions",
     "Model",

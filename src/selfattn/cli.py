@@ -271,6 +271,17 @@ def generate(
         int | None, typer.Option(min=1, help="Sample among the k likeliest only.")
     ] = None,
     seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also write an offline HTML page: one strip per new token, the attention that "
+            "chose it over the prompt and the tokens before it."
+        ),
+    ] = None,
+    json_file: Annotated[
+        Path | None,
+        typer.Option("--json", help="Also write that attention, every layer and head, as JSON."),
+    ] = None,
 ) -> None:
     """Continue PROMPT with a decoder: one trained by `selfattn train`, or a GPT-2 folder."""
     if (checkpoint is None) == (model is None):
@@ -279,13 +290,30 @@ def generate(
             "or --model FOLDER (GPT-2 style)",
             2,
         )
+    for path, option in ((html, "--html"), (json_file, "--json")):
+        _check_output(path, option)
+    if html is not None and max_new_tokens == 0:
+        raise _fail("--html shows the attention of new tokens; give --max-new-tokens 1 or more", 2)
+    sampling = {"temperature": temperature, "top_k": top_k, "seed": seed}
     with _user_errors():
         network = _load(model, checkpoint)
         prompt = _default_prompt(network) if prompt is None else prompt
-        continuation = network.generate(
-            prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
-        )
-    typer.echo(prompt + continuation)
+        if html is None and json_file is None:
+            typer.echo(prompt + network.generate(prompt, max_new_tokens, **sampling))
+            return
+        generation = network.generate_recorded(prompt, max_new_tokens, **sampling)
+        typer.echo(prompt + generation.text)
+        _write_generation(generation, html, json_file)
+
+
+def _write_generation(generation, html: Path | None, json_file: Path | None) -> None:
+    """Write the page and the JSON of a recorded generation, where asked."""
+    from selfattn.viz.generation import generation_page
+
+    if html is not None:
+        _write(html, partial(_save_text, generation_page(generation)))
+    if json_file is not None:
+        _write(json_file, partial(_save_text, json.dumps(generation.to_json())))
 
 
 def _default_prompt(network) -> str:

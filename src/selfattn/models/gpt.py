@@ -7,6 +7,8 @@ models trained from scratch by :mod:`selfattn.train`.
 from __future__ import annotations
 
 import math
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -133,6 +135,33 @@ class GPT(nn.Module):
         alignment lets it see every cached key). Once the context outgrows ``block_size`` the
         window slides and the cache is rebuilt, so outputs match ``use_cache=False`` exactly.
         """
+        steps = self.generate_steps(
+            input_ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            use_cache=use_cache,
+        )
+        last = deque(steps, maxlen=1)  # runs every step, keeps the final ids
+        return last[0] if last else input_ids
+
+    @torch.no_grad()
+    def generate_steps(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        use_cache: bool = True,
+    ) -> Iterator[Tensor]:
+        """:meth:`generate` one token at a time: yields the ids (B, T + n) after each new token.
+
+        Each ``next()`` runs exactly one forward pass, the one that chose the new token, so a
+        caller can look at it (``with record(model): next(steps)``).
+        """
         check_sampling(max_new_tokens, temperature, top_k)
         generator = None
         if seed is not None:
@@ -149,7 +178,7 @@ class GPT(nn.Module):
             logits = self(step_ids, caches=caches).logits[:, -1, :]  # (B, vocab)
             next_id = sample(logits, temperature, top_k, generator)
             ids = torch.cat([ids, next_id], dim=1)
-        return ids
+            yield ids
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import reprlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -240,6 +240,102 @@ class Run:
         display({"text/html": page}, raw=True)
 
 
+@dataclass(frozen=True, repr=False)
+class GenerationStep:
+    """One step of a generation: the forward pass that chose one new token.
+
+    Its query is the last token it read (the new token's predecessor); its keys are the
+    tokens ``start .. query`` (``start`` is 0 unless the context outgrew the model's positions
+    and the window slid).
+    """
+
+    query: int  # position of the query in Generation.tokens
+    start: int  # position of the first key
+    weights: Tensor  # (L, H, S): each layer and head's weights over keys start..query
+
+    def __repr__(self) -> str:
+        return f"GenerationStep(query={self.query}, keys {self.start}..{self.query})"
+
+
+@dataclass(frozen=True, repr=False)
+class Generation:
+    """A prompt, its continuation, and per new token the attention that chose it.
+
+    ``steps[s]`` chose ``tokens[n_prompt + s]``; its weights are the query row of that
+    step's forward pass, recomputed with the explicit path from the q and k recorded while
+    the cached generation ran.
+    """
+
+    prompt: str
+    text: str  # the continuation, as Model.generate returns it
+    tokens: list[str]  # the prompt's tokens, then one per new token
+    token_ids: list[int]
+    n_prompt: int  # how many of the tokens are the prompt's
+    steps: list[GenerationStep]
+    n_layers: int
+    n_heads: int
+    model_name: str = "model"
+
+    def __repr__(self) -> str:
+        return (
+            f"Generation({self.model_name!r}, {reprlib.repr(self.prompt)} + "
+            f"{reprlib.repr(self.text)}: {len(self.steps)} steps)"
+        )
+
+    def weights(self, step: int, layer: int, head: int | None = None) -> Tensor:
+        """A step's weights over its keys: one head ``(S,)``, or every head ``(H, S)``.
+
+        Negative indices count from the end."""
+        chosen = self.steps[in_range(step, len(self.steps), "step", "this generation has steps")]
+        layer = in_range(layer, self.n_layers, "layer", "this model has attention layers")
+        if head is None:
+            return chosen.weights[layer]
+        return chosen.weights[layer, in_range(head, self.n_heads, "head", "each layer has heads")]
+
+    def to_json(self) -> dict:
+        """Every number as plain JSON; per step its keys and weights ``[layer][head][key]``."""
+        return {
+            "model": self.model_name,
+            "prompt": self.prompt,
+            "text": self.text,
+            "tokens": self.tokens,
+            "token_ids": self.token_ids,
+            "n_prompt": self.n_prompt,
+            "layers": self.n_layers,
+            "heads": self.n_heads,
+            "steps": [
+                {"query": step.query, "start": step.start, "weights": step.weights.tolist()}
+                for step in self.steps
+            ],
+        }
+
+
+def _recorded_steps(
+    network: nn.Module, steps: Iterator[Tensor]
+) -> Iterator[tuple[int, GenerationStep]]:
+    """Run ``steps`` (one forward pass each, see GPT.generate_steps), each under its own
+    recording; give each step's new token id and its query's attention."""
+    while True:
+        with record(network) as recording:
+            ids = next(steps, None)
+        if ids is None:
+            return
+        yield int(ids[0, -1]), _last_query_step(recording, query=ids.shape[1] - 2)
+
+
+def _last_query_step(recording: Recording, query: int) -> GenerationStep:
+    """The last query row of each layer's call in one forward pass's recording."""
+    weights = torch.stack([capture.weights()[:, -1] for capture in recording]).cpu()  # (L, H, S)
+    return GenerationStep(query=query, start=query + 1 - weights.shape[-1], weights=weights)
+
+
+def _token_strings(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
+    """Each id as its token: " bank" for byte-level BPE (a part of a character shows "\ufffd")."""
+    if tokenizer.byte_level:
+        return [tokenizer.backend.decode([i], skip_special_tokens=False) for i in ids]
+    return [tokenizer.backend.id_to_token(i) for i in ids]
+
+
 def _in_notebook() -> bool:
     """Whether this runs in an IPython kernel (Jupyter, VS Code, Colab), which shows HTML;
     a script or a terminal IPython only prints what it is given to display."""
@@ -420,23 +516,70 @@ class Model(nn.Module):
     ) -> str:
         """The text a decoder writes after ``prompt`` (the continuation only); temperature 0
         is greedy, ``seed`` makes sampling repeatable."""
-        if self.config.kind != "decoder":
-            raise SelfAttnError(f"generate needs a decoder (GPT family); {self.name} is an encoder")
-        tokenizer = self._require_tokenizer()
-        prompt_ids = tokenizer.encode(prompt).ids
-        if not prompt_ids:
-            raise SelfAttnError("the prompt is empty; pass some text to continue")
-        input_ids = torch.tensor([prompt_ids], device=self.device)
+        prompt_ids = self._prompt_encoding(prompt).ids
         output_ids = self.network.generate(
-            input_ids,
+            torch.tensor([prompt_ids], device=self.device),
             max_new_tokens,
             temperature=temperature,
             top_k=top_k,
             seed=seed,
             use_cache=use_cache,
         )
-        full_text = tokenizer.decode(output_ids[0].tolist())
-        return full_text[len(tokenizer.decode(prompt_ids)) :]
+        return self._continuation(prompt_ids, output_ids[0].tolist())
+
+    def generate_recorded(
+        self,
+        prompt: str,
+        max_new_tokens: int = 50,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        use_cache: bool = True,
+    ) -> Generation:
+        """:meth:`generate`, keeping per new token the attention that chose it.
+
+        Same arguments, same continuation (the same seed gives the same tokens). Each step's
+        q, k and v are recorded while the cached generation runs; the step's query row is
+        recomputed from them with the explicit path for every layer and head, and the rest
+        of the recording is dropped. Past the model's positions the window slides: a step's
+        keys then start after the prompt's first tokens (``GenerationStep.start``).
+        """
+        encoding = self._prompt_encoding(prompt)
+        new_steps = self.network.generate_steps(
+            torch.tensor([encoding.ids], device=self.device),
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            use_cache=use_cache,
+        )
+        recorded = list(_recorded_steps(self.network, new_steps))
+        new_ids = [new_id for new_id, _ in recorded]
+        return Generation(
+            prompt=prompt,
+            text=self._continuation(encoding.ids, encoding.ids + new_ids),
+            tokens=encoding.tokens + _token_strings(self.tokenizer, new_ids),
+            token_ids=encoding.ids + new_ids,
+            n_prompt=len(encoding.ids),
+            steps=[step for _, step in recorded],
+            n_layers=self.config.n_layers,
+            n_heads=self.config.n_heads,
+            model_name=self.name,
+        )
+
+    def _prompt_encoding(self, prompt: str) -> Encoding:
+        """The prompt's tokens; one line for an encoder, or a prompt with no tokens."""
+        if self.config.kind != "decoder":
+            raise SelfAttnError(f"generate needs a decoder (GPT family); {self.name} is an encoder")
+        encoding = self._require_tokenizer().encode(prompt)
+        if not encoding.ids:
+            raise SelfAttnError("the prompt is empty; pass some text to continue")
+        return encoding
+
+    def _continuation(self, prompt_ids: list[int], ids: list[int]) -> str:
+        """The text of ``ids`` after the prompt's."""
+        return self.tokenizer.decode(ids)[len(self.tokenizer.decode(prompt_ids)) :]
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

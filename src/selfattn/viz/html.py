@@ -56,7 +56,7 @@ PAGE = """<!doctype html>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta http-equiv="Content-Security-Policy" content="/*CSP*/">
-<title>selfattn: attention explorer</title>
+<title>/*TITLE*/</title>
 <link rel="icon" href="data:,">
 <style>
 /*CSS*/
@@ -64,7 +64,7 @@ PAGE = """<!doctype html>
 </head>
 <body>
 <main id="app"></main>
-<script type="application/json" id="selfattn-payload">/*PAYLOAD*/</script>
+<script type="application/json" id="/*PAYLOAD_ID*/">/*PAYLOAD*/</script>
 <script>
 /*JS*/
 </script>
@@ -112,7 +112,7 @@ def page_payload(
     )
     n_layers, n_heads, length, _ = q.shape
     _check(tokens, q, k, v, similarity, layer, head, query_index, words, names)
-    dtype = _wire_dtype(q, k, v)
+    dtype = wire_dtype(q, k, v)
     return {
         "version": PAYLOAD_VERSION,
         "model": model_name,
@@ -128,9 +128,9 @@ def page_payload(
         "similarity": similarity,
         "causal": causal,
         "dtype": dtype,
-        "query": _encode(q, dtype),
-        "key": _encode(k, dtype),
-        "value": _encode(v, dtype),
+        "query": encode_tensor(q, dtype),
+        "key": encode_tensor(k, dtype),
+        "value": encode_tensor(v, dtype),
         "thumbnails": _thumbnails(q, k, v, scale, similarity, causal),
         "selection": {"layer": layer, "head": head, "query": query_index or 0},
     }
@@ -138,13 +138,32 @@ def page_payload(
 
 def render_page(payload: dict) -> str:
     """The whole page as one HTML string: styles, script and data inline, nothing fetched."""
+    return inline_page(
+        payload,
+        title="selfattn: attention explorer",
+        styles=("view.css",),
+        scripts=("view.js",),
+        payload_id="selfattn-payload",
+    )
+
+
+def inline_page(
+    payload: dict,
+    *,
+    title: str,
+    styles: Sequence[str],
+    scripts: Sequence[str],
+    payload_id: str,
+) -> str:
+    """A page of this package's static ``styles`` and ``scripts`` (in order) with ``payload``
+    as JSON in the ``<script>`` of id ``payload_id``; all inline, nothing fetched."""
     static = files("selfattn.viz") / "static"
     data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     data = data.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-    page = PAGE.replace("/*CSP*/", CSP).replace(
-        "/*CSS*/", (static / "view.css").read_text(encoding="utf-8")
-    )
-    page = page.replace("/*JS*/", (static / "view.js").read_text(encoding="utf-8"))
+    css = "\n".join((static / name).read_text(encoding="utf-8") for name in styles)
+    js = "\n".join((static / name).read_text(encoding="utf-8") for name in scripts)
+    page = PAGE.replace("/*CSP*/", CSP).replace("/*TITLE*/", title).replace("/*CSS*/", css)
+    page = page.replace("/*JS*/", js).replace("/*PAYLOAD_ID*/", payload_id)
     return page.replace("/*PAYLOAD*/", data)
 
 
@@ -183,7 +202,7 @@ def _check(tokens, q, k, v, similarity, layer, head, query_index, words, names) 
         raise ValueError(f"query_index {query_index} out of range: tokens are 0..{length - 1}")
 
 
-def _wire_dtype(*tensors: Tensor) -> str:
+def wire_dtype(*tensors: Tensor) -> str:
     """float32 while the three tensors fit the budget, float16 beyond (if no value overflows)."""
     nbytes = sum(t.numel() * 4 for t in tensors)
     if nbytes <= FLOAT32_LIMIT_BYTES:
@@ -193,7 +212,7 @@ def _wire_dtype(*tensors: Tensor) -> str:
     return "float16"
 
 
-def _encode(tensor: Tensor, dtype: str) -> dict:
+def encode_tensor(tensor: Tensor, dtype: str) -> dict:
     array = tensor.numpy().astype("<f4" if dtype == "float32" else "<f2")
     return {"shape": list(tensor.shape), "data": base64.b64encode(array.tobytes()).decode("ascii")}
 

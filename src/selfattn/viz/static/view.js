@@ -889,8 +889,9 @@
     tip.style.top = `${side(event.clientY, tip.offsetHeight, clientHeight)}px`;
   }
 
-  // clear, h and fmt are shared with the live explorer (serve.js), which loads after this file.
-  window.selfattn = { render, clear, h, fmt };
+  // clear, h and fmt are shared with the live explorer (serve.js), which loads after this file; the
+  // rest with the page of attention during generation (generation.js).
+  window.selfattn = { render, clear, h, fmt, decodeTensor, readPalette, inkOn, clip, placeTip, onPixelRatioChange };
   const embedded = document.getElementById("selfattn-payload");
   if (embedded && embedded.textContent.trim()) render(JSON.parse(embedded.textContent));
 })();

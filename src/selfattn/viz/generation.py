@@ -1,0 +1,78 @@
+"""One self-contained HTML page of attention during generation: one strip per new token.
+
+Each strip is one generation step: the query row of the forward pass that chose a new token
+(its query is the token before it) over its keys, the prompt and the tokens generated so far.
+Rows are queries, columns are keys. The page reuses the explorer's page template, colours and
+helpers (``view.css``, ``view.js``) and adds ``generation.css`` and ``generation.js``.
+
+Payload (a JSON object, the input of the page's script)::
+
+    version         1
+    model, prompt   strings shown in the header
+    tokens          [N] token strings, the prompt's first;  n_prompt: P
+    layers, heads   L, H
+    queries         [M] per step, the position of its query (its new token is the next one)
+    starts          [M] per step, the position of its first key (> 0 once the window slid)
+    dtype           "float32" or "float16" (little-endian)
+    weights         {"shape": [L, H, K], "data": base64}: the steps' weights one after the
+                    other along the last axis, step s's queries[s] - starts[s] + 1 of them
+    selection       {"layer": l, "head": h or "mean", "step": s}: what the page shows first
+
+User text is escaped as in :mod:`selfattn.viz.html` and reaches the page as text only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfattn.models.model import Generation
+from selfattn.recording import in_range
+from selfattn.viz.html import encode_tensor, inline_page, wire_dtype
+
+PAYLOAD_VERSION = 1
+
+
+def generation_payload(
+    generation: Generation, *, layer: int = -1, head: int | str = "mean", step: int = 0
+) -> dict:
+    """The page's data: every step's weights for every layer and head, encoded compactly.
+
+    ``layer`` (negative counts from the end), ``head`` (or ``"mean"``) and ``step`` are what
+    the page shows first.
+    """
+    if not generation.steps:
+        raise ValueError("nothing was generated: a page of attention needs at least one new token")
+    layer = in_range(layer, generation.n_layers, "layer", "the model has layers")
+    if head != "mean":
+        head = in_range(head, generation.n_heads, "head", "each layer has heads", "or 'mean'")
+    weights = torch.cat([s.weights for s in generation.steps], dim=-1).float()  # (L, H, K)
+    dtype = wire_dtype(weights)
+    return {
+        "version": PAYLOAD_VERSION,
+        "model": generation.model_name,
+        "prompt": generation.prompt,
+        "tokens": list(generation.tokens),
+        "n_prompt": generation.n_prompt,
+        "layers": generation.n_layers,
+        "heads": generation.n_heads,
+        "queries": [s.query for s in generation.steps],
+        "starts": [s.start for s in generation.steps],
+        "dtype": dtype,
+        "weights": encode_tensor(weights, dtype),
+        "selection": {
+            "layer": layer,
+            "head": head,
+            "step": in_range(step, len(generation.steps), "step", "the generation has steps"),
+        },
+    }
+
+
+def generation_page(generation: Generation, **selection: int | str) -> str:
+    """The whole page as one HTML string, nothing fetched; ``selection`` as for the payload."""
+    return inline_page(
+        generation_payload(generation, **selection),
+        title="selfattn: attention during generation",
+        styles=("view.css", "generation.css"),
+        scripts=("view.js", "generation.js"),
+        payload_id="selfattn-generation",
+    )

@@ -1,0 +1,437 @@
+// selfattn: attention during generation. One strip (row) per generated token: the query row of
+// the step that chose it (its query is the token before it) over its keys, the prompt and the
+// tokens generated so far. Rows are queries, columns are keys. Loads after view.js and uses its
+// helpers; every piece of user text reaches the DOM through textContent, never as HTML.
+"use strict";
+
+(() => {
+  const { h, fmt, decodeTensor, readPalette, inkOn, clip, placeTip, onPixelRatioChange } = window.selfattn;
+  const TOP_KEYS = 6; // keys listed for the chosen strip; the rest is one line of left-over weight
+
+  // ---------- data ----------
+
+  /** Where each step's weights start along the payload's last axis (steps one after the other). */
+  function stepOffsets(model) {
+    let at = 0;
+    return model.queries.map((query, s) => {
+      const offset = at;
+      at += query - model.starts[s] + 1;
+      return offset;
+    });
+  }
+
+  /** One step's weights over its keys starts[s]..queries[s]: one head, or the mean of the heads. */
+  function stepWeights(model, layer, head, s) {
+    const count = model.queries[s] - model.starts[s] + 1;
+    const total = model.weights.shape[2];
+    const heads = head === "mean" ? [...Array(model.heads).keys()] : [head];
+    const out = new Float64Array(count);
+    for (const hd of heads) {
+      const base = (layer * model.heads + hd) * total + model.offsets[s];
+      for (let j = 0; j < count; j++) out[j] += model.weights.data[base + j];
+    }
+    return out.map((w) => w / heads.length);
+  }
+
+  /** Key j's weight in step s, or null where the step has no such key (not yet written, or out of its window). */
+  const weightAt = (model, row, s, j) => (j < model.starts[s] || j > model.queries[s] ? null : row[j - model.starts[s]]);
+
+  // ---------- helpers ----------
+
+  /** A token as a label: a line break or tab made visible, the rest as written. */
+  const shown = (token) => token.replace(/\n/g, "↵").replace(/\t/g, "⇥") || "∅";
+  const quoted = (model, j) => `${j} “${shown(model.tokens[j])}”`;
+  const clamp = (x, n) => Math.max(0, Math.min(n - 1, x | 0));
+
+  /** Cell width, strip height and label margins for `columns` keys. */
+  function stripGeometry(columns) {
+    const cell = Math.max(2, Math.min(24, Math.floor(900 / columns)));
+    const keyLabels = cell >= 10;
+    return { cell, height: Math.max(12, Math.min(22, cell)), left: 112, top: keyLabels ? 84 : 30, keyLabels };
+  }
+
+  // ---------- the page ----------
+
+  /** Build the page for one payload inside `root`. */
+  function render(payload, root = document.getElementById("app")) {
+    const model = { ...payload, weights: decodeTensor(payload.weights, payload.dtype) };
+    model.offsets = stepOffsets(model);
+    const steps = model.queries.length;
+    const state = {
+      layer: clamp(payload.selection.layer, model.layers),
+      head: payload.selection.head === "mean" ? "mean" : clamp(payload.selection.head, model.heads),
+      step: clamp(payload.selection.step, steps),
+      hover: null,
+      shadeBy: "row",
+    };
+    const cache = new Map();
+    const strips = () => {
+      const name = `${state.layer}/${state.head}`;
+      if (!cache.has(name)) cache.set(name, model.queries.map((_, s) => stepWeights(model, state.layer, state.head, s)));
+      return cache.get(name);
+    };
+    let palette = readPalette();
+    const ui = buildLayout(model);
+    root.replaceChildren(ui.page);
+    const tokenEls = buildTokens(model, ui.flow);
+    const generated = tokenEls.slice(model.n_prompt);
+
+    function update() {
+      ui.layer.value = String(state.layer);
+      ui.head.value = String(state.head);
+      const headText = state.head === "mean" ? "mean of heads" : `head ${state.head}`;
+      ui.selection.textContent = `layer ${state.layer} · ${headText} · new token ${quoted(model, model.n_prompt + state.step)}`;
+      generated.forEach((el, s) => {
+        el.classList.toggle("selected", s === state.step);
+        el.setAttribute("aria-selected", String(s === state.step));
+        el.tabIndex = s === state.step ? 0 : -1;
+      });
+      draw();
+      keepStripInView(ui.map.parentElement, stripGeometry(model.tokens.length - 1), state.step);
+    }
+
+    function draw() {
+      const largest = drawStrips(ui.map, model, strips(), state, palette);
+      ui.map.setAttribute("aria-label", describeStrips(model, state, strips()[state.step]));
+      drawLegend(ui.legend, palette, state.shadeBy === "row" ? "each strip's largest" : fmt(largest, 3));
+      showStep(state.hover ?? state.step);
+    }
+
+    /** The text coloured by step s's weights, and its top keys in the panel. */
+    function showStep(s) {
+      const row = strips()[s];
+      const largest = Math.max(...row) || 1;
+      const query = model.queries[s];
+      tokenEls.forEach((el, j) => {
+        const w = weightAt(model, row, s, j);
+        el.classList.toggle("query", j === query);
+        el.classList.toggle("pending", j > query + 1);
+        el.classList.toggle("masked", j < model.starts[s]);
+        const colour = w === null ? null : palette.ramp[Math.round((w / largest) * 0.85 * 255)];
+        el.style.backgroundColor = colour ? `rgb(${colour.join(",")})` : "";
+        el.style.color = colour ? inkOn(colour) : "";
+        el.title = w === null ? "" : `weight ${fmt(w)} in the step that chose token ${query + 1}`;
+      });
+      fillDetail(ui.detail, model, row, s, state.hover !== null);
+    }
+
+    function select(changes) {
+      if (changes.layer !== undefined) state.layer = clamp(+changes.layer, model.layers);
+      if (changes.head !== undefined) state.head = changes.head === "mean" ? "mean" : clamp(+changes.head, model.heads);
+      if (changes.step !== undefined) state.step = clamp(changes.step, steps);
+      if (changes.shadeBy !== undefined) state.shadeBy = changes.shadeBy;
+      update();
+    }
+
+    ui.layer.addEventListener("change", () => select({ layer: ui.layer.value }));
+    ui.head.addEventListener("change", () => select({ head: ui.head.value }));
+    ui.shadeBy.addEventListener("change", () => select({ shadeBy: ui.shadeBy.value }));
+    generated.forEach((el, s) => {
+      el.addEventListener("mouseenter", () => ((state.hover = s), showStep(s)));
+      el.addEventListener("mouseleave", () => ((state.hover = null), showStep(state.step)));
+      el.addEventListener("click", () => select({ step: s }));
+    });
+    const moveStep = (event) => {
+      const step = steppedStep(event, state.step, steps);
+      if (step === null) return;
+      event.preventDefault();
+      select({ step });
+      if (event.currentTarget === ui.flow) generated[state.step].focus();
+    };
+    ui.flow.addEventListener("keydown", moveStep);
+    ui.map.addEventListener("keydown", moveStep);
+    attachStripEvents(ui, model, state, strips, select, showStep);
+    onPixelRatioChange(draw, new AbortController().signal); // the page lives as long as its window
+    const recolour = () => {
+      palette = readPalette();
+      draw();
+    };
+    const printing = (on) => () => {
+      document.documentElement.classList.toggle("printing", on);
+      recolour();
+    };
+    matchMedia("(prefers-color-scheme: dark)").addEventListener("change", recolour);
+    matchMedia("print").addEventListener("change", recolour);
+    window.addEventListener("beforeprint", printing(true));
+    window.addEventListener("afterprint", printing(false));
+    update();
+    document.title = `${model.model}: attention during generation`;
+    root.dataset.ready = "true";
+  }
+
+  /** The step a key press on the strips or the generated tokens asks for, or null. */
+  function steppedStep(event, step, steps) {
+    const target = {
+      ArrowDown: step + 1, ArrowRight: step + 1, ArrowUp: step - 1, ArrowLeft: step - 1,
+      PageDown: step + 10, PageUp: step - 10, Home: 0, End: steps - 1,
+    }[event.key];
+    return Number.isInteger(target) ? Math.max(0, Math.min(steps - 1, target)) : null;
+  }
+
+  /** Scroll the strips' box (not the page) just enough to show strip s. */
+  function keepStripInView(box, geometry, s) {
+    const top = geometry.top + s * geometry.height;
+    if (top < box.scrollTop) box.scrollTop = top - geometry.height;
+    else if (top + geometry.height > box.scrollTop + box.clientHeight) box.scrollTop = top + 2 * geometry.height - box.clientHeight;
+  }
+
+  /** The strips' text alternative: what they show and the chosen strip's strongest key. */
+  function describeStrips(model, state, row) {
+    const s = state.step;
+    const best = model.starts[s] + row.indexOf(Math.max(...row));
+    const headText = state.head === "mean" ? "mean of heads" : `head ${state.head}`;
+    return (
+      `${model.queries.length} strips, one per generated token (rows: queries), over ${model.tokens.length - 1} keys ` +
+      `(columns: the prompt and the tokens generated before), layer ${state.layer}, ${headText}. ` +
+      `Strip ${s}, which chose ${quoted(model, model.n_prompt + s)}: most weight, ${fmt(Math.max(...row))}, on key ${quoted(model, best)}. ` +
+      "Arrow keys move the strip; the list beside lists its top keys."
+    );
+  }
+
+  function buildLayout(model) {
+    const layer = h("select", { id: "layer", "aria-label": "layer" });
+    for (let l = 0; l < model.layers; l++) layer.append(h("option", { value: String(l) }, `layer ${l}`));
+    const head = h("select", { id: "head", "aria-label": "head" });
+    for (let i = 0; i < model.heads; i++) head.append(h("option", { value: String(i) }, `head ${i}`));
+    head.append(h("option", { value: "mean" }, "mean of heads"));
+    const shadeBy = h(
+      "select",
+      { id: "shade-by", "aria-label": "shade" },
+      h("option", { value: "row" }, "shade: each strip's largest"),
+      h("option", { value: "all" }, "shade: largest weight"),
+    );
+    const slid = model.starts.some((start) => start > 0);
+    const generatedCount = model.queries.length;
+    const header = h(
+      "header",
+      {},
+      h("div", { class: "brand" }, "selfattn · attention during generation"),
+      h("h1", { id: "model" }, model.model),
+      h(
+        "p",
+        { class: "meta" },
+        `${model.layers} layers × ${model.heads} heads · ${model.n_prompt} prompt tokens · ${generatedCount} generated`,
+        h("span", { class: "badge", id: "axes" }, "rows: queries (the new tokens), columns: keys"),
+      ),
+      h("div", { class: "controls" }, layer, head, shadeBy),
+      h("p", { id: "selection", class: "selection", "aria-live": "polite" }),
+    );
+    const flow = h("div", { id: "flow", class: "flow", role: "listbox", "aria-label": "generated tokens", "aria-orientation": "horizontal" });
+    const detail = h("div", { id: "detail", class: "row-summary", "aria-live": "polite" });
+    const map = h("canvas", { id: "strips", role: "img", tabindex: "0" });
+    const tip = h("div", { id: "strip-tip", class: "tip", hidden: "" });
+    const legend = {
+      bar: h("canvas", { id: "legend-bar", class: "legend-bar", width: "256", height: "1", "aria-hidden": "true" }),
+      largest: h("span", { id: "legend-largest" }),
+    };
+    const legendLine = h(
+      "p",
+      { id: "strip-legend", class: "legend" },
+      "weight 0 ",
+      legend.bar,
+      " ",
+      legend.largest,
+      ...(slid ? [h("span", { class: "legend-masked" }, h("span", { class: "swatch", "aria-hidden": "true" }), "outside the model's window")] : []),
+    );
+    const page = h(
+      "div",
+      { class: "page" },
+      header,
+      h(
+        "section",
+        { class: "card" },
+        h("h2", {}, "Text"),
+        h(
+          "p",
+          { class: "hint" },
+          "The prompt, then the generated tokens (underlined). Hover or click a generated token to colour the text by the " +
+            "attention that chose it (← → Home End move); its query, the token before it, is outlined.",
+        ),
+        flow,
+        detail,
+      ),
+      h(
+        "section",
+        { class: "card" },
+        h("h2", {}, "One strip per generated token"),
+        h(
+          "p",
+          { class: "hint", id: "strips-hint" },
+          "Rows are queries: one per generation step, named by the token it chose; the query is the token before it. " +
+            "Columns are keys: the prompt, then the tokens generated so far (right of the dashed line). " +
+            "Each strip sums to 1; to its right, tokens not yet written. Hover a strip for its top keys, click to pin it (↑ ↓ move)." +
+            (slid ? " Past the model's positions the window slides: grey keys are outside it." : ""),
+        ),
+        h("div", { class: "map-scroll" }, map, tip),
+        legendLine,
+      ),
+    );
+    return { page, layer, head, shadeBy, flow, detail, map, tip, legend, selection: header.querySelector("#selection") };
+  }
+
+  function buildTokens(model, flow) {
+    return model.tokens.map((token, j) => {
+      const isNew = j >= model.n_prompt;
+      const attrs = isNew
+        ? { class: "token generated", "data-step": String(j - model.n_prompt), role: "option" }
+        : { class: "token prompt", "data-index": String(j) };
+      const el = h("span", { ...attrs, dir: "auto" }, shown(token));
+      flow.append(el);
+      return el;
+    });
+  }
+
+  /** The top keys of step s with their weights, and the weight left on the others. */
+  function fillDetail(detail, model, row, s, preview) {
+    const start = model.starts[s];
+    const order = [...row.keys()].sort((a, b) => row[b] - row[a]).slice(0, TOP_KEYS).filter((j) => row[j] > 0);
+    const largest = row[order[0]] || 1;
+    const head = h(
+      "p",
+      { class: "summary-head" },
+      preview ? "preview: " : "",
+      "new token ",
+      h("b", {}, quoted(model, model.n_prompt + s)),
+      ` was chosen by query ${quoted(model, model.queries[s])}, looking at`,
+    );
+    const list = h("ol", { class: "top-keys", id: "top-keys" });
+    for (const j of order) {
+      const bar = h("span", { class: "bar" });
+      bar.style.width = `${(row[j] / largest) * 100}%`;
+      const key = start + j;
+      list.append(
+        h(
+          "li",
+          { "data-key": String(key), "data-weight": String(row[j]) },
+          h("span", { class: "tok" }, quoted(model, key)),
+          h("span", { class: "bar-track" }, bar),
+          h("span", { class: "num" }, fmt(row[j], 3)),
+        ),
+      );
+    }
+    const rest = row.length - order.length;
+    const restMass = Math.max(0, 1 - order.reduce((sum, j) => sum + row[j], 0));
+    const outside = start > 0 ? ` · keys 0..${start - 1} outside the model's window` : "";
+    const leftover = h("p", { class: "leftover", id: "leftover", "data-mass": String(restMass) });
+    leftover.textContent = (rest > 0 ? `+ ${fmt(restMass, 3)} on ${rest} other key${rest > 1 ? "s" : ""}` : "every key shown") + outside;
+    detail.replaceChildren(head, list, leftover);
+  }
+
+  // ---------- drawing ----------
+
+  function drawLegend(legend, palette, largest) {
+    const image = new ImageData(256, 1);
+    for (let n = 0; n < 256; n++) image.data.set([...palette.ramp[n], 255], 4 * n);
+    legend.bar.getContext("2d").putImageData(image, 0, 0);
+    legend.largest.textContent = largest;
+  }
+
+  /** Every strip on one canvas (one pixel per cell, scaled up); returns the largest weight. */
+  function drawStrips(canvas, model, rows, state, palette) {
+    const columns = model.tokens.length - 1; // the last token is never a key
+    const steps = rows.length;
+    const { cell, height, left, top, keyLabels } = stripGeometry(columns);
+    const width = left + columns * cell + (keyLabels ? 60 : 8);
+    const tall = top + steps * height + 4;
+    const dpr = window.devicePixelRatio || 1;
+    canvas.width = width * dpr;
+    canvas.height = tall * dpr;
+    canvas.style.width = `${width}px`;
+    canvas.style.height = `${tall}px`;
+    canvas.dataset.rows = String(steps);
+    canvas.dataset.columns = String(columns);
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.fillStyle = palette.ground;
+    ctx.fillRect(0, 0, width, tall);
+
+    const allLargest = Math.max(...rows.map((row) => Math.max(...row))) || 1;
+    const image = new ImageData(columns, steps);
+    const ground = [1, 3, 5].map((i) => parseInt(palette.ground.slice(i, i + 2), 16));
+    rows.forEach((row, s) => {
+      const largest = state.shadeBy === "row" ? Math.max(...row) || 1 : allLargest;
+      for (let j = 0; j < columns; j++) {
+        const w = weightAt(model, row, s, j);
+        const colour = j > model.queries[s] ? ground : w === null ? palette.masked : palette.ramp[Math.round((w / largest) * 255)];
+        image.data.set([...colour, 255], 4 * (s * columns + j));
+      }
+    });
+    const cells = new OffscreenCanvas(columns, steps);
+    cells.getContext("2d").putImageData(image, 0, 0);
+    ctx.imageSmoothingEnabled = false;
+    ctx.drawImage(cells, left, top, columns * cell, steps * height);
+
+    // the prompt's last key | the first generated one
+    ctx.strokeStyle = palette.label;
+    ctx.setLineDash([4, 3]);
+    ctx.beginPath();
+    ctx.moveTo(left + model.n_prompt * cell + 0.5, top - 4);
+    ctx.lineTo(left + model.n_prompt * cell + 0.5, top + steps * height);
+    ctx.stroke();
+    ctx.setLineDash([]);
+
+    ctx.fillStyle = palette.label;
+    ctx.font = "italic 11px system-ui, sans-serif";
+    ctx.fillText("rows: queries", 2, 12);
+    ctx.fillText("columns: keys", 2, 26);
+    ctx.fillStyle = palette.axis;
+    ctx.font = "11px system-ui, sans-serif";
+    ctx.textBaseline = "middle";
+    ctx.textAlign = "right";
+    rows.forEach((_, s) => ctx.fillText(`${s} ${clip(shown(model.tokens[model.n_prompt + s]), 10)}`, left - 6, top + (s + 0.5) * height));
+    if (keyLabels) {
+      for (let j = 0; j < columns; j++) {
+        ctx.save();
+        ctx.translate(left + (j + 0.5) * cell, top - 6);
+        ctx.rotate(-Math.PI / 4);
+        ctx.textAlign = "left";
+        ctx.fillText(clip(shown(model.tokens[j]), 10), 0, 0);
+        ctx.restore();
+      }
+    } else {
+      ctx.textAlign = "center";
+      const every = [5, 10, 20, 50, 100, 200, 500].find((n) => n * cell >= 28) || 1000;
+      for (let j = 0; j < columns; j += every) ctx.fillText(String(j), left + (j + 0.5) * cell, top - 10);
+    }
+    ctx.strokeStyle = palette.pin;
+    ctx.lineWidth = 2;
+    ctx.strokeRect(left - 1, top + state.step * height - 1, columns * cell + 2, height + 2);
+    return allLargest;
+  }
+
+  function attachStripEvents(ui, model, state, strips, select, showStep) {
+    const cellAt = (event) => {
+      const { cell, height, left, top } = stripGeometry(model.tokens.length - 1);
+      const r = ui.map.getBoundingClientRect();
+      const s = Math.floor((event.clientY - r.top - top) / height);
+      const j = Math.floor((event.clientX - r.left - left) / cell);
+      return s >= 0 && s < model.queries.length ? [s, j] : null;
+    };
+    ui.map.addEventListener("mousemove", (event) => {
+      const at = cellAt(event);
+      ui.tip.hidden = !at;
+      if (!at) return;
+      const [s, j] = at;
+      if (state.hover !== s) showStep((state.hover = s));
+      const w = j >= 0 ? weightAt(model, strips()[s], s, j) : null;
+      const key = w === null ? "" : ` · key ${quoted(model, j)}: ${fmt(w)}`;
+      ui.tip.textContent = `strip ${s} (chose ${quoted(model, model.n_prompt + s)}, query ${quoted(model, model.queries[s])})${key}`;
+      placeTip(ui.tip, event);
+    });
+    ui.map.addEventListener("mouseleave", () => {
+      ui.tip.hidden = true;
+      state.hover = null;
+      showStep(state.step);
+    });
+    ui.map.addEventListener("click", (event) => {
+      const at = cellAt(event);
+      if (at) {
+        state.hover = null;
+        select({ step: at[0] });
+      }
+    });
+  }
+
+  const embedded = document.getElementById("selfattn-generation");
+  if (embedded && embedded.textContent.trim()) render(JSON.parse(embedded.textContent));
+})();

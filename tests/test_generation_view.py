@@ -1,0 +1,293 @@
+"""Attention during generation: Model.generate_recorded, `selfattn generate --html/--json`, and
+the page of one strip per new token.
+
+Each recorded step is the query row of the cached forward pass that chose a new token; it must
+equal that row of a second, independent forward pass over the whole final sequence (keys past
+the query there at weight 0), every layer and head, to 1e-5 absolute in float32 (the two runs
+differ only in how the cached and the full computation order their float sums). Past the
+model's positions, each step equals the last row of a run over its own window. The page
+carries float32 weights and is checked against Python's to 1e-6.
+"""
+
+import base64
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import selfattn
+from conftest import WatchedPage, needs_chromium
+from selfattn.cli import app
+from selfattn.recording import record
+from selfattn.train import load_model, train_gpt
+from selfattn.viz.generation import generation_page, generation_payload
+
+TOL = 1e-5
+PAGE_TOL = 1e-6
+CORPUS = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n" * 12
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A char GPT (tiny preset: 2 layers, 2 heads, block 16) trained 30 steps; its folder."""
+    data = tmp_path_factory.mktemp("data") / "corpus.txt"
+    data.write_text(CORPUS)
+    out = tmp_path_factory.mktemp("run") / "out"
+    train_gpt(data, out, preset="tiny", overrides={"max_iters": 30}, device="cpu")
+    return out
+
+
+@pytest.fixture(scope="module")
+def char_model(trained):
+    return load_model(trained)
+
+
+@pytest.fixture(scope="module")
+def gpt2_model(tmp_path_factory):
+    """A random GPT-2 folder (3 layers, 5 heads, 48 positions, byte-level BPE), loaded."""
+    transformers = pytest.importorskip("transformers")
+    from test_models_random import byte_level_tokenizer
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=300, n_positions=48, n_embd=40, n_layer=3, n_head=5,
+        initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("gpt2")
+    transformers.GPT2LMHeadModel(config).eval().save_pretrained(folder)
+    byte_level_tokenizer(folder / "tokenizer.json")
+    return selfattn.load(folder)
+
+
+def full_run_weights(model, ids: list[int]) -> list[torch.Tensor]:
+    """Per layer, the (H, T, T) weights of one uncached forward pass over ``ids``."""
+    with torch.no_grad(), record(model.network) as recording:
+        model.network(torch.tensor([ids]))
+    return [recording.layer(layer)[0].weights() for layer in range(recording.n_layers)]
+
+
+@pytest.mark.parametrize(
+    ("which", "prompt", "new"),
+    [("char_model", "First Cit", 7), ("gpt2_model", "Self-attention", 20)],
+)
+def test_each_step_is_its_query_row_of_the_full_sequence_run(request, which, prompt, new):
+    model = request.getfixturevalue(which)
+    generation = model.generate_recorded(prompt, new, temperature=0.9, seed=3)
+    assert generation.text == model.generate(prompt, new, temperature=0.9, seed=3)
+    assert len(generation.steps) == new == len(generation.tokens) - generation.n_prompt
+    assert len(generation.token_ids) <= model.config.max_positions  # no sliding here
+    full = full_run_weights(model, generation.token_ids)
+    for s, step in enumerate(generation.steps):
+        query = generation.n_prompt + s - 1  # the token before the new one
+        assert (step.query, step.start) == (query, 0)
+        assert step.weights.shape == (model.config.n_layers, model.config.n_heads, query + 1)
+        for layer, weights in enumerate(full):
+            torch.testing.assert_close(
+                step.weights[layer], weights[:, query, : query + 1], atol=TOL, rtol=0
+            )
+            assert torch.all(weights[:, query, query + 1 :] == 0)  # causal: nothing later
+        sums = step.weights.sum(-1)
+        torch.testing.assert_close(sums, torch.ones_like(sums), atol=TOL, rtol=0)
+
+
+def test_past_the_block_size_each_step_matches_its_window(char_model):
+    block = char_model.config.max_positions  # 16
+    generation = char_model.generate_recorded("First", 30, temperature=0.9, seed=5)
+    ids = generation.token_ids
+    slid = [step for step in generation.steps if step.start > 0]
+    assert len(slid) == len(ids) - 1 - block  # every query at position >= block
+    for step in generation.steps:
+        assert step.start == max(0, step.query + 1 - block)
+        window = full_run_weights(char_model, ids[step.start : step.query + 1])
+        for layer, weights in enumerate(window):
+            torch.testing.assert_close(step.weights[layer], weights[:, -1], atol=TOL, rtol=0)
+    uncached = char_model.generate_recorded("First", 30, temperature=0.9, seed=5, use_cache=False)
+    assert uncached.token_ids == ids
+    for cached_step, plain_step in zip(generation.steps, uncached.steps, strict=True):
+        torch.testing.assert_close(cached_step.weights, plain_step.weights, atol=TOL, rtol=0)
+
+
+def test_weights_and_json_index_the_same_numbers(char_model):
+    generation = char_model.generate_recorded("First", 6, temperature=0, seed=0)
+    assert generation.weights(-1, 1, 0).shape == (generation.steps[-1].query + 1,)
+    assert torch.equal(generation.weights(2, -1), generation.steps[2].weights[1])
+    with pytest.raises(IndexError, match="head 2 out of range"):
+        generation.weights(0, 0, 2)
+    data = json.loads(json.dumps(generation.to_json()))
+    assert data["tokens"][: data["n_prompt"]] == list("First")
+    assert data["steps"][3]["weights"] == generation.steps[3].weights.tolist()
+
+
+def test_payload_carries_every_step_in_order(char_model):
+    generation = char_model.generate_recorded("First", 9, temperature=0.9, seed=1)
+    payload = generation_payload(generation, layer=-1, head=1, step=4)
+    assert payload["selection"] == {"layer": 1, "head": 1, "step": 4}
+    assert payload["dtype"] == "float32"
+    flat = np.frombuffer(base64.b64decode(payload["weights"]["data"]), "<f4")
+    decoded = torch.from_numpy(flat.reshape(payload["weights"]["shape"]).copy())
+    at = 0
+    for s, step in enumerate(generation.steps):
+        count = payload["queries"][s] - payload["starts"][s] + 1
+        assert torch.equal(decoded[..., at : at + count], step.weights)
+        at += count
+    assert at == decoded.shape[-1]
+
+
+def test_cli_writes_the_page_and_the_json(trained, char_model, tmp_path):
+    page, data = tmp_path / "gen.html", tmp_path / "gen.json"
+    args = ["generate", "--checkpoint", str(trained), "First", "--max-new-tokens", "12"]
+    result = CliRunner().invoke(
+        app, [*args, "--seed", "2", "--html", str(page), "--json", str(data)]
+    )
+    assert result.exit_code == 0, result.output
+    generation = char_model.generate_recorded("First", 12, temperature=0.8, seed=2)
+    assert result.stdout.startswith("First" + generation.text)
+    assert f"wrote {page}" in result.output and f"wrote {data}" in result.output
+    html = page.read_text(encoding="utf-8")
+    assert 'id="selfattn-generation"' in html and "http://" not in html and "https://" not in html
+    written = json.loads(data.read_text(encoding="utf-8"))
+    assert written["text"] == generation.text and len(written["steps"]) == 12
+    for mine, step in zip(written["steps"], generation.steps, strict=True):
+        assert np.allclose(mine["weights"], step.weights.numpy(), atol=0, rtol=0)
+
+
+def test_cli_refuses_a_page_of_no_new_tokens(trained, tmp_path):
+    args = ["generate", "--checkpoint", str(trained), "First", "--max-new-tokens", "0"]
+    result = CliRunner().invoke(app, [*args, "--html", str(tmp_path / "p.html")])
+    assert result.exit_code == 2
+    assert "--max-new-tokens 1 or more" in result.output
+    assert not (tmp_path / "p.html").exists()
+
+
+# ---------- the page in chromium ----------
+
+
+@pytest.fixture(scope="module")
+def gpt2_page(gpt2_model, tmp_path_factory):
+    """A page of 10 new tokens from the random GPT-2 (peaked heads), and its generation."""
+    generation = gpt2_model.generate_recorded("Self-attention <b>", 10, temperature=0.9, seed=4)
+    path = tmp_path_factory.mktemp("page") / "generation.html"
+    path.write_text(generation_page(generation, layer=2, head="mean"), encoding="utf-8")
+    return path, generation
+
+
+def in_chromium(test):
+    """The marks of a browser test (skipped without Debian's chromium)."""
+    for mark in needs_chromium:
+        test = mark(test)
+    return test
+
+
+class Watched(WatchedPage):
+    def __init__(self, browser, path, color_scheme="light"):
+        super().__init__(browser)
+        self.page.emulate_media(color_scheme=color_scheme)
+        self.url = path.as_uri()
+        self.page.goto(self.url)
+        self.page.wait_for_selector("#app[data-ready='true']", timeout=30_000)
+
+    def check_clean(self):
+        assert self.errors == []
+        assert [url for url in self.requests if url != self.url] == []
+
+    def top_keys(self) -> dict[int, float]:
+        return dict(
+            self.page.eval_on_selector_all(
+                "#top-keys li",
+                "(items) => items.map((li) => [+li.dataset.key, +li.dataset.weight])",
+            )
+        )
+
+    def strips_image(self) -> str:
+        return self.page.eval_on_selector("#strips", "(canvas) => canvas.toDataURL()")
+
+
+def assert_top_keys_are(watched, expected: torch.Tensor, start: int = 0):
+    shown = watched.top_keys()
+    assert shown, "no top keys listed"
+    best = sorted(range(len(expected)), key=lambda j: -expected[j])[: len(shown)]
+    assert sorted(shown) == sorted(start + j for j in best)
+    for key, weight in shown.items():
+        assert math.isclose(weight, expected[key - start].item(), abs_tol=PAGE_TOL)
+
+
+@in_chromium
+def test_page_shows_one_strip_per_new_token_and_names_its_axes(browser, gpt2_page):
+    path, generation = gpt2_page
+    watched = Watched(browser, path)
+    page = watched.page
+    assert page.get_attribute("#strips", "data-rows") == str(len(generation.steps))
+    assert page.locator(".token.generated").count() == len(generation.steps)
+    assert page.locator(".token.prompt").count() == generation.n_prompt
+    assert page.text_content("#axes") == "rows: queries (the new tokens), columns: keys"
+    hint = page.text_content("#strips-hint")
+    assert "Rows are queries" in hint and "Columns are keys" in hint
+    assert "rows: queries" in page.get_attribute("#strips", "aria-label")
+    assert page.locator("#flow b").count() == 0  # the prompt's "<b>" stays text
+    assert_top_keys_are(watched, generation.weights(0, 2).mean(0))
+    watched.check_clean()
+
+
+@in_chromium
+def test_layer_and_head_choice_change_the_strips(browser, gpt2_page):
+    path, generation = gpt2_page
+    watched = Watched(browser, path)
+    page = watched.page
+    page.click(".token.generated[data-step='6']")
+    mean_image = watched.strips_image()
+    page.select_option("#layer", "0")
+    page.select_option("#head", "3")
+    assert watched.strips_image() != mean_image
+    assert_top_keys_are(watched, generation.weights(6, 0, 3))
+    page.select_option("#head", "mean")
+    assert_top_keys_are(watched, generation.weights(6, 0).mean(0))
+    watched.check_clean()
+
+
+@in_chromium
+def test_strips_answer_hover_and_keys(browser, gpt2_page):
+    path, generation = gpt2_page
+    watched = Watched(browser, path)
+    page = watched.page
+    box = page.locator("#strips").bounding_box()
+    # the geometry of generation.js: strips start 84 px down (key labels), 22 px each here
+    page.mouse.move(box["x"] + 150, box["y"] + 84 + 3 * 22 + 11)
+    assert page.text_content("#detail").startswith("preview: new token")
+    assert page.is_visible("#strip-tip") and "strip 3" in page.text_content("#strip-tip")
+    assert_top_keys_are(watched, generation.weights(3, 2).mean(0))
+    page.mouse.move(0, 0)
+    page.focus("#strips")
+    page.keyboard.press("End")
+    last = len(generation.steps) - 1
+    assert f"new token {generation.n_prompt + last} " in page.text_content("#selection")
+    page.keyboard.press("ArrowUp")
+    assert_top_keys_are(watched, generation.weights(last - 1, 2).mean(0))
+    watched.check_clean()
+
+
+@in_chromium
+def test_page_follows_dark_mode(browser, gpt2_page):
+    path, _ = gpt2_page
+    grounds, images = {}, {}
+    for scheme in ("light", "dark"):
+        watched = Watched(browser, path, scheme)
+        grounds[scheme] = watched.page.evaluate(
+            "() => getComputedStyle(document.body).backgroundColor"
+        )
+        images[scheme] = watched.strips_image()
+        watched.check_clean()
+    assert grounds["light"] != grounds["dark"]
+    assert images["light"] != images["dark"]  # the canvas is drawn in the scheme's colours
