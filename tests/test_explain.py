@@ -208,6 +208,18 @@ def test_the_figure_outlines_the_query_row_merged_or_not(model, monkeypatch, tmp
     assert rows == [5, 3]
 
 
+def test_the_figure_names_unknown_keys_by_their_text(model, monkeypatch, tmp_path):
+    # The terminal and the JSON name an unknown token by the text it stands for; the PNG/SVG
+    # heatmap labelled it "[UNK]", so a text the vocabulary lacks drew a map of [UNK]s.
+    labels = []
+    draw = report.heatmap_figure
+    monkeypatch.setattr(report, "heatmap_figure", lambda *a: labels.append(a[1]) or draw(*a))
+    for words in (False, True):
+        _, e = explaining.explain_text(model, "I like 🙂 a lot", word="like", words=words)
+        report.save_heatmap(e, tmp_path / "map.svg")
+    assert [row[3] for row in labels] == ["'🙂' ([UNK])"] * 2
+
+
 def test_words_merge_pieces():
     # "tokenization" splits into pieces; as a key a word's weight is the sum of its pieces.
     data = explain_json("tokenization is fun", "--word", "fun", "--words", "--layer", "2",
@@ -1171,3 +1183,22 @@ def test_an_error_about_a_compared_sentence_keeps_the_options_it_names():
     message = message_of(caught.value)
     assert message == "sentence 1 ('a bank'): pick --occurrence again"
     assert message.worded(page_naming) == "sentence 1 ('a bank'): pick the Occurrence field again"
+
+
+def test_a_warning_while_writing_a_figure_is_one_note(tmp_path, monkeypatch):
+    # A figure whose characters no font has warns (MissingGlyphsWarning, tested in
+    # test_viz_figures.py). Python printed its warning block to the terminal (location line,
+    # message, source line); the command now prints one note naming the file.
+    import warnings
+
+    def save(explanation, path):
+        warnings.warn("no installed font has 🙂: the figure shows them as boxes", stacklevel=2)
+        path.write_bytes(b"")
+
+    monkeypatch.setattr(report, "save_heatmap", save)
+    png = tmp_path / "smile.png"
+    result = invoke("explain", "I like 🙂 a lot", "--word", "like", "--png", str(png))
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.strip().splitlines()
+    assert "note: smile.png: no installed font has 🙂: the figure shows them as boxes" in lines
+    assert not any("Warning" in line or "warnings.warn" in line for line in lines), lines

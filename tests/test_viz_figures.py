@@ -1,11 +1,15 @@
 """Figures render headless and save as PNG or SVG by suffix."""
 
+import warnings
+
 import pytest
 import torch
+from matplotlib import font_manager
 from matplotlib.colors import to_rgba
 from matplotlib.patches import Rectangle
 
-from selfattn.viz.figures import PIN, heatmap_figure, save_figure, weights_figure
+from selfattn.viz import figures
+from selfattn.viz.figures import PIN, heatmap_figure, save_figure
 
 TOKENS = ["Ciao", "gioco", "a", "giochi"]
 WEIGHTS = torch.softmax(torch.arange(16.0).reshape(4, 4) / 5, dim=-1)
@@ -47,13 +51,68 @@ def test_save_png_and_svg(tmp_path):
 
 
 def test_save_refuses_other_suffixes(tmp_path):
-    fig = weights_figure(TOKENS, WEIGHTS[1], "gioco")
+    fig = heatmap_figure(WEIGHTS, TOKENS, TOKENS, "x")
     with pytest.raises(ValueError, match=r"\.png or \.svg"):
         save_figure(fig, tmp_path / "map.pdf")
     assert not (tmp_path / "map.pdf").exists()
 
 
-def test_weights_figure_has_one_bar_per_key():
-    fig = weights_figure(TOKENS, WEIGHTS[1], "gioco")
-    assert len(fig.axes[0].patches) == 4
-    assert "gioco" in figure_texts(fig)
+def saved_with_warnings(fig, path) -> list[str]:
+    """The messages of every warning that saving ``fig`` as ``path`` gives."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_figure(fig, path)
+    return [str(warning.message) for warning in caught]
+
+
+@pytest.fixture
+def only_dejavu(monkeypatch):
+    """Only DejaVu Sans installed, as on a bare Debian: no font has Chinese characters."""
+    dejavu = [font for font in font_manager.fontManager.ttflist if font.name == "DejaVu Sans"]
+    monkeypatch.setattr(font_manager.fontManager, "ttflist", dejavu)
+
+
+def test_glyphs_no_font_has_are_one_warning_naming_the_package(tmp_path, only_dejavu):
+    tokens = ["[CLS]", "我", "喜", "欢", "[SEP]"]
+    fig = heatmap_figure(torch.eye(5), tokens, tokens, "我")
+    (message,) = saved_with_warnings(fig, tmp_path / "zh.png")  # not one per glyph
+    assert message.startswith("no installed font has 喜 我 欢: the figure shows them as boxes")
+    assert message.endswith("apt install fonts-noto-cjk)")
+
+
+def test_no_package_is_named_when_its_fonts_are_installed(tmp_path, only_dejavu, monkeypatch):
+    monkeypatch.setitem(figures.FONT_PACKAGES, "fonts-noto-cjk", "DejaVu Sans")  # "installed"
+    fig = heatmap_figure(torch.eye(1), ["我"], ["我"], "one token")
+    (message,) = saved_with_warnings(fig, tmp_path / "zh.svg")
+    assert message == "no installed font has 我: the figure shows them as boxes"
+
+
+def test_a_fallback_font_draws_what_the_first_font_lacks(tmp_path, monkeypatch):
+    # U+231A WATCH: not in DejaVu Sans, in STIXGeneral (which matplotlib ships).
+    monkeypatch.setattr(figures, "FALLBACK_FONTS", ("STIXGeneral",))
+    fig = heatmap_figure(torch.eye(2), ["⌚", "time"], ["⌚", "time"], "⌚")
+    assert saved_with_warnings(fig, tmp_path / "watch.svg") == []
+
+
+def test_dollar_signs_in_tokens_are_text_not_mathtext(tmp_path):
+    tokens = ["$$", "$x^2$", "a_b"]  # GPT-2 has a "$$" token; mathtext fails to parse it
+    fig = heatmap_figure(torch.eye(3), tokens, tokens, "$x$")
+    save_figure(fig, tmp_path / "dollars.png")
+    assert [label.get_text() for label in fig.axes[0].get_yticklabels()] == tokens
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg"])
+def test_the_same_figure_gives_the_same_bytes(tmp_path, suffix):
+    paths = [tmp_path / f"{name}{suffix}" for name in ("first", "second")]
+    for path in paths:
+        save_figure(heatmap_figure(WEIGHTS, TOKENS, TOKENS, "x", query_row=1), path)
+    first, second = (path.read_bytes() for path in paths)
+    assert first == second  # an SVG carries no date, and its ids are not random
+
+
+def test_thinned_labels_keep_the_query_rows_label():
+    tokens = [f"t{i}" for i in range(130)]  # over MAX_TICK_LABELS: every 3rd token labelled
+    fig = heatmap_figure(torch.eye(130), tokens, tokens, "long", query_row=52)
+    rows = [label.get_text() for label in fig.axes[0].get_yticklabels()]
+    assert rows[:3] == ["t1", "t4", "t7"] and "t52" in rows  # evenly spaced through the query
+    assert len(rows) <= figures.MAX_TICK_LABELS

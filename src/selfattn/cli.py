@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -389,13 +390,18 @@ def _check_output(path: Path | None, option: str) -> None:
 
 def _write(path: Path, write: Callable[[Path], object]) -> None:
     """Write ``path`` with ``write`` and say so on stderr; a failure (permissions, a full
-    disk) is one line."""
+    disk) is one line, and so is each warning (a figure's characters no font has)."""
     try:
-        write(path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            write(path)
     except OSError as error:
         raise _fail(f"cannot write {path}: {error.strerror or error}") from None
+    stderr = Console(stderr=True)
+    for warning in caught:
+        stderr.print(f"note: {path.name}: {warning.message}", soft_wrap=True, markup=False)
     page = " (open it in a browser; it needs no network)" if path.suffix == ".html" else ""
-    Console(stderr=True).print(f"wrote {path}{page}", soft_wrap=True)  # a path, uncut
+    stderr.print(f"wrote {path}{page}", soft_wrap=True)  # a path, uncut
 
 
 def _save_text(text: str, path: Path) -> None:

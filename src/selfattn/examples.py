@@ -93,12 +93,12 @@ def _score_step(trace: AttentionTrace, focus: int) -> DemoStep:
     return DemoStep(
         heading="2. scores: the similarity of every pair of tokens",
         meaning=(
-            "The dot product of two token vectors is large when they point the same way. Row i "
-            "holds token i (the query, a row of Q) against every token (the keys, rows of K); "
-            "here Q = K = X, the embeddings (step 6 makes them differ). "
-            f"{_per_key(row, '{:g}', 'with')}. Cosine similarity is an alternative to "
-            "experiment with (similarity='cosine'; on a real model, selfattn explain "
-            "--similarity cosine)."
+            "The dot product of two token vectors is large when they point the same way, and "
+            "grows with their lengths. Row i holds token i (the query, a row of Q) against every "
+            "token (the keys, rows of K); here Q = K = X, the embeddings (step 6 makes them "
+            f"differ). {_per_key(row, '{:g}', 'with')}. Cosine similarity, which leaves the "
+            "lengths out, is an alternative to experiment with (similarity='cosine'; on a real "
+            "model, selfattn explain --similarity cosine)."
         ),
         formula="scores = Q Kᵀ",
         matrix=trace.scores,

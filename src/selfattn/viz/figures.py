@@ -2,10 +2,20 @@
 
 The Agg backend is selected before pyplot is imported, so figures render on machines without
 a display (servers, CI). Rows are queries, columns are keys, and every heatmap says so.
+
+Tokens in any script: the user's font comes first, then whichever of :data:`FALLBACK_FONTS`
+are installed (matplotlib falls back through the list glyph by glyph). Characters that no
+installed font has are drawn as boxes and named in one :class:`MissingGlyphsWarning` with the
+package that adds them, instead of matplotlib's warning per glyph. SVG text is written as
+outlines (``svg.fonttype`` "path"), so the figure looks the same without those fonts on the
+reader's machine; SVG and PNG files are byte-for-byte reproducible (no date, fixed ids).
 """
 
 from __future__ import annotations
 
+import re
+import unicodedata
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,6 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # after use("Agg"): no display needed
+from matplotlib import font_manager
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
@@ -23,6 +34,29 @@ FORMATS = (".png", ".svg")
 CMAP = "Blues"
 PIN = "#f59e0b"  # the query row's outline, the colour the HTML page pins a query with
 MAX_TICK_LABELS = 64  # beyond this, every n-th token is labelled
+
+# Tried in this order after the user's font for glyphs it lacks; those not installed are left
+# out. Colour emoji fonts (Noto Color Emoji, Apple Color Emoji) are bitmaps matplotlib cannot draw.
+FALLBACK_FONTS = (
+    "Noto Sans CJK SC", "Noto Sans CJK JP", "WenQuanYi Zen Hei", "Droid Sans Fallback",
+    "Noto Sans Devanagari", "Noto Sans Bengali", "Noto Sans Tamil", "Noto Sans Telugu",
+    "Noto Sans Thai", "Noto Sans Arabic", "Noto Sans Hebrew", "Noto Sans Georgian",
+    "Noto Sans Armenian", "Noto Sans Ethiopic", "Noto Sans Symbols", "Noto Sans Symbols2",
+    "Symbola",  # Debian and Ubuntu, above; macOS and Windows, below
+    "PingFang SC", "Hiragino Sans", "Apple SD Gothic Neo", "Kohinoor Devanagari",
+    "Microsoft YaHei", "Yu Gothic", "Malgun Gothic", "Nirmala UI", "Segoe UI Symbol",
+)  # fmt: skip
+# Debian packages to suggest for missing glyphs, each with a family it installs.
+FONT_PACKAGES = {
+    "fonts-noto-cjk": "Noto Sans CJK JP",
+    "fonts-noto-core": "Noto Sans Devanagari",
+    "fonts-symbola": "Symbola",  # emoji up to Unicode 9, in black and white
+}
+MISSING_GLYPH = re.compile(r"Glyph (\d+) .*missing from")  # matplotlib's warning, one per glyph
+
+
+class MissingGlyphsWarning(UserWarning):
+    """A figure draws characters as boxes: no installed font has them."""
 
 
 def heatmap_figure(
@@ -44,13 +78,21 @@ def heatmap_figure(
             f"weights must have shape (rows, columns) = ({len(row_labels)}, {len(col_labels)}), "
             f"got {matrix.shape}"
         )
+    with plt.rc_context(_style()):
+        return _heatmap(matrix, row_labels, col_labels, title, query_row)
+
+
+def _heatmap(
+    matrix, row_labels: Sequence[str], col_labels: Sequence[str], title: str, query_row: int | None
+) -> Figure:
     rows, cols = matrix.shape
     side = min(max(3.0, 0.32 * max(rows, cols)), 12.0)
     fig, ax = plt.subplots(figsize=(side + 1.8, side + 1.2), layout="constrained")
     image = ax.imshow(matrix, cmap=CMAP, vmin=min(0.0, float(matrix.min())), aspect="equal")
     fig.colorbar(image, ax=ax, shrink=0.8, label="weight")
-    _tick_labels(ax.set_xticks, col_labels, rotation=60, ha="right", rotation_mode="anchor")
-    _tick_labels(ax.set_yticks, row_labels)
+    first = query_row or 0  # thinned labels are counted from the query, which keeps its own
+    _tick_labels(ax.set_xticks, col_labels, first, rotation=60, ha="right", rotation_mode="anchor")
+    _tick_labels(ax.set_yticks, row_labels, first)
     ax.set_xlabel("keys (columns)")
     ax.set_ylabel("queries (rows)")
     ax.set_title(title)
@@ -61,30 +103,28 @@ def heatmap_figure(
     return fig
 
 
-def weights_figure(tokens: Sequence[str], weights: ArrayLike, title: str) -> Figure:
-    """One query's attention row as a bar chart: one bar per key token, weights on the y axis."""
-    row = as_numpy(weights)
-    if row.shape != (len(tokens),):
-        raise ValueError(
-            f"weights must have shape ({len(tokens)},) (one per token), got {row.shape}"
-        )
-    width = min(max(4.0, 0.35 * len(tokens)), 16.0)
-    fig, ax = plt.subplots(figsize=(width, 3.2), layout="constrained")
-    ax.bar(range(len(tokens)), row, color=plt.get_cmap(CMAP)(0.75))
-    _tick_labels(ax.set_xticks, tokens, rotation=60, ha="right", rotation_mode="anchor")
-    ax.set_xlabel("keys")
-    ax.set_ylabel("weight")
-    ax.set_ylim(0, max(1e-9, float(row.max(initial=0.0))) * 1.1)
-    ax.spines[["top", "right"]].set_visible(False)
-    ax.set_title(title)
-    return fig
-
-
-def _tick_labels(set_ticks, labels: Sequence[str], **text) -> None:
-    """Label every token, or every n-th one when there are too many to read."""
+def _tick_labels(set_ticks, labels: Sequence[str], first: int, **text) -> None:
+    """Label every token, or when there are too many to read every n-th one, counted from
+    ``first`` both ways."""
     step = max(1, -(-len(labels) // MAX_TICK_LABELS))
-    positions = list(range(0, len(labels), step))
+    positions = list(range(first % step, len(labels), step))
     set_ticks(positions, [labels[i] for i in positions], fontsize="small", **text)
+
+
+def _style() -> dict:
+    """rcParams for every figure: fallback fonts, tokens as plain text, reproducible SVG."""
+    installed = _installed_families()
+    fallbacks = [family for family in FALLBACK_FONTS if family in installed]
+    return {
+        "font.family": [*plt.rcParams["font.family"], *fallbacks],
+        "text.parse_math": False,  # a token "$x$" is text, and "$$" no mathtext error
+        "svg.fonttype": "path",  # outlines: the fallback fonts need not be on the reader's side
+        "svg.hashsalt": "selfattn",  # the same ids in every file, not random ones
+    }
+
+
+def _installed_families() -> set[str]:
+    return {font.name for font in font_manager.fontManager.ttflist}
 
 
 def save_figure(fig: Figure, path: str | Path) -> Path:
@@ -93,5 +133,45 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise ValueError(f"cannot save a figure as {path.name!r}: use a .png or .svg file name")
-    fig.savefig(path, dpi=200 if suffix == ".png" else None, bbox_inches="tight")
+    options = {"dpi": 200} if suffix == ".png" else {"metadata": {"Date": None}}
+    with plt.rc_context(_style()), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fig.savefig(path, bbox_inches="tight", **options)
+    _summarise_missing_glyphs(caught)
     return path
+
+
+def _summarise_missing_glyphs(caught: list[warnings.WarningMessage]) -> None:
+    """Matplotlib's warnings again, its one per missing glyph as one naming them all."""
+    missing: set[str] = set()
+    for warning in caught:
+        glyph = MISSING_GLYPH.match(str(warning.message))
+        if glyph:
+            missing.add(chr(int(glyph[1])))
+        else:
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
+    if missing:
+        warnings.warn(_missing_glyphs_note(missing), MissingGlyphsWarning, stacklevel=3)
+
+
+def _missing_glyphs_note(missing: set[str]) -> str:
+    """One line: the characters drawn as boxes, and the packages to install, if any would help."""
+    installed = _installed_families()
+    packages = {_font_package(character) for character in missing}
+    to_install = sorted(package for package in packages if FONT_PACKAGES[package] not in installed)
+    note = f"no installed font has {' '.join(sorted(missing))}: the figure shows them as boxes"
+    if not to_install:
+        return note
+    return (
+        f"{note}; install fonts that have them (Debian, Ubuntu: apt install {' '.join(to_install)})"
+    )
+
+
+def _font_package(character: str) -> str:
+    """The Debian package whose fonts draw ``character``."""
+    name = unicodedata.name(character, "")
+    if any(script in name for script in ("CJK", "HIRAGANA", "KATAKANA", "HANGUL", "IDEOGRAPH")):
+        return "fonts-noto-cjk"
+    return "fonts-symbola" if unicodedata.category(character) == "So" else "fonts-noto-core"

@@ -207,8 +207,10 @@ def _verdict(own_bits: str, alt_bits: str) -> str:
 
 
 def save_heatmap(e: Explanation, path: Path) -> Path:
-    """The explained layer/head as a paper-ready PNG or SVG heatmap."""
-    labels, matrix = _labels(e)
+    """The explained layer/head as a paper-ready PNG or SVG heatmap; each token or word
+    labelled as the lists of keys name it (an unknown one by its text: '🙂' ([UNK]))."""
+    _, matrix = _labels(e)
+    labels = shown(e.key_names if e.groups is None else e.word_names)
     figure = heatmap_figure(matrix, labels, labels, f"{e.model}: {_where(e)}", _query_row(e))
     return save_figure(figure, path)
 
