@@ -13,7 +13,7 @@ then ``dQ = dS K * scale``, ``dK = dSᵀ Q * scale``, ``dV = weightsᵀ dO``.
 
 The forward saves passes over each score tile: the shift comes out of the score product (keys
 carry a column of ones, the query tile one of ``-shift``), and after a query block's first tile
-the shift stays put unless a tile's sums grow too large (see ``_forward``).
+the shift stays put unless a tile's sums grow too large (see ``tile_forward``).
 
 Memory beyond inputs and outputs: one or two ``(N, block_q, block_k)`` score tiles, a copy of
 the keys with their column of ones, the query tile's accumulators and per-row statistics,
@@ -88,16 +88,20 @@ def chunked_attention(
     lead, t, dv = query.shape[:-2], query.shape[-2], value.shape[-1]
     if (block_q is not None and block_q < 1) or block_k < 1:
         raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
-    if block_q is None:
-        per_query = max(1, math.prod(lead)) * block_k  # a tile of every head (batch 0: none)
-        block_q = max(16, min(MAX_BLOCK_Q, TILE_ELEMENTS // per_query))
+    block_q = default_block_q(lead, block_k) if block_q is None else block_q
     compute = torch.float32 if query.dtype in REDUCED_PRECISION else query.dtype
-    masks = _Masks(lead, unexpanded(at_least_2d(allowed)), causal, has_bias=bias is not None)
+    masks = Masks(lead, unexpanded(at_least_2d(allowed)), causal, has_bias=bias is not None)
     # (N, T, D), (N, S, D), (N, S, Dv) with N = prod(lead): one batched matmul per tile.
     flat = [x.to(compute).reshape(math.prod(lead), *x.shape[-2:]) for x in (query, key, value)]
     bias = finite_bias(unexpanded(at_least_2d(bias)), compute, masks.unit)
     output = _ChunkedAttention.apply(*flat, bias, masks, scale, block_q, block_k)
     return output.reshape(*lead, t, dv).to(query.dtype)
+
+
+def default_block_q(lead: tuple[int, ...], block_k: int) -> int:
+    """Query rows per tile: a tile of every head at ``TILE_ELEMENTS``, 16 to ``MAX_BLOCK_Q``."""
+    per_query = max(1, math.prod(lead)) * block_k  # a tile of every head (batch 0: none)
+    return max(16, min(MAX_BLOCK_Q, TILE_ELEMENTS // per_query))
 
 
 def at_least_2d(mask: Tensor | None) -> Tensor | None:
@@ -126,7 +130,7 @@ def _tile(mask: Tensor, rows: slice, cols: slice) -> Tensor:
     ]
 
 
-class _Masks:
+class Masks:
     """What may not be attended, applied to one tile of scores at a time, and the exponent
     base that suits it: 2 for a masked or causal call (``exp2`` is fast on -inf), else e."""
 
@@ -212,12 +216,12 @@ class _ChunkedAttention(torch.autograd.Function):
         key: Tensor,
         value: Tensor,
         bias: Tensor | None,
-        masks: _Masks,
+        masks: Masks,
         scale: float,
         block_q: int,
         block_k: int,
     ) -> Tensor:
-        output, lse = _forward(query, key, value, bias, masks, scale, block_q, block_k)
+        output, lse = tile_forward(query, key, value, bias, masks, scale, block_q, block_k)
         ctx.save_for_backward(query, key, value, bias, output, lse)
         ctx.config = (masks, scale, block_q, block_k)
         return output
@@ -230,7 +234,7 @@ class _ChunkedAttention(torch.autograd.Function):
         refuse_double_backward("chunked", grad_output, query, key, value, bias)
         masks, scale, block_q, block_k = ctx.config
         want_bias_grad = bias is not None and ctx.needs_input_grad[3]
-        grads = _backward(
+        grads = tile_backward(
             grad_output,
             query,
             key,
@@ -259,12 +263,12 @@ def refuse_double_backward(backend: str, *tensors: Tensor | None) -> None:
         )
 
 
-def _forward(
+def tile_forward(
     query: Tensor,
     key: Tensor,
     value: Tensor,
     bias: Tensor | None,
-    masks: _Masks,
+    masks: Masks,
     scale: float,
     block_q: int,
     block_k: int,
@@ -305,7 +309,7 @@ LAZY_LIMIT = 2.0**64  # largest row sum of one tile's weights taken without a ne
 class _RowState:
     """The online softmax of one query block: its shift, unnormalised output and row sums."""
 
-    def __init__(self, query_tile: Tensor, dv: int, masks: _Masks, bias: Tensor | None) -> None:
+    def __init__(self, query_tile: Tensor, dv: int, masks: Masks, bias: Tensor | None) -> None:
         n, self.rows, d = query_tile.shape
         self.masks, self.bias = masks, bias
         self.exp_, self.log = masks.exp_, masks.log  # in the scores' base
@@ -323,7 +327,7 @@ class _RowState:
     def shifted_scores(
         self, key_and_one: Tensor, rows: slice, cols: slice, crosses: bool, offset: int, out: Tensor
     ) -> Tensor:
-        """One tile of (q·k·scale + bias)·unit - shift, masked, into ``out`` (see ``_Masks``)."""
+        """One tile of (q·k·scale + bias)·unit - shift, masked, into ``out`` (see ``Masks``)."""
         torch.bmm(self.query_and_shift, key_and_one[:, :, cols], out=out)
         self.masks.apply(out, self.bias, rows, cols, crosses, offset)
         if self.shift_column is None:
@@ -365,7 +369,7 @@ class _RowState:
         return output, lse
 
 
-def _backward(
+def tile_backward(
     grad_output: Tensor,
     query: Tensor,
     key: Tensor,
@@ -373,7 +377,7 @@ def _backward(
     bias: Tensor | None,
     output: Tensor,
     lse: Tensor,
-    masks: _Masks,
+    masks: Masks,
     scale: float,
     block_q: int,
     block_k: int,

@@ -1,0 +1,158 @@
+"""Ring attention on the CPU over gloo: time and peak memory per rank, against torch SDPA.
+
+B=1, H=8, D=64, float32, T = S = 4,096 and 8,192 over the whole sequence; forward, and forward +
+backward; causal and not. Three runs, each in freshly spawned processes: torch's fused kernel
+(``attention(backend="sdpa")``) on the whole sequence in one process, ``ring_attention`` in a
+group of one (P=1: the chunked kernel's tiles and the merges, no transfers) and over two gloo
+ranks (P=2, each holding half the sequence). Threads: 2 for the one-process runs, 1 per rank
+for P=2, so every run uses the machine's 2 cores; more ranks than cores would only time-share
+them.
+
+Time: the fastest of three calls after the first (the warm-up), each between barriers, so for
+P=2 the slower rank's (the fastest, since a neighbour's load on the 2 cores only adds). Peak
+memory: a process's peak resident size during the first call (Linux VmHWM, reset just before
+it) minus its resident size at the reset: inputs excluded; score tiles, received blocks,
+outputs and gradients included; for P=2 the larger of the two ranks. Every process runs with
+``MALLOC_MMAP_THRESHOLD_=65536``, so that glibc returns a freed tensor's memory at once and an
+earlier case's leftovers cannot hide a later case's peak. Inputs: this rank's q, k, v (and
+the output's gradient), which a ring splits P ways.
+
+    python benchmarks/ring_attention.py                  # about 3 minutes on 2 cores
+    python benchmarks/ring_attention.py --lengths 2048   # a shorter run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from attention import peak_rss, reset_peak_rss
+from selfattn.attention import attention
+from selfattn.kernels.ring import ring_attention
+
+HEADS, HEAD_DIM = 8, 64
+CORES = 2
+CASES = [(backward, causal) for backward in (False, True) for causal in (False, True)]
+
+
+TIMED_CALLS = 3
+
+
+def measure(call, synchronise) -> dict:
+    """Peak extra bytes of the first call, the least seconds of the next ones (between barriers)."""
+    synchronise()
+    before = reset_peak_rss()
+    call()
+    synchronise()
+    peak = peak_rss() - before
+    times = []
+    for _ in range(TIMED_CALLS):
+        start = time.perf_counter()
+        call()
+        synchronise()
+        times.append(time.perf_counter() - start)
+    return {"seconds": min(times), "peak_bytes": peak}
+
+
+def case_call(t: int, backward: bool, causal: bool, rank: int, size: int, ring: bool):
+    """A call of this rank's attention on its shard of a seeded (1, H, T, D) sequence."""
+    torch.manual_seed(0)
+    n = t // size
+    shard = slice(rank * n, (rank + 1) * n)
+    inputs = [torch.randn(1, HEADS, t, HEAD_DIM)[..., shard, :].clone() for _ in range(4)]
+    leaves = [x.requires_grad_(backward) for x in inputs[:3]]
+    input_bytes = sum(x.nbytes for x in inputs[: 4 if backward else 3])
+
+    def call() -> None:
+        if ring:
+            output = ring_attention(*leaves, causal=causal)
+        else:
+            output = attention(*leaves, causal=causal, backend="sdpa")
+        if backward:
+            output.backward(inputs[3])
+            for leaf in leaves:
+                leaf.grad = None
+
+    return call, input_bytes
+
+
+def worker(rank: int, port: int, size: int, ring: bool, lengths: list[int], out: Path) -> None:
+    """Every case on this rank; results to ``out/rank{rank}.json``."""
+    torch.set_num_threads(CORES // size)
+    if ring:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=size)
+    synchronise = dist.barrier if ring else lambda: None
+    results = {}
+    for t in lengths:
+        for backward, causal in CASES:
+            call, input_bytes = case_call(t, backward, causal, rank, size, ring)
+            results[f"{t} {backward} {causal}"] = measure(call, synchronise) | {
+                "input_bytes": input_bytes
+            }
+    if ring:
+        dist.destroy_process_group()
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def run(size: int, ring: bool, lengths: list[int]) -> dict[str, dict]:
+    """Spawn ``size`` workers; per case, the slowest rank's seconds and largest peak."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder)
+        mp.start_processes(
+            worker, args=(port, size, ring, lengths, out), nprocs=size, start_method="spawn"
+        )
+        ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(size)]
+    return {
+        case: {
+            "seconds": max(r[case]["seconds"] for r in ranks),
+            "peak_bytes": max(r[case]["peak_bytes"] for r in ranks),
+            "input_bytes": max(r[case]["input_bytes"] for r in ranks),
+        }
+        for case in ranks[0]
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
+    args = parser.parse_args()
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by each spawned process's glibc
+    runs = {
+        "sdpa": run(1, False, args.lengths),
+        "ring P=1": run(1, True, args.lengths),
+        "ring P=2": run(2, True, args.lengths),
+    }
+    print(f"torch {torch.__version__}, {CORES} cores, B=1 H={HEADS} D={HEAD_DIM} float32, gloo\n")
+    header = ["T", "pass", "causal"] + [f"{name} s" for name in runs]
+    header += [f"{name} peak MiB" + (" per rank" if "P=2" in name else "") for name in runs]
+    header += ["inputs MiB, P=1", "per rank, P=2", "ring P=2 / sdpa time"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for t in args.lengths:
+        for backward, causal in CASES:
+            case = f"{t} {backward} {causal}"
+            row = [str(t), "fwd+bwd" if backward else "fwd", "yes" if causal else "no"]
+            row += [f"{runs[name][case]['seconds']:.3f}" for name in runs]
+            row += [f"{runs[name][case]['peak_bytes'] / 2**20:.0f}" for name in runs]
+            row += [
+                f"{runs[name][case]['input_bytes'] / 2**20:.0f}" for name in runs if "ring" in name
+            ]
+            row += [f"{runs['ring P=2'][case]['seconds'] / runs['sdpa'][case]['seconds']:.2f}"]
+            print("| " + " | ".join(row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,364 @@
+"""Ring attention against the explicit reference on the gathered sequence, and its errors.
+
+The sequence is split over 2 or 3 spawned gloo ranks; each rank's output and q/k/v gradient
+shards, put back together, are compared with ``attention(..., backend="explicit")`` on the
+whole sequence. Tolerances (max absolute difference): float64 1e-10; float32 and bfloat16 at
+most twice the error of torch's fused kernel (SDPA) on the whole sequence in that dtype
+against a float64 reference, plus 1e-6 (float32) or 1e-3 (bfloat16), as in test_chunked.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from selfattn import attention
+from selfattn.kernels import ring
+from selfattn.kernels.ring import ring_attention
+from selfattn.train import distributed
+
+
+@dataclass(frozen=True)
+class Case:
+    """One ring call: each rank holds ``n`` tokens of ``(*lead, size·n, D)`` inputs."""
+
+    lead: tuple[int, ...] = (2, 3)
+    n: int = 5
+    d: int = 7
+    dv: int = 4
+    causal: bool = False
+    similarity: str = "dot"
+    scale: float | None = None
+    dtype: torch.dtype = torch.float64
+
+    def inputs(self, size: int) -> list[torch.Tensor]:
+        """Query, key, value and the output's gradient over the whole sequence (seeded)."""
+        generator = torch.Generator().manual_seed(0)
+        t = size * self.n
+        shapes = [(*self.lead, t, self.d)] * 2 + [(*self.lead, t, self.dv)] * 2
+        return [torch.randn(s, generator=generator, dtype=torch.float64) for s in shapes]
+
+
+EXACT = {  # float64, compared within 1e-10
+    "plain": Case(),
+    "causal": Case(causal=True),
+    "cosine": Case(similarity="cosine"),
+    "cosine-causal": Case(similarity="cosine", causal=True),
+    "scale-0.3-causal": Case(causal=True, scale=0.3),
+    "no-lead": Case(lead=()),
+    "one-lead": Case(lead=(3,), n=8, d=3, dv=9),
+}
+REDUCED = {  # float32 and bfloat16 against twice SDPA's error
+    "float32": Case(n=64, d=32, dv=32, causal=True, dtype=torch.float32),
+    "bfloat16": Case(n=64, d=32, dv=32, causal=True, dtype=torch.bfloat16),
+    "bfloat16-full": Case(n=64, d=32, dv=32, dtype=torch.bfloat16),
+}
+FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
+CASES = EXACT | REDUCED
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(worker, size: int, *args, seconds: float = 60) -> None:
+    """``worker(rank, port, size, *args)`` on ``size`` spawned gloo ranks; fail after
+    ``seconds`` (a worker's exception is raised here)."""
+    context = mp.start_processes(
+        worker, args=(_free_port(), size, *args), nprocs=size, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + seconds
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"ring workers did not finish within {seconds:.0f} s")
+
+
+def _join(rank: int, port: int, size: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+
+
+def _shard(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    return x[..., rank * n : (rank + 1) * n, :]
+
+
+def _counting(function, calls: list[int]):
+    """``function``, counting its calls in ``calls[0]``."""
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return function(*args, **kwargs)
+
+    return counted
+
+
+def _cases_worker(rank: int, port: int, size: int, out: Path) -> None:
+    """Every case on this rank: its output and gradient shards, and how many key blocks it
+    attended to forward and backward, saved to ``out/rank{rank}.pt``."""
+    _join(rank, port, size)
+    forwards, backwards = [0], [0]
+    ring.tile_forward = _counting(ring.tile_forward, forwards)
+    ring.tile_backward = _counting(ring.tile_backward, backwards)
+    results = {}
+    try:
+        for name, case in CASES.items():
+            query, key, value, grad_output = (
+                _shard(x, rank, case.n).to(case.dtype) for x in case.inputs(size)
+            )
+            leaves = [x.requires_grad_() for x in (query, key, value)]
+            forwards[0] = backwards[0] = 0
+            output = ring_attention(
+                *leaves, causal=case.causal, similarity=case.similarity, scale=case.scale
+            )
+            output.backward(grad_output)
+            tensors = [output.detach()] + [x.grad for x in leaves]
+            results[name] = {"tensors": tensors, "blocks": (forwards[0], backwards[0])}
+    finally:
+        distributed.teardown()
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+@functools.cache
+def _ring_results(size: int, out: Path) -> list[dict]:
+    """Every rank's results for every case (the ranks spawned once per size)."""
+    _spawn(_cases_worker, size, out)
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(size)]
+
+
+@pytest.fixture(scope="module")
+def ring_results(tmp_path_factory):
+    """``ring_results(size)``: per case, output and q/k/v gradients gathered over the ranks,
+    and each rank's count of blocks attended forward and backward."""
+
+    def gathered(size: int) -> dict[str, tuple[list[torch.Tensor], list[tuple[int, int]]]]:
+        ranks = _ring_results(size, tmp_path_factory.mktemp(f"ring{size}"))
+        return {
+            name: (
+                [
+                    torch.cat([r[name]["tensors"][i] for r in ranks], dim=-2).double()
+                    for i in range(4)
+                ],
+                [r[name]["blocks"] for r in ranks],
+            )
+            for name in CASES
+        }
+
+    return functools.cache(gathered)
+
+
+def _outputs_and_grads(case: Case, size: int, backend: str, dtype: torch.dtype):
+    """Output and q/k/v gradients of ``attention`` on the whole sequence, in float64."""
+    query, key, value, grad_output = (x.to(dtype) for x in case.inputs(size))
+    leaves = [x.requires_grad_() for x in (query, key, value)]
+    output = attention(
+        *leaves, causal=case.causal, similarity=case.similarity, scale=case.scale, backend=backend
+    )
+    output.backward(grad_output)
+    return [x.double() for x in [output.detach()] + [x.grad for x in leaves]]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("name", list(EXACT))
+def test_ring_matches_explicit_on_the_whole_sequence(ring_results, size, name):
+    """float64: output, dq, dk, dv gathered over the ranks = explicit within 1e-10."""
+    got, _ = ring_results(size)[name]
+    want = _outputs_and_grads(EXACT[name], size, "explicit", torch.float64)
+    for what, actual, expected in zip(["output", "dq", "dk", "dv"], got, want, strict=True):
+        torch.testing.assert_close(actual, expected, atol=1e-10, rtol=0, msg=what)
+
+
+@pytest.mark.parametrize("name", list(REDUCED))
+def test_reduced_precision_no_worse_than_twice_sdpa(ring_results, name):
+    """float32 and bfloat16 on 2 ranks: error vs float64 explicit <= 2x SDPA's + a floor."""
+    case = REDUCED[name]
+    got, _ = ring_results(2)[name]
+    reference = _outputs_and_grads(case, 2, "explicit", torch.float64)
+    sdpa = _outputs_and_grads(case, 2, "sdpa", case.dtype)
+    for what, ring_out, sdpa_out, want in zip(
+        ["output", "dq", "dk", "dv"], got, sdpa, reference, strict=True
+    ):
+        ring_error = (ring_out - want).abs().max().item()
+        sdpa_error = (sdpa_out - want).abs().max().item()
+        assert ring_error <= 2 * sdpa_error + FLOOR[case.dtype], (what, ring_error, sdpa_error)
+
+
+def test_causal_skips_the_blocks_in_the_future(ring_results):
+    """3 ranks: causal, rank r attends to r + 1 key blocks (its own and the earlier ones),
+    forward and backward; not causal, to all 3."""
+    _, causal_blocks = ring_results(3)["causal"]
+    _, full_blocks = ring_results(3)["plain"]
+    assert causal_blocks == [(1, 1), (2, 2), (3, 3)]
+    assert full_blocks == [(3, 3)] * 3
+
+
+def _bad_shards_worker(rank: int, port: int, size: int, out: Path) -> None:
+    """Calls that rank 1 alone gets wrong; every rank writes the error each one raised, then
+    the result of a good call (the group still works)."""
+    _join(rank, port, size)
+    good = dict(lead=(2,), n=4, d=3)
+    wrong_on_rank_1 = {
+        "length": dict(n=5),
+        "lead": dict(lead=(3,)),
+        "dtype": dict(dtype=torch.float32),
+        "similarity": dict(similarity="cos"),
+    }
+    errors = {}
+    try:
+        for name, change in wrong_on_rank_1.items():
+            case = Case(**(good | (change if rank == 1 else {})))
+            query, key, value, _ = (x.to(case.dtype) for x in case.inputs(1))
+            try:
+                ring_attention(query, key, value, similarity=case.similarity)
+                errors[name] = "no error"
+            except ValueError as error:
+                errors[name] = str(error)
+        query, key, value, _ = Case(**good).inputs(1)
+        errors["good"] = list(ring_attention(query, key, value).shape)
+    finally:
+        distributed.teardown()
+    (out / f"rank{rank}.json").write_text(json.dumps(errors))
+
+
+def test_shards_that_differ_across_ranks_are_refused_on_every_rank(tmp_path):
+    """2 ranks, rank 1 wrong: length, leading dims, dtype, an unknown similarity: the same
+    one-line error on both ranks, none hangs, and the group still serves a good call."""
+    _spawn(_bad_shards_worker, 2, tmp_path)
+    errors = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    shard = "query ({lead}, 4, 3), key ({lead}, 4, 3), value ({lead}, 4, 4) in torch.float64"
+    rank_0 = f"rank 0 holds {shard.format(lead=2)} on cpu"
+    wrong = {
+        "length": "query (2, 5, 3), key (2, 5, 3), value (2, 5, 4) in torch.float64 on cpu",
+        "lead": f"{shard.format(lead=3)} on cpu",
+        "dtype": f"{shard.format(lead=2).replace('float64', 'float32')} on cpu",
+    }
+    start = "ring_attention needs equal shards on every rank"
+    fix = "split the sequence into equal parts (pad it at its end to a multiple of the world size)"
+    for name, held in wrong.items():
+        assert errors[0][name] == f"{start}: {rank_0}, rank 1 holds {held}; {fix}"
+        assert errors[1][name] == f"{start}: rank 1 holds {held}, {rank_0}; {fix}"
+    unknown = "ring_attention, rank 1: unknown similarity 'cos'; choose 'dot' or 'cosine'"
+    assert errors[0]["similarity"] == errors[1]["similarity"] == unknown
+    assert errors[0]["good"] == errors[1]["good"] == [2, 4, 4]
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of this process alone (an in-memory store), left after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    distributed.teardown()
+
+
+def test_one_rank_is_plain_attention(one_rank_group):
+    """A ring of one: causal cosine attention, output and gradients within 1e-10."""
+    case = Case(similarity="cosine", causal=True, n=9)
+    query, key, value, grad_output = case.inputs(1)
+    leaves = [x.clone().requires_grad_() for x in (query, key, value)]
+    output = ring_attention(*leaves, similarity="cosine", causal=True)
+    output.backward(grad_output)
+    want = _outputs_and_grads(case, 1, "explicit", torch.float64)
+    for actual, expected in zip([output] + [x.grad for x in leaves], want, strict=True):
+        torch.testing.assert_close(actual.detach(), expected, atol=1e-10, rtol=0)
+
+
+def test_without_a_process_group_it_says_how_to_start_one():
+    query, key, value, _ = Case().inputs(1)
+    with pytest.raises(ValueError) as error:
+        ring_attention(query, key, value)
+    assert str(error.value) == (
+        "ring_attention needs an initialised process group: launch with torchrun and call "
+        "torch.distributed.init_process_group (or selfattn.train.distributed.setup())"
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"mask": torch.ones(5, 5, dtype=torch.bool)},
+            "no mask is supported, only causal=True; pad the sequence at its end to a multiple "
+            "of the world size and use causal=True, or run selfattn.attention(..., mask=...) "
+            "in one process",
+        ),
+        ({"similarity": "euclid"}, "unknown similarity 'euclid'; choose 'dot' or 'cosine'"),
+        (
+            {"key": torch.zeros(2, 3, 5, 7, dtype=torch.float32)},
+            "query, key and value must share a dtype, got torch.float64, torch.float32, "
+            "torch.float64; cast them with .to(dtype)",
+        ),
+        (
+            {"key": torch.zeros(2, 3, 6, 7, dtype=torch.float64)},
+            "key and value must have the same length, got 6 and 5",
+        ),
+        (
+            {
+                "key": torch.zeros(2, 3, 6, 7, dtype=torch.float64),
+                "value": torch.zeros(2, 3, 6, 4, dtype=torch.float64),
+            },
+            "query and key/value shards must hold the same tokens, got lengths 5 and 6",
+        ),
+    ],
+)
+def test_local_errors_name_the_rank(one_rank_group, change, message):
+    """Each refused call: one line, prefixed with the rank whose arguments are wrong."""
+    query, key, value, _ = Case().inputs(1)
+    arguments = {"query": query, "key": key, "value": value} | change
+    with pytest.raises(ValueError) as error:
+        ring_attention(**arguments)
+    assert str(error.value) == "ring_attention, rank 0: " + message
+
+
+def test_a_nccl_group_needs_cuda_tensors(one_rank_group, monkeypatch):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    query, key, value, _ = Case().inputs(1)
+    with pytest.raises(ValueError) as error:
+        ring_attention(query, key, value)
+    assert str(error.value) == (
+        "ring_attention, rank 0: a NCCL group sends CUDA tensors, got cpu; move the shards "
+        "with .to('cuda') or use a gloo group for CPU tensors"
+    )
+
+
+def test_double_backward_is_refused(one_rank_group):
+    """create_graph=True through the ring's backward raises instead of dropping terms."""
+    query, key, value, grad_output = (x.requires_grad_() for x in Case().inputs(1))
+    output = ring_attention(query, key, value)
+    with pytest.raises(RuntimeError, match="backend 'ring' has first derivatives only"):
+        torch.autograd.grad(output, (query,), grad_output, create_graph=True)
+
+
+def test_the_readme_script_runs_under_torchrun(tmp_path):
+    # The README's ring attention example, launched as it says (2 ranks), with a check added
+    # at its end: each rank's shard equals attention over the whole sequence (float32, 1e-5).
+    from test_smoke import is_torchrun_script, readme_python_blocks
+
+    (script,) = [block for block in readme_python_blocks() if is_torchrun_script(block)]
+    check = (
+        "\nfrom selfattn import attention\n"
+        "whole = attention(q, k, v, causal=True)[..., rank * n : (rank + 1) * n, :]\n"
+        "torch.testing.assert_close(out, whole, atol=1e-5, rtol=0)\n"
+    )
+    path = tmp_path / "ring.py"
+    path.write_text(script + check)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               f"--master_port={_free_port()}", str(path)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
