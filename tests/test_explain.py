@@ -220,6 +220,18 @@ def test_the_figure_names_unknown_keys_by_their_text(model, monkeypatch, tmp_pat
     assert [row[3] for row in labels] == ["'🙂' ([UNK])"] * 2
 
 
+def test_saved_heatmaps_do_not_pile_up_in_pyplot(model, tmp_path):
+    # pyplot keeps every figure until it is closed: 25 saves in one process (a notebook, a
+    # script) kept 25 figures and warned "More than 20 figures have been opened".
+    import matplotlib.pyplot as plt
+
+    _, e = explaining.explain_text(model, MONEY, word="bank")
+    before = len(plt.get_fignums())
+    for i in range(25):
+        report.save_heatmap(e, tmp_path / f"map{i}.png")
+    assert len(plt.get_fignums()) == before
+
+
 def test_words_merge_pieces():
     # "tokenization" splits into pieces; as a key a word's weight is the sum of its pieces.
     data = explain_json("tokenization is fun", "--word", "fun", "--words", "--layer", "2",

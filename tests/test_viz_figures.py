@@ -15,6 +15,13 @@ TOKENS = ["Ciao", "gioco", "a", "giochi"]
 WEIGHTS = torch.softmax(torch.arange(16.0).reshape(4, 4) / 5, dim=-1)
 
 
+@pytest.fixture(autouse=True)
+def closed_figures():
+    """Each test's figures are closed after it (pyplot keeps them all until then)."""
+    yield
+    figures.plt.close("all")
+
+
 def figure_texts(fig) -> list[str]:
     return [text.get_text() for text in fig.findobj(lambda artist: hasattr(artist, "get_text"))]
 

@@ -127,16 +127,23 @@ def _installed_families() -> set[str]:
     return {font.name for font in font_manager.fontManager.ttflist}
 
 
-def save_figure(fig: Figure, path: str | Path) -> Path:
-    """Write the figure as PNG (200 dpi) or SVG, chosen by the file's suffix; returns the path."""
+def save_figure(fig: Figure, path: str | Path, *, close: bool = False) -> Path:
+    """Write the figure as PNG (200 dpi) or SVG, chosen by the file's suffix; returns the path.
+
+    ``close`` frees the figure once written (pyplot keeps every figure until it is closed).
+    """
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise ValueError(f"cannot save a figure as {path.name!r}: use a .png or .svg file name")
     options = {"dpi": 200} if suffix == ".png" else {"metadata": {"Date": None}}
-    with plt.rc_context(_style()), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fig.savefig(path, bbox_inches="tight", **options)
+    try:
+        with plt.rc_context(_style()), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fig.savefig(path, bbox_inches="tight", **options)
+    finally:
+        if close:
+            plt.close(fig)
     _summarise_missing_glyphs(caught)
     return path
 

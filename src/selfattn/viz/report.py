@@ -212,7 +212,7 @@ def save_heatmap(e: Explanation, path: Path) -> Path:
     _, matrix = _labels(e)
     labels = shown(e.key_names if e.groups is None else e.word_names)
     figure = heatmap_figure(matrix, labels, labels, f"{e.model}: {_where(e)}", _query_row(e))
-    return save_figure(figure, path)
+    return save_figure(figure, path, close=True)
 
 
 def _query_row(e: Explanation) -> int | None:
