@@ -2,15 +2,17 @@
 
 The sequence is split over 2 or 3 spawned gloo ranks; each rank's output and q/k/v gradient
 shards, put back together, are compared with ``attention(..., backend="explicit")`` on the
-whole sequence. Tolerances (max absolute difference): float64 1e-10; float32 and bfloat16 at
-most twice the error of torch's fused kernel (SDPA) on the whole sequence in that dtype
-against a float64 reference, plus 1e-6 (float32) or 1e-3 (bfloat16), as in test_chunked.py.
+whole sequence. Tolerances (max absolute difference): float64 1e-10; float32, float16 and
+bfloat16 at most twice the error of torch's fused kernel (SDPA) on the whole sequence in that
+dtype against a float64 reference, plus 1e-6 (float32) or 1e-3 (float16, bfloat16), as in
+test_chunked.py.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import socket
 import subprocess
@@ -59,13 +61,15 @@ EXACT = {  # float64, compared within 1e-10
     "scale-0.3-causal": Case(causal=True, scale=0.3),
     "no-lead": Case(lead=()),
     "one-lead": Case(lead=(3,), n=8, d=3, dv=9),
+    "one-token-causal": Case(n=1, causal=True),
 }
-REDUCED = {  # float32 and bfloat16 against twice SDPA's error
+REDUCED = {  # float32, float16 and bfloat16 against twice SDPA's error
     "float32": Case(n=64, d=32, dv=32, causal=True, dtype=torch.float32),
+    "float16": Case(n=64, d=32, dv=32, causal=True, dtype=torch.float16),
     "bfloat16": Case(n=64, d=32, dv=32, causal=True, dtype=torch.bfloat16),
     "bfloat16-full": Case(n=64, d=32, dv=32, dtype=torch.bfloat16),
 }
-FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
+FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-3}
 CASES = EXACT | REDUCED
 
 
@@ -139,7 +143,7 @@ def _cases_worker(rank: int, port: int, size: int, out: Path) -> None:
 def _ring_results(size: int, out: Path) -> list[dict]:
     """Every rank's results for every case (the ranks spawned once per size)."""
     _spawn(_cases_worker, size, out)
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(size)]
+    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(size)]
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +190,7 @@ def test_ring_matches_explicit_on_the_whole_sequence(ring_results, size, name):
 
 @pytest.mark.parametrize("name", list(REDUCED))
 def test_reduced_precision_no_worse_than_twice_sdpa(ring_results, name):
-    """float32 and bfloat16 on 2 ranks: error vs float64 explicit <= 2x SDPA's + a floor."""
+    """float32, float16, bfloat16 on 2 ranks: error vs float64 explicit <= 2x SDPA's + a floor."""
     case = REDUCED[name]
     got, _ = ring_results(2)[name]
     reference = _outputs_and_grads(case, 2, "explicit", torch.float64)
@@ -209,8 +213,9 @@ def test_causal_skips_the_blocks_in_the_future(ring_results):
 
 
 def _bad_shards_worker(rank: int, port: int, size: int, out: Path) -> None:
-    """Calls that rank 1 alone gets wrong; every rank writes the error each one raised, then
-    the result of a good call (the group still works)."""
+    """Calls that rank 1 alone gets wrong (its shards, its options, or no gradients recorded);
+    every rank writes the error each one raised, then the result of a good call (the group
+    still works)."""
     _join(rank, port, size)
     good = dict(lead=(2,), n=4, d=3)
     wrong_on_rank_1 = {
@@ -218,14 +223,21 @@ def _bad_shards_worker(rank: int, port: int, size: int, out: Path) -> None:
         "lead": dict(lead=(3,)),
         "dtype": dict(dtype=torch.float32),
         "similarity": dict(similarity="cos"),
+        "causal": dict(causal=True),
+        "scale": dict(scale=0.5),
+        "cosine": dict(similarity="cosine"),
+        "gradients": {},
     }
     errors = {}
     try:
         for name, change in wrong_on_rank_1.items():
             case = Case(**(good | (change if rank == 1 else {})))
-            query, key, value, _ = (x.to(case.dtype) for x in case.inputs(1))
+            leaves = [x.to(case.dtype).requires_grad_() for x in case.inputs(1)[:3]]
             try:
-                ring_attention(query, key, value, similarity=case.similarity)
+                with torch.set_grad_enabled(not (name == "gradients" and rank == 1)):
+                    ring_attention(
+                        *leaves, causal=case.causal, similarity=case.similarity, scale=case.scale
+                    )
                 errors[name] = "no error"
             except ValueError as error:
                 errors[name] = str(error)
@@ -236,9 +248,17 @@ def _bad_shards_worker(rank: int, port: int, size: int, out: Path) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(errors))
 
 
-def test_shards_that_differ_across_ranks_are_refused_on_every_rank(tmp_path):
-    """2 ranks, rank 1 wrong: length, leading dims, dtype, an unknown similarity: the same
-    one-line error on both ranks, none hangs, and the group still serves a good call."""
+def _options(causal=False, similarity="dot", scale=1 / math.sqrt(3), recording="recording"):
+    """A call's options as the error shows them (default scale of D = 3, dot)."""
+    return f"causal={causal}, similarity={similarity!r}, scale={scale!r}, {recording} gradients"
+
+
+def test_shards_or_options_that_differ_across_ranks_are_refused_on_every_rank(tmp_path):
+    """2 ranks, rank 1 wrong: length, leading dims, dtype, an unknown similarity, causal, scale,
+    similarity, gradients not recorded: a one-line error on both ranks naming both (a rank
+    that computed with other options would silently return another attention; one that records
+    no gradients would leave the other's backward waiting), none hangs, and the group still
+    serves a good call."""
     _spawn(_bad_shards_worker, 2, tmp_path)
     errors = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     shard = "query ({lead}, 4, 3), key ({lead}, 4, 3), value ({lead}, 4, 4) in torch.float64"
@@ -255,7 +275,58 @@ def test_shards_that_differ_across_ranks_are_refused_on_every_rank(tmp_path):
         assert errors[1][name] == f"{start}: rank 1 holds {held}, {rank_0}; {fix}"
     unknown = "ring_attention, rank 1: unknown similarity 'cos'; choose 'dot' or 'cosine'"
     assert errors[0]["similarity"] == errors[1]["similarity"] == unknown
+    start = "ring_attention needs one call on every rank"
+    fix = (
+        "pass the same causal, similarity and scale on every rank, and record gradients on "
+        "all or none (their backwards run together)"
+    )
+    on_rank_1 = {
+        "causal": _options(causal=True),
+        "scale": _options(scale=0.5),
+        "cosine": _options(similarity="cosine", scale=math.sqrt(3)),
+        "gradients": _options(recording="not recording"),
+    }
+    for name, options in on_rank_1.items():
+        assert errors[0][name] == f"{start}: rank 0 has {_options()}, rank 1 has {options}; {fix}"
+        assert errors[1][name] == f"{start}: rank 1 has {options}, rank 0 has {_options()}; {fix}"
     assert errors[0]["good"] == errors[1]["good"] == [2, 4, 4]
+
+
+def _subgroup_worker(rank: int, port: int, size: int, out: Path) -> None:
+    """Global ranks 1 and 2 attend in the group [1, 2], where they are ranks 0 and 1; rank 0,
+    outside it, calls with it too. Each writes its output and gradient shards, or its error."""
+    _join(rank, port, size)
+    case = Case(causal=True)
+    try:
+        group = dist.new_group([1, 2])
+        inputs = [_shard(x, max(rank - 1, 0), case.n) for x in case.inputs(2)]
+        leaves = [x.requires_grad_() for x in inputs[:3]]
+        try:
+            output = ring_attention(*leaves, causal=True, group=group)
+            output.backward(inputs[3])
+            result = [output.detach()] + [x.grad for x in leaves]
+        except ValueError as error:
+            result = str(error)
+    finally:
+        distributed.teardown()
+    torch.save(result, out / f"rank{rank}.pt")
+
+
+def test_a_subgroup_addresses_its_ranks_and_refuses_others(tmp_path):
+    """3 ranks, group [1, 2]: its ranks' shards, put together, equal explicit attention on
+    their 2-shard sequence within 1e-10 (their neighbours are found by global rank); rank 0,
+    not in the group, gets a one-line error instead of an AttributeError."""
+    _spawn(_subgroup_worker, 3, tmp_path)
+    outside, *inside = [
+        torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(3)
+    ]
+    assert outside == (
+        "ring_attention: this process (global rank 0) is not in the group; call it only on "
+        "the ranks given to torch.distributed.new_group"
+    )
+    want = _outputs_and_grads(Case(causal=True), 2, "explicit", torch.float64)
+    for what, *shards, expected in zip(["output", "dq", "dk", "dv"], *inside, want, strict=True):
+        torch.testing.assert_close(torch.cat(shards, -2), expected, atol=1e-10, rtol=0, msg=what)
 
 
 @pytest.fixture
@@ -312,7 +383,8 @@ def test_without_a_process_group_it_says_how_to_start_one():
                 "key": torch.zeros(2, 3, 6, 7, dtype=torch.float64),
                 "value": torch.zeros(2, 3, 6, 4, dtype=torch.float64),
             },
-            "query and key/value shards must hold the same tokens, got lengths 5 and 6",
+            "query and key/value shards must hold the same tokens, got lengths 5 and 6; give "
+            "each rank the query, key and value of its own tokens",
         ),
     ],
 )

@@ -23,10 +23,14 @@ last step, at the rank that owns it.
 The block on the diagonal is masked; blocks entirely in the future (source rank > r) are not
 computed, only passed on. Inputs in float16/bfloat16 travel as they are and are computed in
 float32, as the dK/dV accumulators travel. Masks other than causal are refused.
+
+Every send has a matching receive only if all ranks make the same calls in the same order:
+each forward, and each backward, runs on every rank of the group together.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -75,8 +79,13 @@ def ring_attention(
     Returns:
         ``(..., n, Dv)``, this rank's queries attended over the whole sequence.
 
-    Every rank checks its arguments, then all agree: an error on one rank is raised, in one
-    line naming that rank, on every rank (none is left waiting for the others).
+    Every rank checks its arguments, then all agree: an error on one rank, shards of another
+    shape, or other options (``causal``, ``similarity``, ``scale``, whether gradients are
+    recorded) are raised, in one line naming the ranks, on every rank (none is left waiting).
+
+    The backward runs on every rank together: each rank must backpropagate through its output
+    (a loss that depends on it). One that does not leaves the others waiting for blocks, until
+    the group's timeout (``init_process_group(timeout=...)``, 30 minutes by default for gloo).
     """
     # Imported here: attention.py imports the kernels package, which may export this module.
     from selfattn.attention import make_call, normalize_for_similarity
@@ -94,7 +103,8 @@ def ring_attention(
         if query.shape[-2] != key.shape[-2]:
             raise ValueError(
                 "query and key/value shards must hold the same tokens, got lengths "
-                f"{query.shape[-2]} and {key.shape[-2]}"
+                f"{query.shape[-2]} and {key.shape[-2]}; give each rank the query, key and value "
+                "of its own tokens"
             )
         if dist.get_backend(ring.group) == "nccl" and query.device.type != "cuda":
             raise ValueError(
@@ -118,6 +128,9 @@ class _Ring:
     group: dist.ProcessGroup
     rank: int  # in the group
     size: int
+    # The neighbours' global ranks, as P2POp addresses them (torch < 2.6 has no group_peer).
+    next_peer: int
+    previous_peer: int
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None) -> _Ring:
@@ -128,27 +141,42 @@ class _Ring:
                 "call torch.distributed.init_process_group (or selfattn.train.distributed.setup())"
             )
         group = dist.group.WORLD if group is None else group
-        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        if rank < 0:
+            raise ValueError(
+                f"ring_attention: this process (global rank {dist.get_rank()}) is not in the "
+                "group; call it only on the ranks given to torch.distributed.new_group"
+            )
+        peer = functools.partial(dist.get_global_rank, group)
+        return cls(group, rank, size, peer((rank + 1) % size), peer((rank - 1) % size))
 
     def agree_on(self, checked_call: Callable[[], AttentionCall]) -> AttentionCall:
         """``checked_call()`` on this rank, once every rank's call passed its checks and all
-        hold shards of one shape, dtype and device type; otherwise a ValueError on every rank."""
+        hold shards of one shape, dtype and device type, with the same options; otherwise a
+        ValueError on every rank."""
         try:
             call, problem = checked_call(), None
         except ValueError as error:
             call, problem = None, str(error)
-        shard = None if call is None else _describe(call)
-        reports: list[tuple[str | None, str | None]] = [(None, None)] * self.size
-        dist.all_gather_object(reports, (problem, shard), group=self.group)
-        for rank, (other_problem, _) in enumerate(reports):
+        shard, options = (None, None) if call is None else (_shard(call), _options(call))
+        reports: list[tuple[str | None, ...]] = [(None, None, None)] * self.size
+        dist.all_gather_object(reports, (problem, shard, options), group=self.group)
+        for rank, (other_problem, _, _) in enumerate(reports):
             if other_problem is not None:
                 raise ValueError(f"ring_attention, rank {rank}: {other_problem}")
-        for rank, (_, other_shard) in enumerate(reports):
+        for rank, (_, other_shard, other_options) in enumerate(reports):
             if other_shard != shard:
                 raise ValueError(
                     f"ring_attention needs equal shards on every rank: rank {self.rank} holds "
                     f"{shard}, rank {rank} holds {other_shard}; split the sequence into equal "
                     "parts (pad it at its end to a multiple of the world size)"
+                )
+            if other_options != options:
+                raise ValueError(
+                    f"ring_attention needs one call on every rank: rank {self.rank} has "
+                    f"{options}, rank {rank} has {other_options}; pass the same causal, "
+                    "similarity and scale on every rank, and record gradients on all or none "
+                    "(their backwards run together)"
                 )
         return call
 
@@ -158,19 +186,27 @@ class _Ring:
         if self.size == 1:
             return _Transfer([], blocks)
         received = into if into is not None else [torch.empty_like(b) for b in blocks]
-        after, before = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        sends = [dist.P2POp(dist.isend, b, group=self.group, group_peer=after) for b in blocks]
-        receives = [
-            dist.P2POp(dist.irecv, b, group=self.group, group_peer=before) for b in received
-        ]
+        sends = [dist.P2POp(dist.isend, b, self.next_peer, self.group) for b in blocks]
+        receives = [dist.P2POp(dist.irecv, b, self.previous_peer, self.group) for b in received]
         return _Transfer(dist.batch_isend_irecv(sends + receives), received)
 
 
-def _describe(call: AttentionCall) -> str:
-    """What must match across ranks, as an error message shows it."""
+def _shard(call: AttentionCall) -> str:
+    """The shapes, dtype and device type that must match across ranks, as errors show them."""
     tensors = {"query": call.query, "key": call.key, "value": call.value}
     shapes = ", ".join(f"{name} {tuple(x.shape)}" for name, x in tensors.items())
     return f"{shapes} in {call.query.dtype} on {call.query.device.type}"
+
+
+def _options(call: AttentionCall) -> str:
+    """The options that must match across ranks, and whether this one records gradients."""
+    records = torch.is_grad_enabled() and any(
+        x.requires_grad for x in (call.query, call.key, call.value)
+    )
+    recording = "recording gradients" if records else "not recording gradients"
+    return (
+        f"causal={call.causal}, similarity={call.similarity!r}, scale={call.scale!r}, {recording}"
+    )
 
 
 @dataclass
