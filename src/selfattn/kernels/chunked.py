@@ -116,7 +116,9 @@ def unexpanded(mask: Tensor | None) -> Tensor | None:
 
     A view, equal to the mask once broadcast; the casts and clamps of ``finite_bias`` on an
     expanded (B, H, T, S) view would otherwise allocate all of it."""
-    if mask is None or all(step or size <= 1 for step, size in zip(mask.stride(), mask.shape)):
+    if mask is None:
+        return None
+    if all(step or size <= 1 for step, size in zip(mask.stride(), mask.shape, strict=True)):
         return mask  # nothing expanded: the mask itself, not a view of it
     return mask[tuple(slice(0, 1) if step == 0 else slice(None) for step in mask.stride())]
 
