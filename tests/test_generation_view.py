@@ -12,6 +12,8 @@ carries float32 weights and is checked against Python's to 1e-6.
 import base64
 import json
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from typer.testing import CliRunner
 import selfattn
 from conftest import WatchedPage, needs_chromium
 from selfattn.cli import app
+from selfattn.models.model import Generation, GenerationStep
 from selfattn.recording import record
 from selfattn.train import load_model, train_gpt
 from selfattn.viz.generation import generation_page, generation_payload
@@ -103,6 +106,19 @@ def test_each_step_is_its_query_row_of_the_full_sequence_run(request, which, pro
         torch.testing.assert_close(sums, torch.ones_like(sums), atol=TOL, rtol=0)
 
 
+def test_characters_split_into_bytes_are_named_by_them_as_in_the_prompt(gpt2_model):
+    """A character whose bytes take several new tokens is named by it, part by part, as the
+    prompt's are ("é[1/2]", "é[2/2]"), not "\ufffd"; bytes that make no character keep it."""
+    generation = gpt2_model.generate_recorded("café 🙂 crème", 25, temperature=0.9, seed=3)
+    assert generation.tokens[2:4] == ["é[1/2]", "é[2/2]"]
+    new = generation.tokens[generation.n_prompt :]
+    parts = [re.fullmatch(r" ?(.+)\[(\d+)/(\d+)\]", name) for name in new]
+    named = {part[1] for part in parts if part}
+    whole = {c for c in generation.text if ord(c) > 127 and c != "\ufffd"}
+    assert whole and whole <= named  # every character the new bytes make (here Ћ and ϝ)
+    assert "\ufffd" in generation.text and any("\ufffd" in name for name in new)
+
+
 def test_past_the_block_size_each_step_matches_its_window(char_model):
     block = char_model.config.max_positions  # 16
     generation = char_model.generate_recorded("First", 30, temperature=0.9, seed=5)
@@ -172,6 +188,32 @@ def test_cli_refuses_a_page_of_no_new_tokens(trained, tmp_path):
     assert not (tmp_path / "p.html").exists()
 
 
+def test_cli_refuses_one_file_for_both_the_page_and_the_json(trained, tmp_path):
+    args = ["generate", "--checkpoint", str(trained), "First", "--max-new-tokens", "3"]
+    both = ["--html", str(tmp_path / "gen.out"), "--json", str(tmp_path / "." / "gen.out")]
+    result = CliRunner().invoke(app, [*args, *both])
+    assert result.exit_code == 2
+    assert result.output.count("Error:") == 1 and "give each its own file" in result.output
+    assert not (tmp_path / "gen.out").exists()
+
+
+def test_cli_opens_the_page_on_the_layer_and_head_asked_for(trained, tmp_path):
+    page = tmp_path / "gen.html"
+    args = ["generate", "--checkpoint", str(trained), "First", "--max-new-tokens", "3"]
+    result = CliRunner().invoke(app, [*args, "--html", str(page), "--layer", "0", "--head", "1"])
+    assert result.exit_code == 0, result.output
+    assert '"selection":{"layer":0,"head":1,"step":0}' in page.read_text(encoding="utf-8")
+    for bad, message in [
+        (["--layer", "2"], "layer 2 out of range: the model has layers 0..1"),
+        (["--head", "first"], "--head must be a head number or 'mean'"),
+    ]:
+        result = CliRunner().invoke(app, [*args, "--html", str(tmp_path / "bad.html"), *bad])
+        assert result.exit_code != 0 and result.output.count("Error:") == 1
+        assert message in result.output and "First" not in result.stdout  # before generating
+    result = CliRunner().invoke(app, [*args, "--head", "0"])
+    assert result.exit_code == 2 and "add --html FILE" in result.output
+
+
 # ---------- the page in chromium ----------
 
 
@@ -192,11 +234,11 @@ def in_chromium(test):
 
 
 class Watched(WatchedPage):
-    def __init__(self, browser, path, color_scheme="light"):
+    def __init__(self, browser, path, color_scheme="light", fragment=""):
         super().__init__(browser)
         self.page.emulate_media(color_scheme=color_scheme)
         self.url = path.as_uri()
-        self.page.goto(self.url)
+        self.page.goto(self.url + fragment)
         self.page.wait_for_selector("#app[data-ready='true']", timeout=30_000)
 
     def check_clean(self):
@@ -291,3 +333,81 @@ def test_page_follows_dark_mode(browser, gpt2_page):
         watched.check_clean()
     assert grounds["light"] != grounds["dark"]
     assert images["light"] != images["dark"]  # the canvas is drawn in the scheme's colours
+
+
+def handmade_generation(tokens: list[str], n_prompt: int) -> Generation:
+    """A generation of ``tokens`` (one layer, one head) with made-up weights, for the page."""
+    generator = torch.Generator().manual_seed(0)
+    steps = [
+        GenerationStep(
+            query, 0, torch.softmax(torch.randn(1, 1, query + 1, generator=generator), -1)
+        )
+        for query in range(n_prompt - 1, len(tokens) - 1)
+    ]
+    return Generation(
+        prompt="".join(tokens[:n_prompt]),
+        text="".join(tokens[n_prompt:]),
+        tokens=tokens,
+        token_ids=list(range(len(tokens))),
+        n_prompt=n_prompt,
+        steps=steps,
+        n_layers=1,
+        n_heads=1,
+    )
+
+
+def write_page(generation: Generation, folder, **selection) -> Path:
+    path = folder / "generation.html"
+    path.write_text(generation_page(generation, **selection), encoding="utf-8")
+    return path
+
+
+@in_chromium
+def test_white_space_and_control_tokens_are_visible(browser, tmp_path):
+    tokens = ["a", " ", "\x06", "b", "\n", "  ", "\x7f", " c"]
+    watched = Watched(browser, write_page(handmade_generation(tokens, 3), tmp_path))
+    page = watched.page
+    shown = page.eval_on_selector_all("#flow .token", "(els) => els.map((el) => el.textContent)")
+    assert shown == ["a", "␣", "\\x06", "b", "↵", "␣␣", "\\x7f", " c"]
+    page.click(".token.generated[data-step='2']")
+    assert page.text_content("#selection").endswith("new token 5 “␣␣”")
+    assert "“\\x06”" in page.text_content("#detail")
+    watched.check_clean()
+
+
+@in_chromium
+def test_the_text_follows_the_strip_chosen_far_down(browser, tmp_path):
+    tokens = [f"w{i} " for i in range(400)]
+    watched = Watched(browser, write_page(handmade_generation(tokens, 2), tmp_path))
+    page = watched.page
+    in_text_box = """(step) => {
+        const box = document.querySelector('#flow').getBoundingClientRect();
+        const el = document.querySelector(`.token.generated[data-step='${step}']`);
+        const token = el.getBoundingClientRect();
+        return box.top <= token.top && token.bottom <= box.bottom;
+    }"""
+    flow = page.locator("#flow")
+    assert flow.evaluate("(box) => box.scrollHeight > box.clientHeight")  # the text scrolls
+    page.focus("#strips")
+    page.keyboard.press("End")
+    assert page.evaluate(in_text_box, 397)
+    page.keyboard.press("Home")
+    assert page.evaluate(in_text_box, 0)
+    watched.check_clean()
+
+
+@in_chromium
+def test_the_address_keeps_the_selection(browser, gpt2_page):
+    path, generation = gpt2_page
+    watched = Watched(browser, path, fragment="#layer=0&head=3&step=4")
+    page = watched.page
+    assert page.text_content("#selection").startswith("layer 0 · head 3 · new token")
+    assert_top_keys_are(watched, generation.weights(4, 0, 3))
+    page.focus("#strips")
+    page.keyboard.press("ArrowDown")
+    page.select_option("#head", "mean")
+    assert page.evaluate("location.hash") == "#layer=0&head=mean&step=5"
+    page.evaluate("location.hash = '#layer=1&head=2&step=7'")
+    page.wait_for_function("document.querySelector('#selection').textContent.includes('head 2')")
+    assert_top_keys_are(watched, generation.weights(7, 1, 2))
+    watched.check_clean()

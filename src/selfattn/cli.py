@@ -283,6 +283,14 @@ def generate(
         Path | None,
         typer.Option("--json", help="Also write that attention, every layer and head, as JSON."),
     ] = None,
+    layer: Annotated[
+        int | None,
+        typer.Option(help="The layer the --html page opens on (0 = first); default: the last."),
+    ] = None,
+    head: Annotated[
+        str | None,
+        typer.Option(help="The head the --html page opens on: a number or 'mean' (the default)."),
+    ] = None,
 ) -> None:
     """Continue PROMPT with a decoder: one trained by `selfattn train`, or a GPT-2 folder."""
     if (checkpoint is None) == (model is None):
@@ -293,8 +301,13 @@ def generate(
         )
     for path, option in ((html, "--html"), (json_file, "--json")):
         _check_output(path, option)
+    if html is not None and json_file is not None and html.resolve() == json_file.resolve():
+        raise _fail(f"--html and --json both name {html}; give each its own file", 2)
     if html is not None and max_new_tokens == 0:
         raise _fail("--html shows the attention of new tokens; give --max-new-tokens 1 or more", 2)
+    if html is None and (layer is not None or head is not None):
+        raise _fail("--layer and --head choose what the --html page opens on; add --html FILE", 2)
+    view = {"layer": -1 if layer is None else layer, "head": _parse_head(head or "mean")}
     sampling = {"temperature": temperature, "top_k": top_k, "seed": seed}
     with _user_errors():
         network = _load(model, checkpoint)
@@ -302,17 +315,26 @@ def generate(
         if html is None and json_file is None:
             typer.echo(prompt + network.generate(prompt, max_new_tokens, **sampling))
             return
+        _check_view(network, view)
         generation = network.generate_recorded(prompt, max_new_tokens, **sampling)
         typer.echo(prompt + generation.text)
-        _write_generation(generation, html, json_file)
+        _write_generation(generation, html, json_file, view)
 
 
-def _write_generation(generation, html: Path | None, json_file: Path | None) -> None:
-    """Write the page and the JSON of a recorded generation, where asked."""
+def _check_view(network, view: dict) -> None:
+    """An IndexError, before generating, for a --layer or --head the model has not."""
+    from selfattn.viz.generation import opening_view
+
+    opening_view(network.config.n_layers, network.config.n_heads, **view)
+
+
+def _write_generation(generation, html: Path | None, json_file: Path | None, view: dict) -> None:
+    """Write the page (opened on ``view``'s layer and head) and the JSON of a recorded
+    generation, where asked."""
     from selfattn.viz.generation import generation_page
 
     if html is not None:
-        _write(html, partial(_save_text, generation_page(generation)))
+        _write(html, partial(_save_text, generation_page(generation, **view)))
     if json_file is not None:
         _write(json_file, partial(_save_text, json.dumps(generation.to_json())))
 

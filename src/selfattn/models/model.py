@@ -12,7 +12,7 @@ from __future__ import annotations
 import reprlib
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -27,7 +27,7 @@ from selfattn.errors import SelfAttnError
 from selfattn.layers import AttentionModule
 from selfattn.models.bert import Bert, EncoderOutput
 from selfattn.models.gpt import GPT, DecoderOutput, GPTConfig
-from selfattn.recording import Recording, in_range, record
+from selfattn.recording import Capture, Recording, in_range, record
 from selfattn.text import Encoding, Span, Tokenizer, Word
 
 PROGRESS_MIN_BATCHES = 4  # progress=None shows a bar above this many batches on a terminal
@@ -324,16 +324,54 @@ def _recorded_steps(
 
 
 def _last_query_step(recording: Recording, query: int) -> GenerationStep:
-    """The last query row of each layer's call in one forward pass's recording."""
-    weights = torch.stack([capture.weights()[:, -1] for capture in recording]).cpu()  # (L, H, S)
+    """The last query row of each layer's call in one forward pass's recording, recomputed
+    for that query alone (a single query sees every key under bottom-right causal masking)."""
+    weights = torch.stack([_last_query(capture).weights()[:, 0] for capture in recording])
+    weights = weights.cpu()  # (L, H, S)
     return GenerationStep(query=query, start=query + 1 - weights.shape[-1], weights=weights)
 
 
+def _last_query(capture: Capture) -> Capture:
+    """The call as if only its last query had been asked: (B, H, 1, D) against every key."""
+    mask = None if capture.mask is None else capture.mask[..., -1:, :]
+    return replace(capture, query=capture.query[..., -1:, :], mask=mask)
+
+
+MAX_CHARACTER_BYTES = 4  # UTF-8: so at most 4 byte-level tokens share one character
+
+
 def _token_strings(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
-    """Each id as its token: " bank" for byte-level BPE (a part of a character shows "\ufffd")."""
-    if tokenizer.byte_level:
-        return [tokenizer.backend.decode([i], skip_special_tokens=False) for i in ids]
-    return [tokenizer.backend.id_to_token(i) for i in ids]
+    """Each id as its token: " bank" for byte-level BPE, and a part of a character split
+    across tokens named as the prompt's are ("é[1/2]", "é[2/2]"); bytes that make no
+    character stay "\ufffd"."""
+    if not tokenizer.byte_level:
+        return [tokenizer.backend.id_to_token(i) for i in ids]
+    pieces = [tokenizer.backend.decode([i], skip_special_tokens=False) for i in ids]
+    start = 0
+    while start < len(ids):
+        end = _character_end(tokenizer, ids, pieces, start)
+        if end > start + 1:
+            joined = tokenizer.backend.decode(ids[start:end], skip_special_tokens=False)
+            lead = " " if pieces[start].startswith(" ") else ""
+            count = end - start
+            for part in range(count):
+                pieces[start + part] = f"{joined.strip()}[{part + 1}/{count}]"
+            pieces[start] = lead + pieces[start]
+        start = end
+    return pieces
+
+
+def _character_end(tokenizer: Tokenizer, ids: list[int], pieces: list[str], start: int) -> int:
+    """Where the tokens from ``start`` that share a character split into bytes end: the
+    fewest that decode together to whole characters; ``start + 1`` for a whole token, or
+    bytes that no following token completes."""
+    if "\ufffd" not in pieces[start]:
+        return start + 1
+    for end in range(start + 2, min(start + MAX_CHARACTER_BYTES, len(ids)) + 1):
+        joined = tokenizer.backend.decode(ids[start:end], skip_special_tokens=False)
+        if "\ufffd" not in joined:
+            return end
+    return start + 1
 
 
 def _in_notebook() -> bool:

@@ -16,7 +16,9 @@ Payload (a JSON object, the input of the page's script)::
     dtype           "float32" or "float16" (little-endian)
     weights         {"shape": [L, H, K], "data": base64}: the steps' weights one after the
                     other along the last axis, step s's queries[s] - starts[s] + 1 of them
-    selection       {"layer": l, "head": h or "mean", "step": s}: what the page shows first
+    selection       {"layer": l, "head": h or "mean", "step": s}: what the page shows first,
+                    unless its address asks for other ones (#layer=l&head=h&step=s, kept
+                    up to date as the reader chooses)
 
 User text is escaped as in :mod:`selfattn.viz.html` and reaches the page as text only.
 """
@@ -42,9 +44,7 @@ def generation_payload(
     """
     if not generation.steps:
         raise ValueError("nothing was generated: a page of attention needs at least one new token")
-    layer = in_range(layer, generation.n_layers, "layer", "the model has layers")
-    if head != "mean":
-        head = in_range(head, generation.n_heads, "head", "each layer has heads", "or 'mean'")
+    layer, head = opening_view(generation.n_layers, generation.n_heads, layer, head)
     weights = torch.cat([s.weights for s in generation.steps], dim=-1).float()  # (L, H, K)
     dtype = wire_dtype(weights)
     return {
@@ -65,6 +65,17 @@ def generation_payload(
             "step": in_range(step, len(generation.steps), "step", "the generation has steps"),
         },
     }
+
+
+def opening_view(
+    n_layers: int, n_heads: int, layer: int = -1, head: int | str = "mean"
+) -> tuple[int, int | str]:
+    """``layer`` (negative counts from the end) and ``head`` (or ``"mean"``) as the page opens
+    on them; an IndexError naming the range where a model of that size has no such one."""
+    layer = in_range(layer, n_layers, "layer", "the model has layers")
+    if head != "mean":
+        head = in_range(head, n_heads, "head", "each layer has heads", "or 'mean'")
+    return layer, head
 
 
 def generation_page(generation: Generation, **selection: int | str) -> str:

@@ -38,8 +38,13 @@
 
   // ---------- helpers ----------
 
-  /** A token as a label: a line break or tab made visible, the rest as written. */
-  const shown = (token) => token.replace(/\n/g, "↵").replace(/\t/g, "⇥") || "∅";
+  /** A control character written out: a line break as ↵, a tab as ⇥, the others as \x06 (in any font). */
+  const escaped = (c) => ({ "\n": "↵", "\t": "⇥" })[c] ?? `\\x${c.charCodeAt(0).toString(16).padStart(2, "0")}`;
+  /** A token as a label: control characters visible, a token of white space only as ␣ each, the rest as written. */
+  function shown(token) {
+    const visible = token.replace(/[\u0000-\u001f\u007f]/g, escaped);
+    return (/^\s+$/.test(visible) ? visible.replace(/\s/g, "␣") : visible) || "∅";
+  }
   const quoted = (model, j) => `${j} “${shown(model.tokens[j])}”`;
   const clamp = (x, n) => Math.max(0, Math.min(n - 1, x | 0));
 
@@ -88,6 +93,9 @@
       });
       draw();
       keepStripInView(ui.map.parentElement, stripGeometry(model.tokens.length - 1), state.step);
+      keepTokenInView(ui.flow, generated[state.step]);
+      const fragment = `#layer=${state.layer}&head=${state.head}&step=${state.step}`;
+      if (location.hash !== fragment) history.replaceState(null, "", fragment); // the address keeps the view
     }
 
     function draw() {
@@ -154,9 +162,16 @@
     matchMedia("print").addEventListener("change", recolour);
     window.addEventListener("beforeprint", printing(true));
     window.addEventListener("afterprint", printing(false));
-    update();
+    window.addEventListener("hashchange", () => select(readHash()));
+    select(readHash()); // what the address asks for, over the payload's first selection
     document.title = `${model.model}: attention during generation`;
     root.dataset.ready = "true";
+  }
+
+  /** The selection the address asks for (#layer=l&head=h&step=s, any of them), as strings. */
+  function readHash() {
+    const asked = new URLSearchParams(location.hash.slice(1));
+    return Object.fromEntries(["layer", "head", "step"].filter((name) => asked.has(name)).map((name) => [name, asked.get(name)]));
   }
 
   /** The step a key press on the strips or the generated tokens asks for, or null. */
@@ -173,6 +188,14 @@
     const top = geometry.top + s * geometry.height;
     if (top < box.scrollTop) box.scrollTop = top - geometry.height;
     else if (top + geometry.height > box.scrollTop + box.clientHeight) box.scrollTop = top + 2 * geometry.height - box.clientHeight;
+  }
+
+  /** Scroll the text's box (not the page) just enough to show the token element `el`. */
+  function keepTokenInView(box, el) {
+    const area = box.getBoundingClientRect();
+    const token = el.getBoundingClientRect();
+    if (token.top < area.top) box.scrollTop -= area.top - token.top;
+    else if (token.bottom > area.bottom) box.scrollTop += token.bottom - area.bottom;
   }
 
   /** The strips' text alternative: what they show and the chosen strip's strongest key. */
