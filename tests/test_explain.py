@@ -208,6 +208,7 @@ def test_the_figure_outlines_the_query_row_merged_or_not(model, monkeypatch, tmp
     assert rows == [5, 3]
 
 
+@pytest.mark.filterwarnings("ignore::selfattn.viz.figures.MissingGlyphsWarning")  # 🙂: no font
 def test_the_figure_names_unknown_keys_by_their_text(model, monkeypatch, tmp_path):
     # The terminal and the JSON name an unknown token by the text it stands for; the PNG/SVG
     # heatmap labelled it "[UNK]", so a text the vocabulary lacks drew a map of [UNK]s.
