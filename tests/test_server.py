@@ -189,7 +189,11 @@ def test_models_describes_the_loaded_model(client):
             "max_positions": 512,
         },
     ]
-    assert data["limits"] == {"max_chars": server.MAX_CHARS, "max_sentences": 4}
+    assert data["limits"] == {
+        "max_chars": server.MAX_CHARS,
+        "max_sentences": 4,
+        "max_new_tokens": server.MAX_NEW_TOKENS,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +207,7 @@ def test_page_and_assets_come_from_the_package_under_a_strict_policy(client):
     assert "default-src 'none'" in policy and "connect-src 'self'" in policy
     assert "unsafe-inline" not in policy and "http" not in policy
     assert "http" not in page.text.replace("http-equiv", "")  # no absolute URL: nothing remote
-    for name in ("view.js", "view.css", "serve.js", "serve.css"):
+    for name in ("view.js", "view.css", "serve.js", "serve.css", "generation.js", "generation.css"):
         assert f"/static/{name}" in page.text
         assert client.get(f"/static/{name}").status_code == 200
     assert client.get("/static/..%2Fserver.py").status_code == 404
@@ -221,7 +225,8 @@ def test_head_answers_as_get_does_without_a_body(client, path):
 
 def test_openapi_is_served_and_the_cdn_docs_are_not(client):
     schema = client.get("/openapi.json").json()
-    assert {"/api/explain", "/api/view", "/api/compare", "/api/models"} <= set(schema["paths"])
+    paths = {"/api/explain", "/api/view", "/api/compare", "/api/models", "/api/generate"}
+    assert paths <= set(schema["paths"])
     assert client.get("/docs").status_code == 404
     assert client.get("/redoc").status_code == 404
 
@@ -331,7 +336,7 @@ def test_json_with_a_charset_is_taken(client):
     ("method", "path", "status", "words"),
     [
         ("GET", "/nope", 404, "nothing at /nope; the page is / and the API is GET /api/models"),
-        ("POST", "/api/nope", 404, "POST /api/explain"),
+        ("POST", "/api/nope", 404, "POST /api/explain, POST /api/generate"),
         ("GET", "/api/explain", 405, "GET is not allowed on /api/explain; use POST"),
         ("OPTIONS", "/api/view", 405, "OPTIONS is not allowed on /api/view; use POST"),
         ("POST", "/api/models", 405, "POST is not allowed on /api/models; use GET"),
@@ -401,6 +406,131 @@ def test_unexpected_errors_are_a_generic_500(model, monkeypatch):
     with TestClient(app, base_url="http://127.0.0.1", raise_server_exceptions=False) as client:
         message = detail(client.post("/api/explain", json={"text": BANK}), 500)
     assert message == "internal error; the server's log has the details"
+
+
+# ---------------------------------------------------------------------------------------------
+# Generate: a decoder's continuation and the attention that chose each new token
+
+CORPUS = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak.\n\n" * 12
+PROMPT = "First "
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    """A char GPT (tiny preset: 2 layers, 2 heads, block 16) trained 30 steps, as `selfattn
+    serve --checkpoint` loads it."""
+    from selfattn.train import load_model, train_gpt
+
+    data = tmp_path_factory.mktemp("data") / "corpus.txt"
+    data.write_text(CORPUS)
+    out = tmp_path_factory.mktemp("run") / "out"
+    train_gpt(data, out, preset="tiny", overrides={"max_iters": 30}, device="cpu")
+    return load_model(out)
+
+
+@pytest.fixture(scope="module")
+def decoder_client(decoder):
+    with TestClient(server.create_app(decoder), base_url="http://127.0.0.1:8000") as client:
+        yield client
+
+
+@pytest.mark.parametrize(
+    ("body", "sampling", "view"),
+    [
+        ({"seed": 3}, {"max_new_tokens": 50, "temperature": 0.8, "seed": 3}, {}),  # the CLI's
+        (
+            {"max_new_tokens": 12, "temperature": 1.3, "top_k": 5, "seed": 7},
+            {"max_new_tokens": 12, "temperature": 1.3, "top_k": 5, "seed": 7},
+            {},
+        ),
+        (
+            {"max_new_tokens": 20, "temperature": 0, "layer": 0, "head": 1, "step": 19},
+            {"max_new_tokens": 20, "temperature": 0},
+            {"layer": 0, "head": 1, "step": 19},
+        ),
+    ],
+)
+def test_generate_is_the_generation_pages_payload_and_its_text(
+    decoder_client, decoder, body, sampling, view
+):
+    from selfattn.viz.generation import generation_payload
+
+    response = decoder_client.post("/api/generate", json={"prompt": PROMPT} | body)
+    assert response.status_code == 200, response.text
+    generation = decoder.generate_recorded(PROMPT, **sampling)
+    expected = generation_payload(generation, **view) | {"text": generation.text}
+    assert response.json() == json.loads(json.dumps(expected))
+    assert len(response.json()["queries"]) == sampling["max_new_tokens"]
+
+
+def test_generate_with_a_seed_gives_the_same_text_again(decoder_client):
+    body = {"prompt": PROMPT, "max_new_tokens": 30, "temperature": 1.5, "seed": 11}
+    texts = [decoder_client.post("/api/generate", json=body).json()["text"] for _ in range(2)]
+    other = decoder_client.post("/api/generate", json=body | {"seed": 12}).json()["text"]
+    assert texts[0] == texts[1] != other
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ({"prompt": ""}, 400, "the prompt is empty"),
+        ({"prompt": "Quiz"}, 400, "characters not in the model's vocabulary: 'Q'"),
+        ({"prompt": PROMPT, "max_new_tokens": 201}, 413, "201 new tokens asked for; the explorer"),
+        ({"prompt": PROMPT, "max_new_tokens": 10**6}, 413, "generates at most 200 a run"),
+        ({"prompt": "a" * 2001}, 413, "the prompt is 2,001 characters; the explorer takes"),
+        ({"prompt": PROMPT, "max_new_tokens": 0}, 422, "max_new_tokens: Input should be greater"),
+        ({"prompt": PROMPT, "max_new_tokens": "9"}, 422, "max_new_tokens: Input should be a valid"),
+        ({"prompt": PROMPT, "temperature": -1}, 422, "temperature: Input should be greater"),
+        ({"prompt": PROMPT, "top_k": 0}, 422, "top_k: Input should be greater than or equal to 1"),
+        ({"prompt": PROMPT, "seed": -1}, 422, "seed: Input should be greater than or equal to 0"),
+        ({"prompt": PROMPT, "seed": 2**32}, 422, "seed: Input should be less than or equal to"),
+        ({"prompt": PROMPT, "layer": 2}, 400, "layer 2 out of range"),
+        ({"prompt": PROMPT, "head": 2}, 400, "head 2 out of range"),
+        ({"prompt": PROMPT, "head": "all"}, 422, "head: give a head number (0 = first) or 'mean'"),
+        ({"prompt": PROMPT, "max_new_tokens": 5, "step": 5}, 400, "step 5 out of range"),
+        ({"prompt": 42}, 422, "prompt: Input should be a valid string"),
+        ({"max_new_tokens": 5}, 422, "prompt: Field required"),
+        ({"prompt": PROMPT, "model": "gpt2"}, 422, "model: Extra inputs are not permitted"),
+    ],
+)
+def test_generate_errors(decoder_client, body, status, words):
+    assert words in detail(decoder_client.post("/api/generate", json=body), status)
+
+
+def test_generate_needs_a_decoder(client):
+    message = detail(client.post("/api/generate", json={"prompt": BANK}), 400)
+    assert message.startswith("Generate needs a decoder (GPT family); all-MiniLM-L6-v2 is an")
+
+
+def test_models_states_the_generation_limit_and_the_decoder(decoder_client):
+    data = decoder_client.get("/api/models").json()
+    assert data["models"][0]["kind"] == "decoder"
+    assert data["limits"]["max_new_tokens"] == server.MAX_NEW_TOKENS == 200
+
+
+def test_generate_runs_on_a_worker_in_inference_mode(decoder, monkeypatch):
+    import torch
+
+    seen = []
+
+    def spy(*args, **options):
+        seen.append((threading.current_thread().name, torch.is_inference_mode_enabled()))
+        return original(*args, **options)
+
+    original = decoder.generate_recorded
+    monkeypatch.setattr(decoder, "generate_recorded", spy)
+    with TestClient(server.create_app(decoder), base_url="http://127.0.0.1") as client:
+        response = client.post("/api/generate", json={"prompt": PROMPT, "max_new_tokens": 3})
+    assert response.status_code == 200, response.text
+    [(thread, inference)] = seen
+    assert thread.startswith("selfattn-worker") and inference
+
+
+def test_generate_waits_in_the_bounded_queue(decoder, monkeypatch):
+    monkeypatch.setattr(server.Pool, "run", _always_busy)
+    with TestClient(server.create_app(decoder), base_url="http://127.0.0.1") as client:
+        response = client.post("/api/generate", json={"prompt": PROMPT})
+    assert detail(response, 503) == "the explorer is busy; retry in a moment"
 
 
 # ---------------------------------------------------------------------------------------------

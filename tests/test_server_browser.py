@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import httpx
 import pytest
@@ -955,3 +955,149 @@ def test_every_view_reads_at_4_5_to_1_in_light_and_in_dark(browser, base_url, sc
     page.fill("#ablation-text", "x" * (server.MAX_CHARS + 1))
     assert page.is_visible("#error") and page.is_visible("#ablation-text-limit")
     assert page.evaluate(LOW_CONTRAST) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Generate: a decoder's continuation, one strip per new token (generation.js)
+
+PROMPT = "the bank "  # in char_gpt's alphabet
+
+
+def generate_address(**fields: str | int) -> str:
+    """The Generate view's address, as the page writes it."""
+    return "/?" + urlencode({"view": "generate"} | fields)
+
+
+def strips_shown(page) -> dict:
+    """The Generate view's text, strips, selection and top keys, once no request is on."""
+    page.wait_for_function("() => !document.querySelector('[aria-busy]')", timeout=30_000)
+    return page.evaluate(
+        """() => {
+            const result = document.getElementById('generate-result');
+            const text = (selector) => result.querySelector(selector)?.textContent ?? null;
+            return {
+                ready: result.dataset.ready, text: text('#generate-text'),
+                rows: result.querySelector('#strips')?.dataset.rows ?? null,
+                generated: result.querySelectorAll('.token.generated').length,
+                selection: text('#selection'),
+                top: [...result.querySelectorAll('#top-keys li')].map((li) => li.dataset.key),
+            };
+        }"""
+    )
+
+
+def test_the_generate_tab_shows_for_a_decoder_only(browser, base_url, decoder_url):
+    for address, decoder in ((base_url, False), (decoder_url, True)):
+        watched = Watched(browser, address)
+        assert watched.page.is_visible("#tab-generate") == decoder
+        watched.check_clean()
+
+
+def test_generate_shows_one_strip_per_new_token_and_the_address_gives_it_again(
+    browser, decoder_url
+):
+    watched = Watched(browser, decoder_url)
+    page = watched.page
+    page.click("#tab-generate")
+    page.fill("#generate-prompt", PROMPT)
+    page.fill("#generate-n", "12")
+    page.fill("#generate-temperature", "0.9")
+    page.fill("#generate-seed", "5")
+    page.click("#generate-run")
+    watched.wait("#generate-result")
+    body = {"prompt": PROMPT, "max_new_tokens": 12, "temperature": 0.9, "seed": 5}
+    expected = api(decoder_url, "/api/generate", body)
+    shown = strips_shown(page)
+    assert (shown["rows"], shown["generated"]) == ("12", 12)
+    assert shown["text"] == PROMPT + expected["text"]
+    result = page.locator("#generate-result")
+    assert result.locator("#axes").text_content() == "rows: queries (the new tokens), columns: keys"
+    hint = result.locator("#strips-hint").text_content()
+    assert "Rows are queries" in hint and "Columns are keys" in hint
+    repeat = result.locator("#generate-repeat").text_content()
+    assert repeat == "Seed 5: reloading this address gives the same text."
+
+    result.locator(".token.generated[data-step='4']").click()
+    result.locator("#head").select_option("0")
+    address = generate_address(
+        prompt=PROMPT, n=12, temperature=0.9, seed=5, layer=1, head=0, step=4
+    )
+    assert page.url == decoder_url + address
+    chosen = strips_shown(page)
+    assert chosen["selection"].startswith("layer 1 · head 0 · new token 13 ")
+    page.reload()
+    watched.wait("#generate-result")
+    assert strips_shown(page) == chosen  # the same text, strip, head and top keys
+    assert page.input_value("#generate-seed") == "5" and page.url == decoder_url + address
+    watched.check_clean()
+
+
+@pytest.mark.parametrize(
+    ("sampling", "note"),
+    [
+        ({}, "No seed: reloading this address samples anew, another text. Give a seed to keep"),
+        ({"temperature": 0}, "Temperature 0 (greedy): reloading this address gives the same"),
+    ],
+)
+def test_generate_says_whether_a_reload_gives_the_same_text(browser, decoder_url, sampling, note):
+    watched = Watched(browser, decoder_url, generate_address(prompt=PROMPT, n=3, **sampling))
+    watched.wait("#generate-result")
+    assert watched.page.text_content("#generate-repeat").startswith(note)
+    watched.check_clean()
+
+
+def test_back_and_forward_show_each_generation_again(browser, decoder_url):
+    watched = Watched(browser, decoder_url, generate_address(prompt=PROMPT, n=4, seed=1))
+    page = watched.page
+    watched.wait("#generate-result")
+    first = strips_shown(page)
+    page.fill("#generate-n", "6")
+    page.click("#generate-run")
+    page.wait_for_function("() => document.querySelectorAll('.token.generated').length === 6")
+    second = strips_shown(page)
+    page.go_back()
+    page.wait_for_function("() => document.querySelectorAll('.token.generated').length === 4")
+    assert strips_shown(page) == first and page.input_value("#generate-n") == "4"
+    page.go_forward()
+    page.wait_for_function("() => document.querySelectorAll('.token.generated').length === 6")
+    assert strips_shown(page) == second
+    watched.check_clean()
+
+
+@pytest.mark.parametrize(
+    ("given", "error"),
+    [
+        ({"n": 500}, "500 new tokens asked for; the explorer generates at most 200 a run: ask for"),
+        ({"prompt": "THE"}, "characters not in the model's vocabulary: 'EHT'; use only"),
+        ({"seed": "x"}, "seed: Input should be a valid integer"),
+        ({"layer": 2}, "layer 2 out of range: the model has layers 0..1 (or -2..-1)"),
+    ],
+)
+def test_generate_refuses_a_bad_address_in_one_line(browser, decoder_url, given, error):
+    watched = Watched(browser, decoder_url, generate_address(**({"prompt": PROMPT} | given)))
+    page = watched.page
+    assert strips_shown(page)["ready"] == "error"  # nothing else ran instead
+    assert page.text_content("#error").startswith(error)
+    assert page.eval_on_selector("#generate-result", "(e) => e.childElementCount") == 0
+
+
+def test_generate_on_an_encoder_says_it_needs_a_decoder(browser, base_url):
+    watched = Watched(browser, base_url, generate_address(prompt=BANK))
+    page = watched.page
+    assert strips_shown(page)["ready"] == "error"
+    assert page.text_content("#error").startswith("Generate needs a decoder (GPT family);")
+
+
+@pytest.mark.parametrize(("scheme", "width"), [("light", 1400), ("dark", 1400), ("light", 320)])
+def test_the_generate_view_reads_at_4_5_to_1_and_fits_the_window(
+    browser, decoder_url, scheme, width
+):
+    watched = Watched(browser, decoder_url)
+    page = watched.page
+    emulate(page, color_scheme=scheme, reduced_motion="reduce")
+    page.set_viewport_size({"width": width, "height": 800})
+    watched.open(generate_address(prompt=PROMPT, n=40))
+    watched.wait("#generate-result")
+    assert page.evaluate(LOW_CONTRAST) == []
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
+    watched.check_clean()

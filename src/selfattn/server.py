@@ -3,11 +3,13 @@
 The model is loaded once, at start-up, and handed to :func:`create_app`; the web chooses
 nothing on disk. Every endpoint calls the same code as the command line: ``/api/explain``
 returns ``explain_text(...)[1].to_json()`` exactly as ``selfattn explain --json`` prints it,
-``/api/compare`` what ``selfattn compare --json`` prints and ``/api/view`` the payload of the
+``/api/compare`` what ``selfattn compare --json`` prints, ``/api/view`` the payload of the
 offline page (:func:`selfattn.viz.report.page_data`), which the live page renders with the
-same script. Only the wording of options differs: where a message (an error, how the head was
-chosen, a note) names options to change, the page's form fields are named ("the Word field"),
-not the command line's flags (see :class:`selfattn.errors.Message`).
+same script, and ``/api/generate`` (a decoder only) the payload of ``selfattn generate
+--html``'s page (:func:`selfattn.viz.generation.generation_payload`) and the continuation.
+Only the wording of options differs: where a message (an error, how the head was chosen, a
+note) names options to change, the page's form fields are named ("the Word field"), not the
+command line's flags (see :class:`selfattn.errors.Message`).
 
 Safety, because a browser tab is an untrusted client:
 
@@ -16,7 +18,7 @@ Safety, because a browser tab is an untrusted client:
 - Bodies are JSON objects (``Content-Type: application/json``, else 415) with typed, known
   fields only (unknown fields are refused) and of a declared size under ``MAX_BODY`` (411/413,
   before they are read); texts are limited in characters (413) and in the model's positions
-  (413) before any work starts.
+  (413), and a generation in new tokens (413), before any work starts.
 - Model runs happen on a small thread pool under ``torch.inference_mode()``; at most
   ``workers + queue`` requests are admitted, the rest get 503 "busy" at once, so a burst
   waits in a bounded queue instead of piling up memory. A request whose client leaves before
@@ -59,10 +61,14 @@ from uvicorn.server import HANDLED_SIGNALS
 from selfattn import explain as explaining
 from selfattn.errors import SelfAttnError, message_of, worded
 from selfattn.models.model import Model
+from selfattn.recording import in_range
 from selfattn.viz import report
+from selfattn.viz.generation import generation_payload, opening_view
 
 MAX_CHARS = 2_000  # per text; the model's positions limit tokens as well
 MAX_SENTENCES = 4
+MAX_NEW_TOKENS = 200  # per generation: its page holds every step's weights, layer and head
+MAX_SEED = 2**32 - 1
 MAX_BODY = 256 * 2**10  # bytes: 4 texts at the limit, every character \u-escaped, fit
 WORKERS = 2  # model runs at once (the CPU has few cores; more only queue inside torch)
 QUEUE = 8  # requests admitted beyond the running ones; the next get 503
@@ -70,7 +76,13 @@ Receive = Callable[[], Awaitable[dict]]  # an ASGI receive
 OCCURRENCE = "Which occurrence of word (0 = first, -1 = last)."
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]")  # names in a Host header (IPv6 in brackets)
 HOST_HEADER = re.compile(r"(?P<name>\[[0-9a-f:.]+\]|[^:\[\]]+)(?::\d+)?", re.IGNORECASE)
-API = ("GET /api/models", "POST /api/view", "POST /api/compare", "POST /api/explain")
+API = (
+    "GET /api/models",
+    "POST /api/view",
+    "POST /api/compare",
+    "POST /api/explain",
+    "POST /api/generate",
+)
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
@@ -81,6 +93,8 @@ STATIC = {  # the only files served: name -> media type
     "serve.css": "text/css; charset=utf-8",
     "view.js": "text/javascript; charset=utf-8",
     "view.css": "text/css; charset=utf-8",
+    "generation.js": "text/javascript; charset=utf-8",
+    "generation.css": "text/css; charset=utf-8",
 }
 
 
@@ -133,6 +147,25 @@ class CompareRequest(StrictBody):
     sentences: list[str] = Field(min_length=2, max_length=MAX_SENTENCES)
     word: str = Field(max_length=MAX_CHARS, description="The word to follow across the sentences.")
     occurrence: int = Field(0, description=OCCURRENCE + " In every sentence.")
+
+
+class GenerateRequest(StrictBody):
+    """`selfattn generate --html`'s options: the sampling, and what its page opens on."""
+
+    prompt: str = Field(description=f"The text to continue (at most {MAX_CHARS} characters).")
+    max_new_tokens: int = Field(
+        50, ge=1, description=f"Tokens to generate (at most {MAX_NEW_TOKENS})."
+    )
+    temperature: float = Field(
+        0.8, ge=0, allow_inf_nan=False, description="Sampling temperature; 0 is greedy."
+    )
+    top_k: int | None = Field(None, ge=1, description="Sample among the k likeliest only.")
+    seed: int | None = Field(
+        None, ge=0, le=MAX_SEED, description="Seed for repeatable sampling; none: anew each run."
+    )
+    layer: int = Field(-1, description="The layer shown first (negative counts from the end).")
+    head: int | Literal["mean"] = Field("mean", description="The head shown first, or 'mean'.")
+    step: int = Field(0, description="The new token shown first (0 = the first generated).")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,6 +261,24 @@ def check_size(model: Model, text: str, name: str = "the text") -> None:
         raise TooLarge(
             f"{name} is {count:,} tokens; {model.name} takes at most {limit:,}: shorten it"
         )
+
+
+def check_generation(model: Model, body: GenerateRequest) -> None:
+    """400 for an encoder, or a layer, head or step the page would not have; 413 for a prompt
+    or a generation over the limits: before any run."""
+    if model.config.kind != "decoder":
+        raise SelfAttnError(
+            f"Generate needs a decoder (GPT family); {model.name} is an encoder: serve a model "
+            "trained by `selfattn train` (--checkpoint) or a GPT-2 folder (--model)"
+        )
+    check_size(model, body.prompt, "the prompt")
+    if body.max_new_tokens > MAX_NEW_TOKENS:
+        raise TooLarge(
+            f"{body.max_new_tokens:,} new tokens asked for; the explorer generates at most "
+            f"{MAX_NEW_TOKENS} a run: ask for fewer"
+        )
+    opening_view(model.config.n_layers, model.config.n_heads, body.layer, body.head)
+    in_range(body.step, body.max_new_tokens, "step", "the generation has steps")
 
 
 def error_reply(status: int, detail: str, **headers: str) -> JSONResponse:
@@ -361,7 +412,11 @@ def create_app(
                     "max_positions": config.max_positions,
                 }
             ],
-            "limits": {"max_chars": MAX_CHARS, "max_sentences": MAX_SENTENCES},
+            "limits": {
+                "max_chars": MAX_CHARS,
+                "max_sentences": MAX_SENTENCES,
+                "max_new_tokens": MAX_NEW_TOKENS,
+            },
         }
 
     # HEAD as well, out of the schema (one operation per route there)
@@ -390,6 +445,13 @@ def create_app(
             check_size(model, sentence, f"sentence {number}")
         return await pool.run(_compare, model, body, receive=request.receive)
 
+    @app.post("/api/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        """A decoder's continuation of the prompt, and per new token the attention that chose
+        it: the payload of `selfattn generate --html`'s page, plus ``text`` (the continuation)."""
+        check_generation(model, body)
+        return await pool.run(_generate, model, body, receive=request.receive)
+
     return app
 
 
@@ -414,6 +476,13 @@ def _compare(model: Model, body: CompareRequest) -> Response:
         model, body.sentences, body.word, occurrence=body.occurrence
     )
     return as_json(comparison.to_json() | {"model": model.name})
+
+
+def _generate(model: Model, body: GenerateRequest) -> Response:
+    sampling = body.model_dump(include={"temperature", "top_k", "seed"})
+    generation = model.generate_recorded(body.prompt, body.max_new_tokens, **sampling)
+    payload = generation_payload(generation, layer=body.layer, head=body.head, step=body.step)
+    return as_json(payload | {"text": generation.text})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 // selfattn: attention during generation. One strip (row) per generated token: the query row of
 // the step that chose it (its query is the token before it) over its keys, the prompt and the
 // tokens generated so far. Rows are queries, columns are keys. Loads after view.js and uses its
-// helpers; every piece of user text reaches the DOM through textContent, never as HTML.
+// helpers; every piece of user text reaches the DOM through textContent, never as HTML. The
+// offline page renders its embedded payload; the live explorer's Generate view calls
+// window.selfattn.generation.render(payload, element, options) with the API's.
 "use strict";
 
 (() => {
@@ -57,8 +59,24 @@
 
   // ---------- the page ----------
 
-  /** Build the page for one payload inside `root`. */
-  function render(payload, root = document.getElementById("app")) {
+  let previous = null; // the last render's root and its window listeners (an AbortController)
+
+  /** Empty `root`, removing the window listeners of the render() shown in it (or inside it). */
+  function clear(root) {
+    if (previous && root.contains(previous.root)) previous.listeners.abort();
+    root.replaceChildren();
+  }
+
+  /**
+   * Build the page for one payload inside `root` (replacing what was there).
+   * options.hash (default true): read and write the selection in the URL hash;
+   * options.onChange(selection): called with {layer, head, step} after every change.
+   */
+  function render(payload, root = document.getElementById("app"), options = {}) {
+    const { hash = true, onChange = null } = options;
+    previous?.listeners.abort();
+    previous = { root, listeners: new AbortController() };
+    const { signal } = previous.listeners;
     const model = { ...payload, weights: decodeTensor(payload.weights, payload.dtype) };
     model.offsets = stepOffsets(model);
     const steps = model.queries.length;
@@ -95,7 +113,8 @@
       keepStripInView(ui.map.parentElement, stripGeometry(model.tokens.length - 1), state.step);
       keepTokenInView(ui.flow, generated[state.step]);
       const fragment = `#layer=${state.layer}&head=${state.head}&step=${state.step}`;
-      if (location.hash !== fragment) history.replaceState(null, "", fragment); // the address keeps the view
+      if (hash && location.hash !== fragment) history.replaceState(null, "", fragment); // the address keeps the view
+      onChange?.({ layer: state.layer, head: state.head, step: state.step });
     }
 
     function draw() {
@@ -149,7 +168,7 @@
     ui.flow.addEventListener("keydown", moveStep);
     ui.map.addEventListener("keydown", moveStep);
     attachStripEvents(ui, model, state, strips, select, showStep);
-    onPixelRatioChange(draw, new AbortController().signal); // the page lives as long as its window
+    onPixelRatioChange(draw, signal);
     const recolour = () => {
       palette = readPalette();
       draw();
@@ -158,12 +177,12 @@
       document.documentElement.classList.toggle("printing", on);
       recolour();
     };
-    matchMedia("(prefers-color-scheme: dark)").addEventListener("change", recolour);
-    matchMedia("print").addEventListener("change", recolour);
-    window.addEventListener("beforeprint", printing(true));
-    window.addEventListener("afterprint", printing(false));
-    window.addEventListener("hashchange", () => select(readHash()));
-    select(readHash()); // what the address asks for, over the payload's first selection
+    matchMedia("(prefers-color-scheme: dark)").addEventListener("change", recolour, { signal });
+    matchMedia("print").addEventListener("change", recolour, { signal });
+    window.addEventListener("beforeprint", printing(true), { signal });
+    window.addEventListener("afterprint", printing(false), { signal });
+    if (hash) window.addEventListener("hashchange", () => select(readHash()), { signal });
+    select(hash ? readHash() : {}); // what the address asks for, over the payload's first selection
     document.title = `${model.model}: attention during generation`;
     root.dataset.ready = "true";
   }
@@ -258,7 +277,7 @@
     );
     const page = h(
       "div",
-      { class: "page" },
+      { class: "page generation" },
       header,
       h(
         "section",
@@ -455,6 +474,7 @@
     });
   }
 
+  window.selfattn.generation = { render, clear };
   const embedded = document.getElementById("selfattn-generation");
   if (embedded && embedded.textContent.trim()) render(JSON.parse(embedded.textContent));
 })();

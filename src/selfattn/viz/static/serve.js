@@ -1,9 +1,12 @@
-// selfattn serve: the live explorer. Three views over the server's JSON API:
+// selfattn serve: the live explorer. Four views over the server's JSON API:
 //   Explore   POST /api/view     -> view.js's render(payload) (tokens, map, steps, model view)
 //   Compare   POST /api/compare  -> the word's cosine similarity per layer, what it attends to
 //   Ablation  POST /api/explain  -> the model's weights next to the head recomputed with
 //                                   another similarity or scale, and their entropies
-// What is on screen lives in the address bar (?view=...&text=...&word=...&occurrence=...&layer=...&head=...),
+//   Generate  POST /api/generate -> generation.js's render(payload): one strip per new token
+//                                   (its tab shows for a decoder only)
+// What is on screen lives in the address bar (?view=...&text=...&word=...&occurrence=...&layer=...&head=...,
+// ?view=generate&prompt=...&n=...&temperature=...&top_k=...&seed=...&layer=...&head=...&step=...),
 // so reloading or sharing the address shows the same thing; each run and each tab is a history
 // entry, so Back and Forward show each step again. A run asks for exactly what its address says:
 // a bad value there is the server's one-line error, never replaced by a default. User text reaches
@@ -43,8 +46,8 @@
   }
   const showError = (message) => say("error", message);
 
-  const RESULTS = { explore: "app", compare: "compare-result", ablation: "ablation-result" }; // view -> its result's element
-  const TITLES = { explore: "Explore", compare: "Compare a word", ablation: "Similarity & scale" }; // as on the tabs
+  const RESULTS = { explore: "app", compare: "compare-result", ablation: "ablation-result", generate: "generate-result" }; // view -> its result's element
+  const TITLES = { explore: "Explore", compare: "Compare a word", ablation: "Similarity & scale", generate: "Generate" }; // as on the tabs
   const tickets = {}; // view -> its latest request
   const failures = {}; // view -> the error its latest request ended in, shown again when its tab opens
 
@@ -83,7 +86,7 @@
     delete shown[view];
     delete failures[view];
     if (view === openView) showError("");
-    window.selfattn.clear(target);
+    (view === "generate" ? window.selfattn.generation : window.selfattn).clear(target);
     target.removeAttribute("aria-busy");
     delete target.dataset.ready;
   }
@@ -375,11 +378,52 @@
     );
   }
 
+  // ---------- Generate ----------
+
+  async function generate(fromAddress) {
+    const { prompt } = INPUTS.generate();
+    if (!fromAddress) navigate("generate"); // its address has no layer, head nor step: the server's first ones
+    const { n, ...fields } = addressFields(params(), ["n", "temperature", "top_k", "seed", "layer", "head", "step"]);
+    const body = { prompt, ...fields };
+    if (n !== undefined) body.max_new_tokens = n;
+    await request("generate", {
+      fetch: () => api("/api/generate", body),
+      show: (payload) => {
+        const app = h("div", { id: "generate-app", class: "app" });
+        $("generate-result").replaceChildren(generatedText(payload, body), app);
+        window.selfattn.generation.render(payload, app, {
+          hash: false,
+          onChange: ({ layer, head, step }) => {
+            if (openView === "generate") history.replaceState(null, "", addressWith({ layer, head, step }, shown.generate));
+          },
+        });
+      },
+    });
+  }
+
+  /** The prompt and its continuation as text, and whether this address gives the same text again. */
+  function generatedText(payload, body) {
+    return h(
+      "section",
+      { class: "card" },
+      h("h2", {}, "Generated text"),
+      h("p", { id: "generate-text", class: "text", dir: "auto" }, payload.prompt, h("b", {}, payload.text)),
+      h("p", { id: "generate-repeat", class: "notice" }, repeatNote(body)),
+    );
+  }
+
+  /** With a seed, or temperature 0 (greedy), the same address gives the same text; without, a reload samples anew. */
+  function repeatNote({ seed, temperature }) {
+    if (temperature === 0) return "Temperature 0 (greedy): reloading this address gives the same text.";
+    if (seed !== undefined) return `Seed ${seed}: reloading this address gives the same text.`;
+    return "No seed: reloading this address samples anew, another text. Give a seed to keep one.";
+  }
+
   // ---------- tabs, forms, start-up ----------
 
   let info = null; // GET /api/models
   const limits = () => info.limits;
-  const VIEWS = { explore, compare, ablation };
+  const VIEWS = { explore, compare, ablation, generate };
   let openView = null; // the view on screen
 
   /** Each view's form, as address parameters. */
@@ -398,6 +442,13 @@
       layer: $("ablation-layer").value,
       head: $("ablation-head").value,
       scale: $("ablation-scale").value,
+    }),
+    generate: () => ({
+      prompt: $("generate-prompt").value,
+      n: $("generate-n").value,
+      temperature: $("generate-temperature").value,
+      top_k: $("generate-top-k").value,
+      seed: $("generate-seed").value,
     }),
   };
 
@@ -425,6 +476,13 @@
       $("ablation-similarity").value = p.get("similarity") || SIMILARITY;
       $("ablation-scale").value = p.get("scale") || "";
     },
+    generate: (p) => {
+      $("generate-prompt").value = p.get("prompt") || "";
+      $("generate-n").value = p.get("n") || "";
+      $("generate-temperature").value = p.get("temperature") || "";
+      $("generate-top-k").value = p.get("top_k") || "";
+      $("generate-seed").value = p.get("seed") || "";
+    },
   };
 
   /** The field after a view's word that picks which match of the word is the query. */
@@ -446,7 +504,10 @@
   function describeModel() {
     const model = info.models[0];
     $("model-info").textContent = `${model.name} · ${model.kind} · ${model.layers} layers × ${model.heads} heads · up to ${model.max_positions} tokens`;
-    for (const id of ["explore-text", "ablation-text"]) limitText(id);
+    for (const id of ["explore-text", "ablation-text", "generate-prompt"]) limitText(id);
+    $("tab-generate").hidden = model.kind !== "decoder"; // the API refuses Generate for an encoder in one line
+    $("generate-n").max = String(limits().max_new_tokens);
+    $("generate-n").title = `at most ${limits().max_new_tokens} new tokens a run`;
     for (let l = 0; l < model.layers; l++) $("ablation-layer").append(h("option", { value: String(l) }, `layer ${l}`));
     for (let i = 0; i < model.heads; i++) $("ablation-head").append(h("option", { value: String(i) }, `head ${i}`));
   }
@@ -471,7 +532,7 @@
     const view = VIEWS[p.get("view")] ? p.get("view") : "explore";
     for (const name of first ? Object.keys(VIEWS) : [view]) FILL[name](p);
     showView(view);
-    const ready = { explore: p.get("text"), compare: p.getAll("s").length >= 2, ablation: p.get("text") }; // without a word, compare and ablation say they need one
+    const ready = { explore: p.get("text"), compare: p.getAll("s").length >= 2, ablation: p.get("text"), generate: p.get("prompt") }; // without a word, compare and ablation say they need one
     if (ready[view] && !history.state?.idle) VIEWS[view](true);
     else clearResult(view);
   }
@@ -485,8 +546,8 @@
   }
 
   function start() {
+    for (const name of ["explore", "compare", "ablation"]) addOccurrenceField(name); // the views with a word
     for (const name of Object.keys(VIEWS)) {
-      addOccurrenceField(name);
       $(`tab-${name}`).addEventListener("click", () => openTab(name));
       $(`${name}-form`).addEventListener("submit", (event) => {
         event.preventDefault();
