@@ -1,6 +1,9 @@
-"""Shared test set-up: no hub access, and one headless chromium for the browser tests."""
+"""Shared test set-up: no hub access, one headless chromium for the browser tests, and
+processes spawned as the ranks of a gloo group."""
 
 import os
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -70,3 +73,26 @@ class WatchedPage:
         return self.page.evaluate(
             "() => JSON.parse(document.getElementById('output').dataset.values)"
         )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process group's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_ranks(worker, ranks: int, *args, seconds: float = 60) -> None:
+    """``worker(rank, port, *args)`` in ``ranks`` spawned processes, ``port`` free for their
+    rendezvous; fail after ``seconds`` (a worker's exception is raised here)."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(
+        worker, args=(free_port(), *args), nprocs=ranks, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + seconds
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{ranks} spawned ranks did not finish within {seconds:.0f} s")

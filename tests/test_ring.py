@@ -14,18 +14,16 @@ import functools
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from conftest import free_port, spawn_ranks
 from selfattn import attention
 from selfattn.kernels import ring
 from selfattn.kernels.ring import ring_attention
@@ -71,26 +69,6 @@ REDUCED = {  # float32, float16 and bfloat16 against twice SDPA's error
 }
 FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-3}
 CASES = EXACT | REDUCED
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _spawn(worker, size: int, *args, seconds: float = 60) -> None:
-    """``worker(rank, port, size, *args)`` on ``size`` spawned gloo ranks; fail after
-    ``seconds`` (a worker's exception is raised here)."""
-    context = mp.start_processes(
-        worker, args=(_free_port(), size, *args), nprocs=size, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + seconds
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"ring workers did not finish within {seconds:.0f} s")
 
 
 def _join(rank: int, port: int, size: int) -> None:
@@ -142,7 +120,7 @@ def _cases_worker(rank: int, port: int, size: int, out: Path) -> None:
 @functools.cache
 def _ring_results(size: int, out: Path) -> list[dict]:
     """Every rank's results for every case (the ranks spawned once per size)."""
-    _spawn(_cases_worker, size, out)
+    spawn_ranks(_cases_worker, size, size, out)
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(size)]
 
 
@@ -259,7 +237,7 @@ def test_shards_or_options_that_differ_across_ranks_are_refused_on_every_rank(tm
     that computed with other options would silently return another attention; one that records
     no gradients would leave the other's backward waiting), none hangs, and the group still
     serves a good call."""
-    _spawn(_bad_shards_worker, 2, tmp_path)
+    spawn_ranks(_bad_shards_worker, 2, 2, tmp_path)
     errors = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     shard = "query ({lead}, 4, 3), key ({lead}, 4, 3), value ({lead}, 4, 4) in torch.float64"
     rank_0 = f"rank 0 holds {shard.format(lead=2)} on cpu"
@@ -316,7 +294,7 @@ def test_a_subgroup_addresses_its_ranks_and_refuses_others(tmp_path):
     """3 ranks, group [1, 2]: its ranks' shards, put together, equal explicit attention on
     their 2-shard sequence within 1e-10 (their neighbours are found by global rank); rank 0,
     not in the group, gets a one-line error instead of an AttributeError."""
-    _spawn(_subgroup_worker, 3, tmp_path)
+    spawn_ranks(_subgroup_worker, 3, 3, tmp_path)
     outside, *inside = [
         torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(3)
     ]
@@ -430,7 +408,7 @@ def test_the_readme_script_runs_under_torchrun(tmp_path):
     path = tmp_path / "ring.py"
     path.write_text(script + check)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-               f"--master_port={_free_port()}", str(path)]  # fmt: skip
+               f"--master_port={free_port()}", str(path)]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=120,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

@@ -16,17 +16,14 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import safetensors.torch
 import torch
-import torch.multiprocessing as mp
 import typer
 from rich.console import Console
 from safetensors.torch import load_file, save_model
@@ -34,6 +31,7 @@ from torch import Tensor, nn
 from typer.testing import CliRunner
 
 import selfattn
+from conftest import spawn_ranks
 from selfattn.cli import TRAIN_HELP, app
 from selfattn.errors import SelfAttnError
 from selfattn.models.gpt import GPT, GPTConfig, sample
@@ -458,12 +456,6 @@ def test_a_second_ctrl_c_cannot_cut_the_interrupts_save_short():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _ddp_worker(rank: int, port: int, corpus: Path, out: Path, overrides: dict) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -486,23 +478,10 @@ class _GlobalBatch:
         return torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])
 
 
-def _run_two_ranks(worker, *args, seconds: float = 120) -> None:
-    """``worker(rank, port, *args)`` on two spawned gloo ranks; fail after ``seconds``."""
-    context = mp.start_processes(
-        worker, args=(_free_port(), *args), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + seconds
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"DDP workers did not finish within {seconds:.0f} s")
-
-
 def test_two_process_ddp_matches_one_process_with_the_global_batch(corpus, tmp_path):
     """gloo DDP, 2 ranks × batch 4: identical ranks; = 1 process × batch 8 within 1e-5."""
     overrides = {"max_iters": 8, "batch_size": 4, "eval_interval": 8}
-    _run_two_ranks(_ddp_worker, corpus, tmp_path, overrides)
+    spawn_ranks(_ddp_worker, 2, corpus, tmp_path, overrides, seconds=120)
     rank0 = load_file(str(tmp_path / "rank0.safetensors"))
     rank1 = load_file(str(tmp_path / "rank1.safetensors"))
     assert all(torch.equal(rank0[key], rank1[key]) for key in rank0)
@@ -556,7 +535,7 @@ def _ddp_poison_worker(rank: int, port: int, out: Path) -> None:
 def test_ddp_ranks_agree_to_refuse_a_save_when_one_rank_is_not_finite(tmp_path):
     """gloo, 2 ranks: NaN weights on rank 1 only, Ctrl-C on rank 0 only: both ranks stop at
     step 4 and refuse its save with the same line (rank 0 used to save rank 0's weights)."""
-    _run_two_ranks(_ddp_poison_worker, tmp_path)
+    spawn_ranks(_ddp_poison_worker, 2, tmp_path, seconds=120)
     kept = (
         "training diverged: the weights are no longer finite at step 4; the checkpoint of "
         "step 3 is kept: resume it with a lower --lr, e.g. --lr 0.01"
@@ -586,7 +565,7 @@ def _ddp_train_loss_worker(rank: int, port: int, out: Path) -> None:
 def test_ddp_train_loss_is_the_mean_over_every_ranks_steps(tmp_path):
     """gloo, 2 ranks: each evaluation's train loss, on both ranks, is the mean of both ranks'
     steps since the one before, as the val loss is of both ranks' batches (it was rank 0's)."""
-    _run_two_ranks(_ddp_train_loss_worker, tmp_path)
+    spawn_ranks(_ddp_train_loss_worker, 2, tmp_path, seconds=120)
     (losses0, history0), (losses1, history1) = (
         json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)
     )
@@ -615,7 +594,7 @@ def test_ddp_ranks_all_stop_when_the_out_is_locked(corpus, tmp_path):
     from selfattn.train.lock import hold
 
     with hold(tmp_path):
-        _run_two_ranks(_ddp_locked_out_worker, corpus, tmp_path, seconds=60)
+        spawn_ranks(_ddp_locked_out_worker, 2, corpus, tmp_path, seconds=60)
     in_use = f"--out {tmp_path} is in use by another run"
     assert (tmp_path / "rank0.txt").read_text().startswith(f"{in_use} (pid {os.getpid()})")
     assert (tmp_path / "rank1.txt").read_text() == in_use
@@ -997,7 +976,7 @@ def test_ddp_ranks_all_stop_when_rank_zero_cannot_save(corpus, tmp_path):
     one-line error. Rank 1 carried on as if it had saved: here it ended "trained"; with steps
     left it died at its next collective with gloo's "Connection closed by peer" traceback
     (under torchrun on a full tmpfs)."""
-    _run_two_ranks(_ddp_full_disk_worker, corpus, tmp_path, seconds=60)
+    spawn_ranks(_ddp_full_disk_worker, 2, corpus, tmp_path, seconds=60)
     assert (tmp_path / "rank0.txt").read_text() == (
         f"cannot write the checkpoint of step 4 in {tmp_path / 'ckpt'}: No space left on "
         "device; nothing was saved"
