@@ -977,10 +977,11 @@ def strips_shown(page) -> dict:
             const text = (selector) => result.querySelector(selector)?.textContent ?? null;
             return {
                 ready: result.dataset.ready, text: text('#generate-text'),
-                rows: result.querySelector('#strips')?.dataset.rows ?? null,
+                rows: result.querySelector('#generate-strips')?.dataset.rows ?? null,
                 generated: result.querySelectorAll('.token.generated').length,
-                selection: text('#selection'),
-                top: [...result.querySelectorAll('#top-keys li')].map((li) => li.dataset.key),
+                selection: text('#generate-selection'),
+                top: [...result.querySelectorAll('#generate-top-keys li')]
+                    .map((li) => li.dataset.key),
             };
         }"""
     )
@@ -1011,14 +1012,15 @@ def test_generate_shows_one_strip_per_new_token_and_the_address_gives_it_again(
     assert (shown["rows"], shown["generated"]) == ("12", 12)
     assert shown["text"] == PROMPT + expected["text"]
     result = page.locator("#generate-result")
-    assert result.locator("#axes").text_content() == "rows: queries (the new tokens), columns: keys"
-    hint = result.locator("#strips-hint").text_content()
+    axes = result.locator("#generate-axes").text_content()
+    assert axes == "rows: queries (the new tokens), columns: keys"
+    hint = result.locator("#generate-strips-hint").text_content()
     assert "Rows are queries" in hint and "Columns are keys" in hint
     repeat = result.locator("#generate-repeat").text_content()
     assert repeat == "Seed 5: reloading this address gives the same text."
 
     result.locator(".token.generated[data-step='4']").click()
-    result.locator("#head").select_option("0")
+    result.locator("#generate-head").select_option("0")
     address = generate_address(
         prompt=PROMPT, n=12, temperature=0.9, seed=5, layer=1, head=0, step=4
     )
@@ -1061,6 +1063,26 @@ def test_back_and_forward_show_each_generation_again(browser, decoder_url):
     page.go_forward()
     page.wait_for_function("() => document.querySelectorAll('.token.generated').length === 6")
     assert strips_shown(page) == second
+    watched.check_clean()
+
+
+def test_explore_and_generate_results_on_one_page_have_no_id_twice(browser, decoder_url):
+    """Both views draw a layer select, a selection line, a legend...: each under its own id."""
+    watched = Watched(browser, decoder_url)
+    page = watched.page
+    watched.explore(PROMPT)
+    watched.wait("#app")
+    page.click("#tab-generate")
+    page.fill("#generate-prompt", PROMPT)
+    page.fill("#generate-n", "4")
+    page.click("#generate-run")
+    watched.wait("#generate-result")
+    ids = page.evaluate("() => [...document.querySelectorAll('[id]')].map((el) => el.id)")
+    assert sorted({name for name in ids if ids.count(name) > 1}) == []
+    assert page.eval_on_selector("#app", "(app) => app.contains(document.getElementById('layer'))")
+    generated = page.locator("#generate-result")
+    assert generated.locator("#generate-layer").count() == 1
+    assert generated.locator("#generate-strips").count() == 1
     watched.check_clean()
 
 

@@ -7,7 +7,11 @@
 "use strict";
 
 (() => {
-  const { h, fmt, decodeTensor, readPalette, inkOn, clip, placeTip, onPixelRatioChange } = window.selfattn;
+  const {
+    h, fmt, decodeTensor, readPalette, channels, clip, paintToken, headName, readHash, renderEmbedded, renders, applySelection,
+    markChosen, onPixelRatioChange, onColourChange, keepBandInView, buildControls, buildLegend, topKeys, drawLegend, sizedContext,
+    drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents,
+  } = window.selfattn;
   const TOP_KEYS = 6; // keys listed for the chosen strip; the rest is one line of left-over weight
 
   // ---------- data ----------
@@ -48,7 +52,6 @@
     return (/^\s+$/.test(visible) ? visible.replace(/\s/g, "␣") : visible) || "∅";
   }
   const quoted = (model, j) => `${j} “${shown(model.tokens[j])}”`;
-  const clamp = (x, n) => Math.max(0, Math.min(n - 1, x | 0));
 
   /** Cell width, strip height and label margins for `columns` keys. */
   function stripGeometry(columns) {
@@ -59,34 +62,25 @@
 
   // ---------- the page ----------
 
-  let previous = null; // the last render's root and its window listeners (an AbortController)
-
-  /** Empty `root`, removing the window listeners of the render() shown in it (or inside it). */
-  function clear(root) {
-    if (previous && root.contains(previous.root)) previous.listeners.abort();
-    root.replaceChildren();
-  }
+  const HASH_NAMES = ["layer", "head", "step"]; // the selection in the address: #layer=l&head=h&step=s, any of them
+  const pages = renders();
 
   /**
    * Build the page for one payload inside `root` (replacing what was there).
    * options.hash (default true): read and write the selection in the URL hash;
-   * options.onChange(selection): called with {layer, head, step} after every change.
+   * options.onChange(selection): called with {layer, head, step} after every change;
+   * options.idPrefix (default ""): put before every id the page gives its parts (#layer, #strips, ...), so
+   * that it can share a page with another view that names its parts alike (the live explorer's Explore).
    */
   function render(payload, root = document.getElementById("app"), options = {}) {
-    const { hash = true, onChange = null } = options;
-    previous?.listeners.abort();
-    previous = { root, listeners: new AbortController() };
-    const { signal } = previous.listeners;
+    const { hash = true, onChange = null, idPrefix = "" } = options;
+    const signal = pages.start(root);
     const model = { ...payload, weights: decodeTensor(payload.weights, payload.dtype) };
     model.offsets = stepOffsets(model);
     const steps = model.queries.length;
-    const state = {
-      layer: clamp(payload.selection.layer, model.layers),
-      head: payload.selection.head === "mean" ? "mean" : clamp(payload.selection.head, model.heads),
-      step: clamp(payload.selection.step, steps),
-      hover: null,
-      shadeBy: "row",
-    };
+    const state = { layer: 0, head: 0, step: 0, hover: null, shadeBy: "row" };
+    const choose = (changes) => applySelection(state, changes, model, "step", steps);
+    choose(payload.selection);
     const cache = new Map();
     const strips = () => {
       const name = `${state.layer}/${state.head}`;
@@ -94,7 +88,7 @@
       return cache.get(name);
     };
     let palette = readPalette();
-    const ui = buildLayout(model);
+    const ui = buildLayout(model, (name) => idPrefix + name);
     root.replaceChildren(ui.page);
     const tokenEls = buildTokens(model, ui.flow);
     const generated = tokenEls.slice(model.n_prompt);
@@ -102,15 +96,11 @@
     function update() {
       ui.layer.value = String(state.layer);
       ui.head.value = String(state.head);
-      const headText = state.head === "mean" ? "mean of heads" : `head ${state.head}`;
-      ui.selection.textContent = `layer ${state.layer} · ${headText} · new token ${quoted(model, model.n_prompt + state.step)}`;
-      generated.forEach((el, s) => {
-        el.classList.toggle("selected", s === state.step);
-        el.setAttribute("aria-selected", String(s === state.step));
-        el.tabIndex = s === state.step ? 0 : -1;
-      });
+      ui.selection.textContent = `layer ${state.layer} · ${headName(state.head)} · new token ${quoted(model, model.n_prompt + state.step)}`;
+      generated.forEach((el, s) => markChosen(el, s === state.step, "aria-selected"));
       draw();
-      keepStripInView(ui.map.parentElement, stripGeometry(model.tokens.length - 1), state.step);
+      const { height, top } = stripGeometry(model.tokens.length - 1);
+      keepBandInView(ui.map.parentElement, top + state.step * height, height);
       keepTokenInView(ui.flow, generated[state.step]);
       const fragment = `#layer=${state.layer}&head=${state.head}&step=${state.step}`;
       if (hash && location.hash !== fragment) history.replaceState(null, "", fragment); // the address keeps the view
@@ -134,19 +124,14 @@
         el.classList.toggle("query", j === query);
         el.classList.toggle("pending", j > query + 1);
         el.classList.toggle("masked", j < model.starts[s]);
-        const colour = w === null ? null : palette.ramp[Math.round((w / largest) * 0.85 * 255)];
-        el.style.backgroundColor = colour ? `rgb(${colour.join(",")})` : "";
-        el.style.color = colour ? inkOn(colour) : "";
+        paintToken(el, w === null ? null : palette.ramp[Math.round((w / largest) * 0.85 * 255)]);
         el.title = w === null ? "" : `weight ${fmt(w)} in the step that chose token ${query + 1}`;
       });
-      fillDetail(ui.detail, model, row, s, state.hover !== null);
+      fillDetail(ui, model, row, s, state.hover !== null);
     }
 
     function select(changes) {
-      if (changes.layer !== undefined) state.layer = clamp(+changes.layer, model.layers);
-      if (changes.head !== undefined) state.head = changes.head === "mean" ? "mean" : clamp(+changes.head, model.heads);
-      if (changes.step !== undefined) state.step = clamp(changes.step, steps);
-      if (changes.shadeBy !== undefined) state.shadeBy = changes.shadeBy;
+      choose(changes);
       update();
     }
 
@@ -169,28 +154,14 @@
     ui.map.addEventListener("keydown", moveStep);
     attachStripEvents(ui, model, state, strips, select, showStep);
     onPixelRatioChange(draw, signal);
-    const recolour = () => {
+    onColourChange(() => {
       palette = readPalette();
       draw();
-    };
-    const printing = (on) => () => {
-      document.documentElement.classList.toggle("printing", on);
-      recolour();
-    };
-    matchMedia("(prefers-color-scheme: dark)").addEventListener("change", recolour, { signal });
-    matchMedia("print").addEventListener("change", recolour, { signal });
-    window.addEventListener("beforeprint", printing(true), { signal });
-    window.addEventListener("afterprint", printing(false), { signal });
-    if (hash) window.addEventListener("hashchange", () => select(readHash()), { signal });
-    select(hash ? readHash() : {}); // what the address asks for, over the payload's first selection
+    }, signal);
+    if (hash) window.addEventListener("hashchange", () => select(readHash(HASH_NAMES)), { signal });
+    select(hash ? readHash(HASH_NAMES) : {}); // what the address asks for, over the payload's first selection
     document.title = `${model.model}: attention during generation`;
     root.dataset.ready = "true";
-  }
-
-  /** The selection the address asks for (#layer=l&head=h&step=s, any of them), as strings. */
-  function readHash() {
-    const asked = new URLSearchParams(location.hash.slice(1));
-    return Object.fromEntries(["layer", "head", "step"].filter((name) => asked.has(name)).map((name) => [name, asked.get(name)]));
   }
 
   /** The step a key press on the strips or the generated tokens asks for, or null. */
@@ -200,13 +171,6 @@
       PageDown: step + 10, PageUp: step - 10, Home: 0, End: steps - 1,
     }[event.key];
     return Number.isInteger(target) ? Math.max(0, Math.min(steps - 1, target)) : null;
-  }
-
-  /** Scroll the strips' box (not the page) just enough to show strip s. */
-  function keepStripInView(box, geometry, s) {
-    const top = geometry.top + s * geometry.height;
-    if (top < box.scrollTop) box.scrollTop = top - geometry.height;
-    else if (top + geometry.height > box.scrollTop + box.clientHeight) box.scrollTop = top + 2 * geometry.height - box.clientHeight;
   }
 
   /** Scroll the text's box (not the page) just enough to show the token element `el`. */
@@ -221,60 +185,39 @@
   function describeStrips(model, state, row) {
     const s = state.step;
     const best = model.starts[s] + row.indexOf(Math.max(...row));
-    const headText = state.head === "mean" ? "mean of heads" : `head ${state.head}`;
     return (
       `${model.queries.length} strips, one per generated token (rows: queries), over ${model.tokens.length - 1} keys ` +
-      `(columns: the prompt and the tokens generated before), layer ${state.layer}, ${headText}. ` +
+      `(columns: the prompt and the tokens generated before), layer ${state.layer}, ${headName(state.head)}. ` +
       `Strip ${s}, which chose ${quoted(model, model.n_prompt + s)}: most weight, ${fmt(Math.max(...row))}, on key ${quoted(model, best)}. ` +
       "Arrow keys move the strip; the list beside lists its top keys."
     );
   }
 
-  function buildLayout(model) {
-    const layer = h("select", { id: "layer", "aria-label": "layer" });
-    for (let l = 0; l < model.layers; l++) layer.append(h("option", { value: String(l) }, `layer ${l}`));
-    const head = h("select", { id: "head", "aria-label": "head" });
-    for (let i = 0; i < model.heads; i++) head.append(h("option", { value: String(i) }, `head ${i}`));
-    head.append(h("option", { value: "mean" }, "mean of heads"));
-    const shadeBy = h(
-      "select",
-      { id: "shade-by", "aria-label": "shade" },
-      h("option", { value: "row" }, "shade: each strip's largest"),
-      h("option", { value: "all" }, "shade: largest weight"),
-    );
+  /** The page's parts; `idOf(name)` is the id of the part called `name`. */
+  function buildLayout(model, idOf) {
+    const { layer, head, shadeBy } = buildControls(model, idOf, [["row", "each strip's largest"], ["all", "largest weight"]]);
     const slid = model.starts.some((start) => start > 0);
     const generatedCount = model.queries.length;
+    const selection = h("p", { id: idOf("selection"), class: "selection", "aria-live": "polite" });
     const header = h(
       "header",
       {},
       h("div", { class: "brand" }, "selfattn · attention during generation"),
-      h("h1", { id: "model" }, model.model),
+      h("h1", { id: idOf("model") }, model.model),
       h(
         "p",
         { class: "meta" },
         `${model.layers} layers × ${model.heads} heads · ${model.n_prompt} prompt tokens · ${generatedCount} generated`,
-        h("span", { class: "badge", id: "axes" }, "rows: queries (the new tokens), columns: keys"),
+        h("span", { class: "badge", id: idOf("axes") }, "rows: queries (the new tokens), columns: keys"),
       ),
       h("div", { class: "controls" }, layer, head, shadeBy),
-      h("p", { id: "selection", class: "selection", "aria-live": "polite" }),
+      selection,
     );
-    const flow = h("div", { id: "flow", class: "flow", role: "listbox", "aria-label": "generated tokens", "aria-orientation": "horizontal" });
-    const detail = h("div", { id: "detail", class: "row-summary", "aria-live": "polite" });
-    const map = h("canvas", { id: "strips", role: "img", tabindex: "0" });
-    const tip = h("div", { id: "strip-tip", class: "tip", hidden: "" });
-    const legend = {
-      bar: h("canvas", { id: "legend-bar", class: "legend-bar", width: "256", height: "1", "aria-hidden": "true" }),
-      largest: h("span", { id: "legend-largest" }),
-    };
-    const legendLine = h(
-      "p",
-      { id: "strip-legend", class: "legend" },
-      "weight 0 ",
-      legend.bar,
-      " ",
-      legend.largest,
-      ...(slid ? [h("span", { class: "legend-masked" }, h("span", { class: "swatch", "aria-hidden": "true" }), "outside the model's window")] : []),
-    );
+    const flow = h("div", { id: idOf("flow"), class: "flow", role: "listbox", "aria-label": "generated tokens", "aria-orientation": "horizontal" });
+    const detail = h("div", { id: idOf("detail"), class: "row-summary", "aria-live": "polite" });
+    const map = h("canvas", { id: idOf("strips"), class: "strips", role: "img", tabindex: "0" });
+    const tip = h("div", { id: idOf("strip-tip"), class: "tip", hidden: "" });
+    const legend = buildLegend(idOf, "strip-legend", slid ? "outside the model's window" : null);
     const page = h(
       "div",
       { class: "page generation" },
@@ -298,17 +241,17 @@
         h("h2", {}, "One strip per generated token"),
         h(
           "p",
-          { class: "hint", id: "strips-hint" },
+          { class: "hint", id: idOf("strips-hint") },
           "Rows are queries: one per generation step, named by the token it chose; the query is the token before it. " +
             "Columns are keys: the prompt, then the tokens generated so far (right of the dashed line). " +
             "Each strip sums to 1; to its right, tokens not yet written. Hover a strip for its top keys, click to pin it (↑ ↓ move)." +
             (slid ? " Past the model's positions the window slides: grey keys are outside it." : ""),
         ),
         h("div", { class: "map-scroll" }, map, tip),
-        legendLine,
+        legend.line,
       ),
     );
-    return { page, layer, head, shadeBy, flow, detail, map, tip, legend, selection: header.querySelector("#selection") };
+    return { page, idOf, layer, head, shadeBy, selection, flow, detail, map, tip, legend };
   }
 
   function buildTokens(model, flow) {
@@ -324,10 +267,9 @@
   }
 
   /** The top keys of step s with their weights, and the weight left on the others. */
-  function fillDetail(detail, model, row, s, preview) {
+  function fillDetail(ui, model, row, s, preview) {
     const start = model.starts[s];
     const order = [...row.keys()].sort((a, b) => row[b] - row[a]).slice(0, TOP_KEYS).filter((j) => row[j] > 0);
-    const largest = row[order[0]] || 1;
     const head = h(
       "p",
       { class: "summary-head" },
@@ -336,37 +278,12 @@
       h("b", {}, quoted(model, model.n_prompt + s)),
       ` was chosen by query ${quoted(model, model.queries[s])}, looking at`,
     );
-    const list = h("ol", { class: "top-keys", id: "top-keys" });
-    for (const j of order) {
-      const bar = h("span", { class: "bar" });
-      bar.style.width = `${(row[j] / largest) * 100}%`;
-      const key = start + j;
-      list.append(
-        h(
-          "li",
-          { "data-key": String(key), "data-weight": String(row[j]) },
-          h("span", { class: "tok" }, quoted(model, key)),
-          h("span", { class: "bar-track" }, bar),
-          h("span", { class: "num" }, fmt(row[j], 3)),
-        ),
-      );
-    }
-    const rest = row.length - order.length;
-    const restMass = Math.max(0, 1 - order.reduce((sum, j) => sum + row[j], 0));
-    const outside = start > 0 ? ` · keys 0..${start - 1} outside the model's window` : "";
-    const leftover = h("p", { class: "leftover", id: "leftover", "data-mass": String(restMass) });
-    leftover.textContent = (rest > 0 ? `+ ${fmt(restMass, 3)} on ${rest} other key${rest > 1 ? "s" : ""}` : "every key shown") + outside;
-    detail.replaceChildren(head, list, leftover);
+    const key = (j) => start + j;
+    const also = start > 0 ? ` · keys 0..${start - 1} outside the model's window` : "";
+    ui.detail.replaceChildren(head, ...topKeys(ui.idOf, row, order, key, (j) => quoted(model, key(j)), { rest: row.length - order.length, allShown: "every key shown", also }));
   }
 
   // ---------- drawing ----------
-
-  function drawLegend(legend, palette, largest) {
-    const image = new ImageData(256, 1);
-    for (let n = 0; n < 256; n++) image.data.set([...palette.ramp[n], 255], 4 * n);
-    legend.bar.getContext("2d").putImageData(image, 0, 0);
-    legend.largest.textContent = largest;
-  }
 
   /** Every strip on one canvas (one pixel per cell, scaled up); returns the largest weight. */
   function drawStrips(canvas, model, rows, state, palette) {
@@ -375,21 +292,15 @@
     const { cell, height, left, top, keyLabels } = stripGeometry(columns);
     const width = left + columns * cell + (keyLabels ? 60 : 8);
     const tall = top + steps * height + 4;
-    const dpr = window.devicePixelRatio || 1;
-    canvas.width = width * dpr;
-    canvas.height = tall * dpr;
-    canvas.style.width = `${width}px`;
-    canvas.style.height = `${tall}px`;
     canvas.dataset.rows = String(steps);
     canvas.dataset.columns = String(columns);
-    const ctx = canvas.getContext("2d");
-    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    const ctx = sizedContext(canvas, width, tall);
     ctx.fillStyle = palette.ground;
     ctx.fillRect(0, 0, width, tall);
 
     const allLargest = Math.max(...rows.map((row) => Math.max(...row))) || 1;
     const image = new ImageData(columns, steps);
-    const ground = [1, 3, 5].map((i) => parseInt(palette.ground.slice(i, i + 2), 16));
+    const ground = channels(palette.ground);
     rows.forEach((row, s) => {
       const largest = state.shadeBy === "row" ? Math.max(...row) || 1 : allLargest;
       for (let j = 0; j < columns; j++) {
@@ -398,10 +309,7 @@
         image.data.set([...colour, 255], 4 * (s * columns + j));
       }
     });
-    const cells = new OffscreenCanvas(columns, steps);
-    cells.getContext("2d").putImageData(image, 0, 0);
-    ctx.imageSmoothingEnabled = false;
-    ctx.drawImage(cells, left, top, columns * cell, steps * height);
+    drawCells(ctx, image, left, top, columns * cell, steps * height);
 
     // the prompt's last key | the first generated one
     ctx.strokeStyle = palette.label;
@@ -412,32 +320,20 @@
     ctx.stroke();
     ctx.setLineDash([]);
 
-    ctx.fillStyle = palette.label;
-    ctx.font = "italic 11px system-ui, sans-serif";
-    ctx.fillText("rows: queries", 2, 12);
-    ctx.fillText("columns: keys", 2, 26);
+    drawAxisNames(ctx, palette);
     ctx.fillStyle = palette.axis;
     ctx.font = "11px system-ui, sans-serif";
     ctx.textBaseline = "middle";
     ctx.textAlign = "right";
     rows.forEach((_, s) => ctx.fillText(`${s} ${clip(shown(model.tokens[model.n_prompt + s]), 10)}`, left - 6, top + (s + 0.5) * height));
     if (keyLabels) {
-      for (let j = 0; j < columns; j++) {
-        ctx.save();
-        ctx.translate(left + (j + 0.5) * cell, top - 6);
-        ctx.rotate(-Math.PI / 4);
-        ctx.textAlign = "left";
-        ctx.fillText(clip(shown(model.tokens[j]), 10), 0, 0);
-        ctx.restore();
-      }
+      for (let j = 0; j < columns; j++) drawKeyLabel(ctx, clip(shown(model.tokens[j]), 10), left + (j + 0.5) * cell, top - 6);
     } else {
       ctx.textAlign = "center";
       const every = [5, 10, 20, 50, 100, 200, 500].find((n) => n * cell >= 28) || 1000;
       for (let j = 0; j < columns; j += every) ctx.fillText(String(j), left + (j + 0.5) * cell, top - 10);
     }
-    ctx.strokeStyle = palette.pin;
-    ctx.lineWidth = 2;
-    ctx.strokeRect(left - 1, top + state.step * height - 1, columns * cell + 2, height + 2);
+    drawPin(ctx, palette, left, top + state.step * height, columns * cell, height);
     return allLargest;
   }
 
@@ -449,32 +345,25 @@
       const j = Math.floor((event.clientX - r.left - left) / cell);
       return s >= 0 && s < model.queries.length ? [s, j] : null;
     };
-    ui.map.addEventListener("mousemove", (event) => {
-      const at = cellAt(event);
-      ui.tip.hidden = !at;
-      if (!at) return;
-      const [s, j] = at;
-      if (state.hover !== s) showStep((state.hover = s));
-      const w = j >= 0 ? weightAt(model, strips()[s], s, j) : null;
-      const key = w === null ? "" : ` · key ${quoted(model, j)}: ${fmt(w)}`;
-      ui.tip.textContent = `strip ${s} (chose ${quoted(model, model.n_prompt + s)}, query ${quoted(model, model.queries[s])})${key}`;
-      placeTip(ui.tip, event);
-    });
-    ui.map.addEventListener("mouseleave", () => {
-      ui.tip.hidden = true;
-      state.hover = null;
-      showStep(state.step);
-    });
-    ui.map.addEventListener("click", (event) => {
-      const at = cellAt(event);
-      if (at) {
+    attachCellEvents(ui.map, ui.tip, {
+      cellAt,
+      hover: ([s, j]) => {
+        if (state.hover !== s) showStep((state.hover = s)); // the text and the list follow the pointer's strip
+        const w = j >= 0 ? weightAt(model, strips()[s], s, j) : null;
+        const key = w === null ? "" : ` · key ${quoted(model, j)}: ${fmt(w)}`;
+        return `strip ${s} (chose ${quoted(model, model.n_prompt + s)}, query ${quoted(model, model.queries[s])})${key}`;
+      },
+      pick: ([s]) => {
         state.hover = null;
-        select({ step: at[0] });
-      }
+        select({ step: s });
+      },
+      leave: () => {
+        state.hover = null;
+        showStep(state.step);
+      },
     });
   }
 
-  window.selfattn.generation = { render, clear };
-  const embedded = document.getElementById("selfattn-generation");
-  if (embedded && embedded.textContent.trim()) render(JSON.parse(embedded.textContent));
+  window.selfattn.generation = { render, clear: pages.clear };
+  renderEmbedded("selfattn-generation", render);
 })();

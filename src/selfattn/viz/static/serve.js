@@ -108,7 +108,7 @@
     return `${location.pathname}?${base}`;
   }
   /** The address of a view and exactly its form's inputs. */
-  const inputsAddress = (view) => addressWith({ view, ...INPUTS[view]() }, new URLSearchParams());
+  const inputsAddress = (view) => addressWith({ view, ...inputs(view) }, new URLSearchParams());
   /** A new history entry for a submitted form. */
   const navigate = (view) => history.pushState(null, "", inputsAddress(view));
 
@@ -136,7 +136,7 @@
   // ---------- Explore ----------
 
   async function explore(fromAddress) {
-    const { text, word } = INPUTS.explore();
+    const { text, word } = inputs("explore");
     if (!fromAddress) navigate("explore"); // its address has no layer, head nor index: the server chooses them
     // the address exactly: which match of the word, its layer and head, the query token (never with a
     // word: the page's own addresses hold one or the other, so the server refuses both in one line)
@@ -213,7 +213,7 @@
   }
 
   async function compare(fromAddress) {
-    const { s: sentences, word } = INPUTS.compare();
+    const { s: sentences, word } = inputs("compare");
     for (const input of sentenceInputs()) if (!input.value.trim()) removeSentence(input.parentElement); // S2 is then the same sentence in the form and in the result
     if (!fromAddress) navigate("compare");
     const body = { sentences, word, ...addressFields(params(), ["occurrence"]) };
@@ -306,7 +306,7 @@
   const SIMILARITY = "cosine"; // the form's choice when the address names none
 
   async function ablation(fromAddress) {
-    const { text, word } = INPUTS.ablation();
+    const { text, word } = inputs("ablation");
     if (!fromAddress) navigate("ablation");
     const chosen = addressFields(params(), ["similarity", "layer", "head", "scale", "occurrence"]);
     const body = { text, word, similarity: SIMILARITY, ...chosen };
@@ -381,7 +381,7 @@
   // ---------- Generate ----------
 
   async function generate(fromAddress) {
-    const { prompt } = INPUTS.generate();
+    const { prompt } = inputs("generate");
     if (!fromAddress) navigate("generate"); // its address has no layer, head nor step: the server's first ones
     const { n, ...fields } = addressFields(params(), ["n", "temperature", "top_k", "seed", "layer", "head", "step"]);
     const body = { prompt, ...fields };
@@ -393,6 +393,7 @@
         $("generate-result").replaceChildren(generatedText(payload, body), app);
         window.selfattn.generation.render(payload, app, {
           hash: false,
+          idPrefix: "generate-", // its parts' ids (#generate-layer, ...) apart from Explore's (#layer, ...)
           onChange: ({ layer, head, step }) => {
             if (openView === "generate") history.replaceState(null, "", addressWith({ layer, head, step }, shown.generate));
           },
@@ -426,64 +427,35 @@
   const VIEWS = { explore, compare, ablation, generate };
   let openView = null; // the view on screen
 
-  /** Each view's form, as address parameters. */
-  const INPUTS = {
-    explore: () => ({ text: $("explore-text").value, word: $("explore-word").value.trim(), occurrence: $("explore-occurrence").value }),
-    compare: () => ({
-      s: sentenceInputs().map((input) => input.value).filter((s) => s.trim()),
-      word: $("compare-word").value.trim(),
-      occurrence: $("compare-occurrence").value,
-    }),
-    ablation: () => ({
-      text: $("ablation-text").value,
-      word: $("ablation-word").value.trim(),
-      occurrence: $("ablation-occurrence").value,
-      similarity: $("ablation-similarity").value,
-      layer: $("ablation-layer").value,
-      head: $("ablation-head").value,
-      scale: $("ablation-scale").value,
-    }),
-    generate: () => ({
-      prompt: $("generate-prompt").value,
-      n: $("generate-n").value,
-      temperature: $("generate-temperature").value,
-      top_k: $("generate-top-k").value,
-      seed: $("generate-seed").value,
-    }),
+  /**
+   * Each view's form fields by the address parameters they hold, in the address's order: the field of
+   * `name` is #view-name (top_k: #generate-top-k). Compare's sentences go before them, from their own inputs.
+   */
+  const FIELDS = {
+    explore: ["text", "word", "occurrence"],
+    compare: ["word", "occurrence"],
+    ablation: ["text", "word", "occurrence", "similarity", "layer", "head", "scale"],
+    generate: ["prompt", "n", "temperature", "top_k", "seed"],
   };
+  const field = (view, name) => $(`${view}-${name.replace("_", "-")}`);
 
-  /** Each view's form, filled from address parameters `p`. */
-  const FILL = {
-    explore: (p) => {
-      $("explore-text").value = p.get("text") || "";
-      $("explore-word").value = p.get("word") || "";
-      $("explore-occurrence").value = p.get("occurrence") || "";
-    },
-    compare: (p) => {
+  /** A view's form, as address parameters (its word without the spaces around it). */
+  function inputs(view) {
+    const values = view === "compare" ? { s: sentenceInputs().map((input) => input.value).filter((s) => s.trim()) } : {};
+    for (const name of FIELDS[view]) values[name] = name === "word" ? field(view, name).value.trim() : field(view, name).value;
+    return values;
+  }
+
+  /** A view's form, filled from address parameters `p`. */
+  function fill(view, p) {
+    if (view === "compare") {
       const sentences = p.getAll("s");
       setSentences(sentences.length || p.get("view") === "compare" ? sentences : BANK);
-      $("compare-word").value = p.get("word") || "";
-      $("compare-occurrence").value = p.get("occurrence") || "";
-    },
-    ablation: (p) => {
-      $("ablation-text").value = p.get("text") || "";
-      $("ablation-word").value = p.get("word") || "";
-      $("ablation-occurrence").value = p.get("occurrence") || "";
-      // a value that a select does not offer leaves it blank (the error says why), not on the last choice;
-      // a number field shows a value that is not a number as blank
-      $("ablation-layer").value = p.get("layer") || "";
-      $("ablation-head").value = p.get("head") || "";
-      $("ablation-similarity").value = p.get("similarity") || SIMILARITY;
-      $("ablation-scale").value = p.get("scale") || "";
-    },
-    generate: (p) => {
-      $("generate-prompt").value = p.get("prompt") || "";
-      $("generate-n").value = p.get("n") || "";
-      $("generate-temperature").value = p.get("temperature") || "";
-      $("generate-top-k").value = p.get("top_k") || "";
-      $("generate-seed").value = p.get("seed") || "";
-    },
-  };
+    }
+    // a value that a select does not offer leaves it blank (the error says why), not on the last choice;
+    // a number field shows a value that is not a number as blank
+    for (const name of FIELDS[view]) field(view, name).value = p.get(name) || (name === "similarity" ? SIMILARITY : "");
+  }
 
   /** The field after a view's word that picks which match of the word is the query. */
   function addOccurrenceField(view) {
@@ -512,13 +484,16 @@
     for (let i = 0; i < model.heads; i++) $("ablation-head").append(h("option", { value: String(i) }, `head ${i}`));
   }
 
-  /** The server's limit on a text; the browser cuts a longer paste there without a word, so say so. */
+  /** The server's limit on a text; the browser cuts a longer paste there without a word, so a notice under it says so. */
   function limitText(id) {
     const most = limits().max_chars;
+    const notice = h("p", { id: `${id}-limit`, class: "notice wide", role: "status", hidden: "" });
+    $(id).closest("label").after(notice);
+    $(id).setAttribute("aria-describedby", notice.id);
     $(id).maxLength = most;
     $(id).addEventListener("input", () => {
       const full = $(id).value.length >= most;
-      say(`${id}-limit`, full ? `${most.toLocaleString("en")} characters at most: the rest of a longer text is left out.` : "");
+      say(notice.id, full ? `${most.toLocaleString("en")} characters at most: the rest of a longer text is left out.` : "");
     });
   }
 
@@ -530,7 +505,7 @@
   function fromAddress(first) {
     const p = params();
     const view = VIEWS[p.get("view")] ? p.get("view") : "explore";
-    for (const name of first ? Object.keys(VIEWS) : [view]) FILL[name](p);
+    for (const name of first ? Object.keys(VIEWS) : [view]) fill(name, p);
     showView(view);
     const ready = { explore: p.get("text"), compare: p.getAll("s").length >= 2, ablation: p.get("text"), generate: p.get("prompt") }; // without a word, compare and ablation say they need one
     if (ready[view] && !history.state?.idle) VIEWS[view](true);

@@ -179,7 +179,6 @@
   }
   let palette = null; // readPalette(), again whenever the colour scheme or print changes it
   const shade = (x) => palette.ramp[Math.max(0, Math.min(255, Math.round(x * 255)))];
-  const rgb = (x) => `rgb(${shade(x).join(",")})`;
 
   /** Relative luminance (WCAG 2) of [r, g, b]. */
   function luminance(colour) {
@@ -189,35 +188,65 @@
   /** Black or white, whichever reads better on [r, g, b] (at least 4.5:1 on any colour). */
   const inkOn = (colour) => (luminance(colour) > 0.18 ? "#000" : "#fff");
 
-  function readHash() {
+  /** A token on the ground [r, g, b], in the ink that reads best on it; null: in the page's own colours. */
+  function paintToken(el, colour) {
+    el.style.backgroundColor = colour ? `rgb(${colour.join(",")})` : "";
+    el.style.color = colour ? inkOn(colour) : "";
+  }
+
+  const clamp = (x, n) => Math.max(0, Math.min(n - 1, x | 0));
+  const headName = (head) => (head === "mean" ? "mean of heads" : `head ${head}`);
+
+  /** The values of `names` (such as layer, head, query) that the address's hash gives, as strings. */
+  function readHash(names) {
     const out = {};
     for (const part of location.hash.replace(/^#/, "").split("&")) {
       const [name, value] = part.split("=");
-      if (["layer", "head", "query"].includes(name) && value !== undefined) out[name] = value;
+      if (names.includes(name) && value !== undefined) out[name] = value;
     }
     return out;
   }
 
+  /** Render the payload a page embeds in the script element `id`, where it has one. */
+  function renderEmbedded(id, render) {
+    const embedded = document.getElementById(id);
+    if (embedded && embedded.textContent.trim()) render(JSON.parse(embedded.textContent));
+  }
+
+  /**
+   * One page kind's render() calls, each owning the window/document listeners it adds (an
+   * AbortController's signal): start(root) ends the last render's listeners and gives the new one's
+   * signal; clear(root) empties `root`, ending the listeners of the render shown in it (or inside it).
+   */
+  function renders() {
+    let previous = null; // the last render's root and its listeners
+    return {
+      start(root) {
+        previous?.listeners.abort();
+        previous = { root, listeners: new AbortController() };
+        return previous.listeners.signal;
+      },
+      clear(root) {
+        if (previous && root.contains(previous.root)) previous.listeners.abort();
+        root.replaceChildren();
+      },
+    };
+  }
+
   // ---------- the app ----------
 
-  let previous = null; // the last render's root and its window/document listeners (an AbortController)
-
-  /** Empty `root`, removing the window/document listeners of the render() shown there. */
-  function clear(root) {
-    if (previous?.root === root) previous.listeners.abort();
-    root.replaceChildren();
-  }
+  const explorers = renders();
 
   /**
    * Build the explorer for one payload inside `root` (replacing what was there).
    * options.hash (default true): read and write the selection in the URL hash;
-   * options.onChange(selection): called with {layer, head, query} after every change.
+   * options.onChange(selection): called with {layer, head, query} after every change;
+   * options.idPrefix (default ""): put before every id the explorer gives its parts (#layer, #heatmap,
+   * ...), so that it can share a page with another view that names its parts alike.
    */
   function render(payload, root = document.getElementById("app"), options = {}) {
-    const { hash = true, onChange = null } = options;
-    previous?.listeners.abort();
-    previous = { root, listeners: new AbortController() };
-    const { signal } = previous.listeners;
+    const { hash = true, onChange = null, idPrefix = "" } = options;
+    const signal = explorers.start(root);
     const model = {
       ...payload,
       query: decodeTensor(payload.query, payload.dtype),
@@ -234,11 +263,12 @@
       return cache.get(name);
     };
     const state = { layer: 0, head: 0, query: 0, hover: null, shadeBy: "matrix", sortByWeight: false };
-    applySelection(state, payload.selection || {}, model);
-    const asked = hash ? readHash() : {};
-    applySelection(state, asked, model);
+    const choose = (changes) => applySelection(state, changes, model, "query", model.length);
+    choose(payload.selection || {});
+    const asked = hash ? readHash(HASH_NAMES) : {};
+    choose(asked);
 
-    const ui = buildLayout(model);
+    const ui = buildLayout(model, (name) => idPrefix + name);
     noteHash(ui.hashNotice, asked, state, model);
     root.replaceChildren(ui.page);
     palette = readPalette();
@@ -252,14 +282,15 @@
       const result = current();
       ui.layer.value = String(state.layer);
       ui.head.value = String(state.head);
-      const headText = state.head === "mean" ? "mean of heads" : `head ${state.head}`;
+      const headText = headName(state.head);
       ui.selection.textContent = `layer ${state.layer} · ${headText} · query ${tokenName(state.query)}`;
       ui.queryNote.hidden = !model.note || state.query !== model.selection.query;
       tokenEls.forEach((el, i) => markChosen(el, i === state.query, "aria-selected"));
       thumbs.forEach((el) => markChosen(el, +el.dataset.layer === state.layer && +el.dataset.head === state.head, "aria-checked"));
       if (state.head === "mean") thumbs[state.layer * model.heads].tabIndex = 0; // Tab still reaches the model view
       draw();
-      keepRowInView(ui.map.parentElement, model.length, state.query);
+      const { cell, margin } = mapGeometry(T);
+      keepBandInView(ui.map.parentElement, margin + state.query * cell, cell);
       ui.map.setAttribute("aria-label", describeMap(model, state, result.weights[state.query], headText));
       fillSteps(ui, model, result, state, tokenName);
       const fragment = `#layer=${state.layer}&head=${state.head}&query=${state.query}`;
@@ -270,7 +301,7 @@
     /** The canvases and the token colours for what is chosen, at the window's pixel ratio and colours. */
     function draw() {
       const largest = drawHeatmap(ui.map, current().weights, model, state);
-      drawLegend(ui.legend, state.shadeBy === "row" ? "each row's largest" : fmt(largest, 3));
+      drawLegend(ui.legend, palette, state.shadeBy === "row" ? "each row's largest" : fmt(largest, 3));
       showRow(state.hover ?? state.query);
     }
 
@@ -281,25 +312,24 @@
         const masked = isMasked(model, i, j);
         el.classList.toggle("masked", masked);
         const plain = j === i || masked;
-        el.style.backgroundColor = plain ? "" : rgb((row[j] / largest) * 0.85);
-        el.style.color = plain ? "" : inkOn(shade((row[j] / largest) * 0.85));
+        paintToken(el, plain ? null : shade((row[j] / largest) * 0.85));
         el.title = masked ? `masked: query ${i} may not look at later tokens` : `weight ${fmt(row[j])} from query ${i}`;
       });
       const order = [...row.keys()].sort((a, b) => row[b] - row[a]);
       const top = order.slice(0, T <= ALL_LINES ? T : TOP_K).filter((j) => row[j] > 0);
       drawLines(ui.lines, ui.strip, tokenEls, i, top, row);
-      fillRowSummary(ui.summary, model, row, i, top, state.hover !== null);
+      fillRowSummary(ui, model, row, i, top, state.hover !== null);
     }
 
     function select(changes) {
-      applySelection(state, changes, model);
+      choose(changes);
       ui.hashNotice.hidden = true; // the address now holds what is shown
       update();
     }
 
     /** Show what an edited hash asks for (the nearest the page has, and a notice, where it has not that). */
     function selectFromHash() {
-      const changes = readHash();
+      const changes = readHash(HASH_NAMES);
       select(changes);
       noteHash(ui.hashNotice, changes, state, model);
     }
@@ -344,20 +374,11 @@
     signal.addEventListener("abort", () => stripSize.disconnect());
     // A zoom or a move to another screen changes the pixel ratio: redraw sharp at the new one.
     onPixelRatioChange(draw, signal);
-    // The colour scheme, and print (light, whatever the screen shows): new colours, drawn again.
-    const recolour = () => {
+    onColourChange(() => {
       palette = readPalette();
       paintThumbnails(model, thumbs);
       draw();
-    };
-    const printing = (on) => () => {
-      document.documentElement.classList.toggle("printing", on);
-      recolour();
-    };
-    matchMedia("(prefers-color-scheme: dark)").addEventListener("change", recolour, { signal });
-    matchMedia("print").addEventListener("change", recolour, { signal });
-    window.addEventListener("beforeprint", printing(true), { signal });
-    window.addEventListener("afterprint", printing(false), { signal });
+    }, signal);
     ui.flow.addEventListener("scroll", redrawLines);
     document.addEventListener(
       "keydown",
@@ -388,12 +409,16 @@
     notice.textContent = bad.length ? `The address's ${values} ${bad.length > 1 ? "are" : "is"} not on this page (${ranges}): showing ${shown}.` : "";
   }
 
-  /** Merge a partial selection (numbers or strings from the hash) into state, in range. */
-  function applySelection(state, changes, model) {
-    const clamp = (x, n) => Math.max(0, Math.min(n - 1, x | 0));
+  const HASH_NAMES = ["layer", "head", "query"]; // the explorer's selection in the address: #layer=l&head=h&query=q
+
+  /**
+   * Merge a partial selection (numbers or strings from the hash) into state, in range: its layer, its
+   * head, its `position` (the explorer's query, the generation page's step) of `count`, how it shades.
+   */
+  function applySelection(state, changes, model, position, count) {
     if (changes.layer !== undefined) state.layer = clamp(+changes.layer, model.layers);
     if (changes.head !== undefined) state.head = changes.head === "mean" ? "mean" : clamp(+changes.head, model.heads);
-    if (changes.query !== undefined) state.query = clamp(+changes.query, model.length);
+    if (changes[position] !== undefined) state[position] = clamp(+changes[position], count);
     if (changes.shadeBy !== undefined) state.shadeBy = changes.shadeBy;
     if (changes.sortByWeight !== undefined) state.sortByWeight = changes.sortByWeight;
   }
@@ -415,12 +440,22 @@
     arm();
   }
 
-  /** Scroll the map's box (not the page) just enough to show the query's row. */
-  function keepRowInView(box, T, query) {
-    const { cell, margin } = mapGeometry(T);
-    const top = margin + query * cell;
-    if (top < box.scrollTop) box.scrollTop = top - cell;
-    else if (top + cell > box.scrollTop + box.clientHeight) box.scrollTop = top + 2 * cell - box.clientHeight;
+  /** On a change of colour scheme, and for print (light, whatever the screen shows): `recolour`. */
+  function onColourChange(recolour, signal) {
+    const printing = (on) => () => {
+      document.documentElement.classList.toggle("printing", on);
+      recolour();
+    };
+    matchMedia("(prefers-color-scheme: dark)").addEventListener("change", recolour, { signal });
+    matchMedia("print").addEventListener("change", recolour, { signal });
+    window.addEventListener("beforeprint", printing(true), { signal });
+    window.addEventListener("afterprint", printing(false), { signal });
+  }
+
+  /** Scroll a map's box (not the page) just enough to show the row (query or strip) `height` tall at `top`. */
+  function keepBandInView(box, top, height) {
+    if (top < box.scrollTop) box.scrollTop = top - height;
+    else if (top + height > box.scrollTop + box.clientHeight) box.scrollTop = top + 2 * height - box.clientHeight;
   }
 
   /** Chosen or not: its class, its ARIA state, and whether Tab reaches it (one per group). */
@@ -467,19 +502,33 @@
     );
   }
 
-  function buildLayout(model) {
-    const layer = h("select", { id: "layer", "aria-label": "layer" });
+  /** The header's selects: layer, head (or their mean) and shading, whose `shadings` are [value, text] pairs. */
+  function buildControls(model, idOf, shadings) {
+    const layer = h("select", { id: idOf("layer"), "aria-label": "layer" });
     for (let l = 0; l < model.layers; l++) layer.append(h("option", { value: String(l) }, `layer ${l}`));
-    const head = h("select", { id: "head", "aria-label": "head" });
+    const head = h("select", { id: idOf("head"), "aria-label": "head" });
     for (let i = 0; i < model.heads; i++) head.append(h("option", { value: String(i) }, `head ${i}`));
     head.append(h("option", { value: "mean" }, "mean of heads"));
-    const shadeBy = h(
-      "select",
-      { id: "shade-by", "aria-label": "shade" },
-      h("option", { value: "matrix" }, "shade: largest weight"),
-      h("option", { value: "row" }, "shade: each row's largest"),
-    );
-    const sort = h("input", { type: "checkbox", id: "sort-weight" });
+    const shadeBy = h("select", { id: idOf("shade-by"), "aria-label": "shade" }, ...shadings.map(([value, text]) => h("option", { value }, `shade: ${text}`)));
+    return { layer, head, shadeBy };
+  }
+
+  /**
+   * The colour scale under a map (the line `lineId`): the same colours as the cells, from weight 0 to what
+   * the darkest cell means (drawLegend fills it in), and a grey swatch named `maskedText` where there is one.
+   */
+  function buildLegend(idOf, lineId, maskedText) {
+    const bar = h("canvas", { id: idOf("legend-bar"), class: "legend-bar", width: "256", height: "1", "aria-hidden": "true" });
+    const largest = h("span", { id: idOf("legend-largest") });
+    const masked = maskedText ? [h("span", { class: "legend-masked" }, h("span", { class: "swatch", "aria-hidden": "true" }), maskedText)] : [];
+    const line = h("p", { id: idOf(lineId), class: "legend" }, "weight 0 ", bar, " ", largest, ...masked);
+    return { bar, largest, line };
+  }
+
+  /** The page's parts; `idOf(name)` is the id of the part called `name`. */
+  function buildLayout(model, idOf) {
+    const { layer, head, shadeBy } = buildControls(model, idOf, [["matrix", "largest weight"], ["row", "each row's largest"]]);
+    const sort = h("input", { type: "checkbox", id: idOf("sort-weight") });
     const similarity = model.similarity === "cosine" ? "cosine similarity" : "dot product";
     const stepText = [
       ["score", model.similarity === "cosine" ? "cos(q, k): how alike query and key are" : "q · k: how alike query and key are"],
@@ -488,17 +537,17 @@
       ["output", "Σ weight × v: the weight-averaged values, the token in context"],
     ];
 
-    const selection = h("p", { id: "selection", class: "selection", "aria-live": "polite" });
+    const selection = h("p", { id: idOf("selection"), class: "selection", "aria-live": "polite" });
     // what the first query is of the word asked for (a phrase's first token, a piece): shown while it is the query
-    const queryNote = h("p", { id: "query-note", class: "note", hidden: "" }, model.note || "");
+    const queryNote = h("p", { id: idOf("query-note"), class: "note", hidden: "" }, model.note || "");
     // a value of the address's hash that the page has not (layer=9, head=x), and what it shows instead
-    const hashNotice = h("p", { id: "hash-notice", class: "notice", role: "status", hidden: "" });
+    const hashNotice = h("p", { id: idOf("hash-notice"), class: "notice", role: "status", hidden: "" });
     const header = h(
       "header",
       {},
       h("div", { class: "brand" }, "selfattn · attention explorer"),
-      h("h1", { id: "model" }, model.model),
-      h("p", { id: "text", class: "text", dir: "auto" }, model.text),
+      h("h1", { id: idOf("model") }, model.model),
+      h("p", { id: idOf("text"), class: "text", dir: "auto" }, model.text),
       h(
         "p",
         { class: "meta" },
@@ -517,39 +566,26 @@
       ),
     );
 
-    const lines = h("canvas", { id: "lines", "aria-hidden": "true" });
+    const lines = h("canvas", { id: idOf("lines"), class: "lines", "aria-hidden": "true" });
     const flow = h("div", { class: "flow", role: "listbox", "aria-label": "tokens", "aria-orientation": "horizontal" });
-    const strip = h("div", { id: "strip", class: "strip" }, lines, flow);
-    const summary = h("div", { id: "row-summary", class: "row-summary" });
-    const map = h("canvas", { id: "heatmap", role: "img", tabindex: "0" });
-    const tip = h("div", { id: "map-tip", class: "tip", hidden: "" });
-    // the colour scale: the same colours as the cells, from weight 0 to what the darkest cell means
-    const legend = {
-      bar: h("canvas", { id: "legend-bar", class: "legend-bar", width: "256", height: "1", "aria-hidden": "true" }),
-      largest: h("span", { id: "legend-largest" }),
-    };
-    const legendLine = h(
-      "p",
-      { id: "map-legend", class: "legend" },
-      "weight 0 ",
-      legend.bar,
-      " ",
-      legend.largest,
-      ...(model.causal ? [h("span", { class: "legend-masked" }, h("span", { class: "swatch", "aria-hidden": "true" }), "masked")] : []),
-    );
+    const strip = h("div", { id: idOf("strip"), class: "strip" }, lines, flow);
+    const summary = h("div", { id: idOf("row-summary"), class: "row-summary" });
+    const map = h("canvas", { id: idOf("heatmap"), class: "heatmap", role: "img", tabindex: "0" });
+    const tip = h("div", { id: idOf("map-tip"), class: "tip", hidden: "" });
+    const legend = buildLegend(idOf, "map-legend", model.causal ? "masked" : null);
     const stepsBody = h("tbody");
     const stepsFoot = h("tfoot");
     const steps = h(
       "table",
-      { id: "steps" },
+      { id: idOf("steps"), class: "step-table" },
       h("thead", {}, h("tr", {}, ...["key", "score", "scaled", "weight", ""].map((x) => h("th", {}, x)))),
       stepsBody,
       stepsFoot,
     );
-    const stepTitle = h("h3", { id: "step-title" });
-    const stepNote = h("p", { class: "note", id: "step-note" });
-    const output = h("div", { id: "output", class: "output" });
-    const grid = h("div", { id: "model-grid", class: "model-grid", role: "radiogroup", "aria-label": "layer and head" });
+    const stepTitle = h("h3", { id: idOf("step-title") });
+    const stepNote = h("p", { class: "note", id: idOf("step-note") });
+    const output = h("div", { id: idOf("output"), class: "output" });
+    const grid = h("div", { id: idOf("model-grid"), class: "model-grid", role: "radiogroup", "aria-label": "layer and head" });
 
     const page = h(
       "div",
@@ -572,7 +608,7 @@
           h("h2", {}, "Attention map"),
           h("p", { class: "hint" }, "rows: queries, columns: keys · click a row to select its query"),
           h("div", { class: "map-scroll" }, map, tip),
-          legendLine,
+          legend.line,
         ),
         h(
           "section",
@@ -593,7 +629,7 @@
         grid,
       ),
     );
-    return { page, layer, head, shadeBy, sort, selection, queryNote, hashNotice, lines, flow, strip, summary, map, tip, legend, stepsBody, stepsFoot, stepTitle, stepNote, output, grid };
+    return { page, idOf, layer, head, shadeBy, sort, selection, queryNote, hashNotice, lines, flow, strip, summary, map, tip, legend, stepsBody, stepsFoot, stepTitle, stepNote, output, grid };
   }
 
   function buildTokens(model, flow) {
@@ -657,12 +693,57 @@
     return { cell, labels, margin: labels ? 84 : 36 };
   }
 
-  /** The colour scale: 256 steps, weight 0 at the left; `largest` says what the right end means. */
-  function drawLegend(legend, largest) {
+  /** The colour scale: the palette's 256 steps, weight 0 at the left; `largest` says what the right end means. */
+  function drawLegend(legend, palette, largest) {
     const image = new ImageData(256, 1);
     for (let n = 0; n < 256; n++) image.data.set([...palette.ramp[n], 255], 4 * n);
     legend.bar.getContext("2d").putImageData(image, 0, 0);
     legend.largest.textContent = largest;
+  }
+
+  /** Size `canvas` to width × height CSS pixels at the window's pixel ratio; its 2D context, drawing in CSS pixels. */
+  function sizedContext(canvas, width, height) {
+    const dpr = window.devicePixelRatio || 1;
+    canvas.width = width * dpr;
+    canvas.height = height * dpr;
+    canvas.style.width = `${width}px`;
+    canvas.style.height = `${height}px`;
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    return ctx;
+  }
+
+  /** `image` (one pixel per cell) scaled up, unsmoothed, into the box at (left, top), width × height. */
+  function drawCells(ctx, image, left, top, width, height) {
+    const cells = new OffscreenCanvas(image.width, image.height);
+    cells.getContext("2d").putImageData(image, 0, 0);
+    ctx.imageSmoothingEnabled = false;
+    ctx.drawImage(cells, left, top, width, height);
+  }
+
+  /** What a map's rows and columns are, in its top left corner. */
+  function drawAxisNames(ctx, palette) {
+    ctx.fillStyle = palette.label;
+    ctx.font = "italic 11px system-ui, sans-serif";
+    ctx.fillText("rows: queries", 2, 12);
+    ctx.fillText("columns: keys", 2, 26);
+  }
+
+  /** A key's label over its column, rising to the right from (x, y). */
+  function drawKeyLabel(ctx, text, x, y) {
+    ctx.save();
+    ctx.translate(x, y);
+    ctx.rotate(-Math.PI / 4);
+    ctx.textAlign = "left";
+    ctx.fillText(text, 0, 0);
+    ctx.restore();
+  }
+
+  /** The chosen row's outline, in the pin's colour, around the box at (left, top), width × height. */
+  function drawPin(ctx, palette, left, top, width, height) {
+    ctx.strokeStyle = palette.pin;
+    ctx.lineWidth = 2;
+    ctx.strokeRect(left - 1, top - 1, width + 2, height + 2);
   }
 
   /** The T×S map on one canvas (one pixel per cell, scaled up); masked cells in grey. Returns the
@@ -673,13 +754,7 @@
     const { cell, labels, margin } = mapGeometry(T);
     const side = margin + T * cell;
     const width = side + (labels ? margin : 0); // room for the last rotated key label
-    const dpr = window.devicePixelRatio || 1;
-    canvas.width = width * dpr;
-    canvas.height = side * dpr;
-    canvas.style.width = `${width}px`;
-    canvas.style.height = `${side}px`;
-    const ctx = canvas.getContext("2d");
-    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    const ctx = sizedContext(canvas, width, side);
     ctx.fillStyle = palette.ground;
     ctx.fillRect(0, 0, width, side);
 
@@ -693,31 +768,16 @@
         image.data.set([...(masked ? palette.masked : shade(w / top)), 255], 4 * (i * S + j));
       });
     });
-    const cells = new OffscreenCanvas(S, T);
-    cells.getContext("2d").putImageData(image, 0, 0);
-    ctx.imageSmoothingEnabled = false;
-    ctx.drawImage(cells, margin, margin, T * cell, T * cell);
+    drawCells(ctx, image, margin, margin, T * cell, T * cell);
 
-    if (labels) {
-      ctx.fillStyle = palette.label;
-      ctx.font = "italic 11px system-ui, sans-serif";
-      ctx.fillText("rows: queries", 2, 12);
-      ctx.fillText("columns: keys", 2, 26);
-    }
+    if (labels) drawAxisNames(ctx, palette);
     ctx.fillStyle = palette.axis;
     ctx.font = `${Math.min(12, cell)}px system-ui, sans-serif`;
     if (labels) {
       ctx.textAlign = "right";
       ctx.textBaseline = "middle";
       tokens.forEach((tok, i) => ctx.fillText(clip(tok, 10), margin - 6, margin + (i + 0.5) * cell));
-      tokens.forEach((tok, j) => {
-        ctx.save();
-        ctx.translate(margin + (j + 0.5) * cell, margin - 6);
-        ctx.rotate(-Math.PI / 4);
-        ctx.textAlign = "left";
-        ctx.fillText(clip(tok, 10), 0, 0);
-        ctx.restore();
-      });
+      tokens.forEach((tok, j) => drawKeyLabel(ctx, clip(tok, 10), margin + (j + 0.5) * cell, margin - 6));
     } else {
       ctx.font = "10px system-ui, sans-serif";
       const step = [5, 10, 20, 50, 100, 200].find((s) => s * cell >= 28) || 500;
@@ -729,22 +789,14 @@
         ctx.fillText(String(i), margin + (i + 0.5) * cell, margin - 10);
       }
     }
-    ctx.strokeStyle = palette.pin;
-    ctx.lineWidth = 2;
-    ctx.strokeRect(margin - 1, margin + state.query * cell - 1, T * cell + 2, cell + 2);
+    drawPin(ctx, palette, margin, margin + state.query * cell, T * cell, cell);
     return matrixMax;
   }
 
   /** Curves from the query token to its top keys over the token strip; width ∝ weight. */
   function drawLines(canvas, strip, tokenEls, i, top, row) {
     const box = strip.getBoundingClientRect();
-    const dpr = window.devicePixelRatio || 1;
-    canvas.width = box.width * dpr;
-    canvas.height = box.height * dpr;
-    canvas.style.width = `${box.width}px`;
-    canvas.style.height = `${box.height}px`;
-    const ctx = canvas.getContext("2d");
-    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    const ctx = sizedContext(canvas, box.width, box.height);
     const anchor = (el) => {
       const r = el.getBoundingClientRect();
       return [r.left + r.width / 2 - box.left, r.top - box.top + 2];
@@ -768,31 +820,38 @@
     }
   }
 
-  function fillRowSummary(summary, model, row, i, top, preview) {
+  function fillRowSummary(ui, model, row, i, top, preview) {
     const head = h("p", { class: "summary-head" }, preview ? "preview: " : "", `query ${i} “`, h("b", {}, model.tokens[i]), "” looks at");
-    const list = h("ol", { class: "top-keys" });
-    const largest = row[top[0]] || 1;
     const names = model.names; // as Python's lists name them: '🙂' ([UNK]) by the text it stands for
     const repeated = (name) => names.indexOf(name) !== names.lastIndexOf(name);
-    for (const j of top) {
-      const bar = h("span", { class: "bar" });
-      bar.style.width = `${(row[j] / largest) * 100}%`;
-      const name = repeated(names[j]) ? `${j}:${names[j]}` : names[j]; // "9:river" where the text has it twice
-      list.append(
-        h("li", { "data-key": String(j), "data-weight": String(row[j]) }, h("span", { class: "tok" }, name), h("span", { class: "bar-track" }, bar), h("span", { class: "num" }, fmt(row[j], 3))),
-      );
-    }
+    const name = (j) => (repeated(names[j]) ? `${j}:${names[j]}` : names[j]); // "9:river" where the text has it twice
     const rest = row.filter((w, j) => w > 0 && !top.includes(j)).length;
     const masked = row.filter((w, j) => isMasked(model, i, j)).length;
     const zero = row.length - top.length - rest - masked; // not masked: exp(scaled) underflowed to 0
     const keys = (n) => `${n} key${n > 1 ? "s" : ""}`;
+    const also = (masked > 0 ? ` · ${keys(masked)} masked` : "") + (zero > 0 ? ` · ${keys(zero)} at weight 0 (too far below the largest score)` : "");
+    ui.summary.replaceChildren(head, ...topKeys(ui.idOf, row, top, (j) => j, name, { rest, allShown: "every attended key shown", also }));
+  }
+
+  /**
+   * A list of the keys `top` (indices into `row`, largest weight first) with their weights and bars, and a
+   * line for the weight left on the `rest` other keys (`allShown` where there are none) and `also` after it.
+   * `key(j)` is the token index of row[j]; `name(j)` how the list names it.
+   */
+  function topKeys(idOf, row, top, key, name, { rest, allShown, also }) {
+    const largest = row[top[0]] || 1;
+    const list = h("ol", { class: "top-keys", id: idOf("top-keys") });
+    for (const j of top) {
+      const bar = h("span", { class: "bar" });
+      bar.style.width = `${(row[j] / largest) * 100}%`;
+      list.append(
+        h("li", { "data-key": String(key(j)), "data-weight": String(row[j]) }, h("span", { class: "tok" }, name(j)), h("span", { class: "bar-track" }, bar), h("span", { class: "num" }, fmt(row[j], 3))),
+      );
+    }
     const restMass = Math.max(0, 1 - top.reduce((sum, j) => sum + row[j], 0));
-    const leftover = h("p", { class: "leftover", id: "leftover", "data-mass": String(restMass) });
-    leftover.textContent =
-      (rest > 0 ? `+ ${fmt(restMass, 3)} on ${rest} other key${rest > 1 ? "s" : ""}` : "every attended key shown") +
-      (masked > 0 ? ` · ${keys(masked)} masked` : "") +
-      (zero > 0 ? ` · ${keys(zero)} at weight 0 (too far below the largest score)` : "");
-    summary.replaceChildren(head, list, leftover);
+    const leftover = h("p", { class: "leftover", id: idOf("leftover"), "data-mass": String(restMass) });
+    leftover.textContent = (rest > 0 ? `+ ${fmt(restMass, 3)} on ${rest} other key${rest > 1 ? "s" : ""}` : allShown) + also;
+    return [list, leftover];
   }
 
   function fillSteps(ui, model, result, state, tokenName) {
@@ -847,9 +906,9 @@
         "p",
         {},
         "norm ",
-        h("b", { id: "output-norm", "data-value": String(norm) }, fmt(norm, 3)),
+        h("b", { id: ui.idOf("output-norm"), "data-value": String(norm) }, fmt(norm, 3)),
         ` · ${output.length} dims · keeps `,
-        h("b", { id: "self-weight", "data-value": String(weights[i]) }, `${fmt(100 * weights[i], 1)}%`),
+        h("b", { id: ui.idOf("self-weight"), "data-value": String(weights[i]) }, `${fmt(100 * weights[i], 1)}%`),
         " of its attention on itself",
       ),
     );
@@ -864,18 +923,33 @@
       const j = Math.floor((event.clientX - r.left - margin) / cell);
       return i >= 0 && j >= 0 && i < model.length && j < model.length ? [i, j] : null;
     };
-    ui.map.addEventListener("mousemove", (event) => {
-      const at = cellAt(event);
-      ui.tip.hidden = !at;
-      if (!at) return;
-      const [i, j] = at;
-      ui.tip.textContent = `query ${i} “${model.tokens[i]}” → key ${j} “${model.tokens[j]}”: ${fmt(current().weights[i][j])}`;
-      placeTip(ui.tip, event);
+    attachCellEvents(ui.map, ui.tip, {
+      cellAt,
+      hover: ([i, j]) => `query ${i} “${model.tokens[i]}” → key ${j} “${model.tokens[j]}”: ${fmt(current().weights[i][j])}`,
+      pick: ([i]) => select({ query: i }),
     });
-    ui.map.addEventListener("mouseleave", () => (ui.tip.hidden = true));
-    ui.map.addEventListener("click", (event) => {
+  }
+
+  /**
+   * A map canvas's tip and clicks. `cellAt(event)`: the [row, column] under the pointer, or null off
+   * the cells; over one, `hover(cell)` gives the tip's text; a click on one calls `pick(cell)`, and
+   * `leave()` (if given) follows the tip away when the pointer leaves the canvas.
+   */
+  function attachCellEvents(canvas, tip, { cellAt, hover, pick, leave }) {
+    canvas.addEventListener("mousemove", (event) => {
       const at = cellAt(event);
-      if (at) select({ query: at[0] });
+      tip.hidden = !at;
+      if (!at) return;
+      tip.textContent = hover(at);
+      placeTip(tip, event);
+    });
+    canvas.addEventListener("mouseleave", () => {
+      tip.hidden = true;
+      leave?.();
+    });
+    canvas.addEventListener("click", (event) => {
+      const at = cellAt(event);
+      if (at) pick(at);
     });
   }
 
@@ -889,9 +963,12 @@
     tip.style.top = `${side(event.clientY, tip.offsetHeight, clientHeight)}px`;
   }
 
-  // clear, h and fmt are shared with the live explorer (serve.js), which loads after this file; the
-  // rest with the page of attention during generation (generation.js).
-  window.selfattn = { render, clear, h, fmt, decodeTensor, readPalette, inkOn, clip, placeTip, onPixelRatioChange };
-  const embedded = document.getElementById("selfattn-payload");
-  if (embedded && embedded.textContent.trim()) render(JSON.parse(embedded.textContent));
+  // render, clear, h and fmt are shared with the live explorer (serve.js), which loads after this file;
+  // h, fmt and the rest with the page of attention during generation (generation.js).
+  window.selfattn = {
+    render, clear: explorers.clear, h, fmt, decodeTensor, readPalette, channels, clip, paintToken, headName,
+    readHash, renderEmbedded, renders, applySelection, markChosen, onPixelRatioChange, onColourChange, keepBandInView,
+    buildControls, buildLegend, topKeys, drawLegend, sizedContext, drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents,
+  };
+  renderEmbedded("selfattn-payload", render);
 })();
