@@ -43,6 +43,17 @@ def browser():
         browser.close()
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest, and steadiest on a busy machine, on one thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class WatchedPage:
     """A chromium page of the explorer with its console errors, uncaught exceptions, dialogs
     and requests recorded, and readers for the step panel's full-precision numbers."""
@@ -73,6 +84,23 @@ class WatchedPage:
         return self.page.evaluate(
             "() => JSON.parse(document.getElementById('output').dataset.values)"
         )
+
+
+class OfflinePage(WatchedPage):
+    """A self-contained page (``selfattn view``, ``generate --html``) opened from its file,
+    in a colour scheme, ready once its ``#app`` says so."""
+
+    def __init__(self, browser, path: Path, fragment: str = "", color_scheme: str = "light"):
+        super().__init__(browser)
+        self.page.emulate_media(color_scheme=color_scheme)
+        self.url = path.as_uri()
+        self.page.goto(self.url + fragment)
+        self.page.wait_for_selector("#app[data-ready='true']", timeout=30_000)
+
+    def check_clean(self) -> None:
+        """No error, and no request but the file itself."""
+        assert self.errors == []
+        assert [url for url in self.requests if url != self.url] == []
 
 
 def free_port() -> int:

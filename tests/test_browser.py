@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import WatchedPage, needs_chromium
+from conftest import OfflinePage, needs_chromium
 from selfattn import attention
 from selfattn.attention import default_scale
 from selfattn.viz import html
@@ -58,20 +58,6 @@ def write_page(
     return path, (q, k, v)
 
 
-class Watched(WatchedPage):
-    """The offline page, opened from its file."""
-
-    def __init__(self, browser, path: Path, fragment: str = ""):
-        super().__init__(browser)
-        self.url = path.as_uri()
-        self.page.goto(self.url + fragment)
-        self.page.wait_for_selector("#app[data-ready='true']", timeout=30_000)
-
-    def check_clean(self):
-        assert self.errors == []
-        assert [url for url in self.requests if url != self.url] == []
-
-
 def reference(q, k, v, layer, head, similarity="dot", causal=False):
     _, trace = attention(
         q[layer, head],
@@ -104,7 +90,7 @@ def test_clicking_a_token_shows_its_row_as_python_computes_it(
     browser, tmp_path, similarity, causal
 ):
     path, (q, k, v) = write_page(tmp_path, similarity, causal)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     trace = reference(q, k, v, 1, 2, similarity, causal)
     for i in (0, 3, 5):
         watched.page.click(f".token[data-index='{i}']")
@@ -116,7 +102,7 @@ def test_clicking_a_token_shows_its_row_as_python_computes_it(
 def test_top_keys_name_a_repeated_token_by_its_index(browser, tmp_path):
     tokens = ["the", "cat", "sat", "the", "mat", "."]
     path, _ = write_page(tmp_path, tokens=tokens)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     watched.page.click(".token[data-index='1']")
     shown = watched.page.eval_on_selector_all(
         ".top-keys li", "(items) => items.map((li) => [+li.dataset.key, li.firstChild.textContent])"
@@ -133,7 +119,7 @@ def test_the_lists_of_keys_name_each_key_as_the_payload_names_it(browser, tmp_pa
     tokens = ["i", "love", "[UNK]", "and", "[UNK]", "bank"]
     names = ["i", "love", "'🙂' ([UNK])", "and", "'🍕' ([UNK])", "bank"]
     path, _ = write_page(tmp_path, tokens=tokens, names=names)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     watched.page.click(".token[data-index='5']")
     shown = watched.page.eval_on_selector_all(
         ".top-keys li", "(items) => items.map((li) => [+li.dataset.key, li.firstChild.textContent])"
@@ -150,7 +136,7 @@ def test_the_lists_of_keys_name_each_key_as_the_payload_names_it(browser, tmp_pa
 def test_the_note_on_the_first_query_shows_while_it_is_the_query(browser, tmp_path):
     note = "first token of 'river bank', 2 words to the model at tokens 3..4"
     path, _ = write_page(tmp_path, query_index=3, note=note)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     assert watched.page.is_visible("#query-note")
     assert watched.page.text_content("#query-note") == note
     watched.page.click(".token[data-index='1']")
@@ -158,7 +144,7 @@ def test_the_note_on_the_first_query_shows_while_it_is_the_query(browser, tmp_pa
     watched.page.click(".token[data-index='3']")
     assert watched.page.is_visible("#query-note")
     plain, _ = write_page(tmp_path, query_index=3)  # the same file, now without a note
-    assert Watched(browser, plain).page.is_hidden("#query-note")  # no note, no line
+    assert OfflinePage(browser, plain).page.is_hidden("#query-note")  # no note, no line
     watched.check_clean()
 
 
@@ -185,7 +171,7 @@ def test_the_maps_labels_are_cut_between_letters_not_inside_one(browser, tmp_pat
 
 def test_layer_and_head_selectors_update_the_step_panel(browser, tmp_path):
     path, (q, k, v) = write_page(tmp_path, query_index=4)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     assert_row_matches(watched, reference(q, k, v, 1, 2), 4)
     watched.page.select_option("#layer", "0")
     watched.page.select_option("#head", "1")
@@ -205,7 +191,7 @@ def test_layer_and_head_selectors_update_the_step_panel(browser, tmp_path):
 
 def test_url_hash_chooses_the_first_selection(browser, tmp_path):
     path, (q, k, v) = write_page(tmp_path)
-    watched = Watched(browser, path, "#layer=0&head=1&query=2")
+    watched = OfflinePage(browser, path, "#layer=0&head=1&query=2")
     assert watched.page.input_value("#layer") == "0" and watched.page.input_value("#head") == "1"
     assert_row_matches(watched, reference(q, k, v, 0, 1), 2)
     watched.check_clean()
@@ -232,7 +218,7 @@ def test_a_hash_the_page_cannot_show_is_said_in_one_line(
     browser, tmp_path, fragment, shown, notice
 ):
     path, _ = write_page(tmp_path)
-    watched = Watched(browser, path, fragment)
+    watched = OfflinePage(browser, path, fragment)
     page = watched.page
     assert (page.input_value("#layer"), page.input_value("#head")) == shown
     said = page.text_content("#hash-notice") if page.is_visible("#hash-notice") else None
@@ -249,7 +235,7 @@ def test_a_hash_the_page_cannot_show_is_said_in_one_line(
 
 def test_user_text_shows_as_text(browser, tmp_path):
     path, _ = write_page(tmp_path)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     page = watched.page
     assert page.locator("img").count() == 0
     assert page.text_content(".token[data-index='2']") == XSS
@@ -280,7 +266,7 @@ def test_a_512_token_page_loads_and_draws(browser, tmp_path):
     path = tmp_path / "long.html"
     path.write_text(render_page(data), encoding="utf-8")
     start = time.perf_counter()
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     assert time.perf_counter() - start < 20
     colours = watched.page.evaluate(
         """() => {
@@ -304,7 +290,7 @@ def test_a_512_token_page_loads_and_draws(browser, tmp_path):
 def test_float16_payloads_decode_to_the_same_numbers(browser, tmp_path, monkeypatch):
     monkeypatch.setattr(html, "FLOAT32_LIMIT_BYTES", 0)
     path, (q, k, v) = write_page(tmp_path, query_index=1)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     halves = [x.half().float() for x in (q, k, v)]  # what float16 on the wire carries exactly
     assert_row_matches(watched, reference(*halves, 1, 2), 1)
     assert "came as float16" in watched.page.text_content("#step-note")  # not Python's digits
@@ -313,7 +299,7 @@ def test_float16_payloads_decode_to_the_same_numbers(browser, tmp_path, monkeypa
 
 def test_a_tiny_scale_reads_as_itself_not_as_zero(browser, tmp_path):
     path, _ = write_page(tmp_path, scale=1e-30)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     assert "scale 1.000e-30" in watched.page.text_content(".meta")
     assert "score × 1.000e-30" in watched.page.text_content("#step-note")
     assert "came as float16" not in watched.page.text_content("#step-note")
@@ -322,7 +308,7 @@ def test_a_tiny_scale_reads_as_itself_not_as_zero(browser, tmp_path):
 
 def test_a_narrow_window_does_not_scroll_sideways(browser, tmp_path):
     path, _ = write_page(tmp_path)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     watched.page.set_viewport_size({"width": 400, "height": 800})
     watched.page.reload()  # laid out narrow from the start, as on a phone
     watched.page.wait_for_selector("#app[data-ready='true']", timeout=30_000)
@@ -345,7 +331,7 @@ def focused(page) -> str:
 def test_keyboard_alone_reaches_and_moves_tokens_map_and_model_view(browser, tmp_path):
     tokens = [f"w{i}" for i in range(40)]
     path, (q, k, v) = write_page(tmp_path, tokens=tokens, query_index=3)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     page = watched.page
     stops = []
     for _ in range(6):  # the 40 tokens are one Tab stop, not 40: the map comes right after
@@ -379,7 +365,7 @@ def test_keyboard_alone_reaches_and_moves_tokens_map_and_model_view(browser, tmp
 
 def test_screen_readers_get_names_roles_and_the_maps_text(browser, tmp_path):
     path, (q, k, v) = write_page(tmp_path, query_index=1)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     page = watched.page
     row = reference(q, k, v, 1, 2).weights[1]
     best = int(row.argmax())
@@ -398,7 +384,7 @@ def test_screen_readers_get_names_roles_and_the_maps_text(browser, tmp_path):
 
 def test_the_map_and_the_model_view_say_rows_are_queries_and_columns_keys(browser, tmp_path):
     path, _ = write_page(tmp_path)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     hints = watched.page.evaluate(
         """() => ['#heatmap', '#model-grid'].map((id) =>
             document.querySelector(id).closest('.card').querySelector('.hint').textContent)"""
@@ -409,7 +395,7 @@ def test_the_map_and_the_model_view_say_rows_are_queries_and_columns_keys(browse
 
 def test_a_decoders_masked_keys_look_masked_and_say_so(browser, tmp_path):
     path, _ = write_page(tmp_path, causal=True, query_index=2)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     page = watched.page
     tags = page.eval_on_selector_all(
         "#steps tbody tr", "(rows) => rows.map((tr) => tr.lastChild.textContent)"
@@ -432,19 +418,19 @@ def test_a_decoders_masked_keys_look_masked_and_say_so(browser, tmp_path):
 def test_the_row_summary_counts_masked_keys_apart_from_weights_that_underflow(browser, tmp_path):
     """A scale of 1000 sends some encoder weights to exactly 0: they are not masked keys."""
     path, _ = write_page(tmp_path, scale=1000.0, query_index=2)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     page = watched.page
     zero = sum(float(row["weight"]) == 0 for row in watched.step_rows())
     assert zero > 0  # else the scale did not do its job
     leftover = page.text_content("#leftover")
     assert "masked" not in leftover and f"{zero} key" in leftover and "at weight 0" in leftover
     causal, _ = write_page(tmp_path, causal=True, query_index=2)
-    assert "3 keys masked" in Watched(browser, causal).page.text_content("#leftover")
+    assert "3 keys masked" in OfflinePage(browser, causal).page.text_content("#leftover")
 
 
 def test_print_shows_every_token_and_step_unscrolled(browser, tmp_path):
     path, _ = write_page(tmp_path, tokens=[f"token{i}" for i in range(150)])
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     watched.page.emulate_media(media="print")
     clipped = watched.page.evaluate(
         """() => ['.flow', '.map-scroll', '.steps-scroll'].filter((s) => {
@@ -461,7 +447,7 @@ def test_right_to_left_text_reads_right_to_left(browser, tmp_path):
     path, _ = write_page(tmp_path, tokens=tokens)
     text = "שלום עולם."
     path.write_text(path.read_text(encoding="utf-8").replace(" ".join(tokens), text, 1))
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     # the full stop ends the sentence at its left, as a Hebrew reader expects
     left_of = watched.page.evaluate(
         """(text) => {
@@ -551,7 +537,7 @@ def contrast(a, b) -> float:
 @pytest.mark.parametrize("scheme", ["light", "dark"])
 def test_every_text_reads_at_4_5_to_1_in_light_and_in_dark(browser, tmp_path, scheme):
     path, _ = write_page(tmp_path, causal=True, query_index=2)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     page = watched.page
     emulate(page, color_scheme=scheme, reduced_motion="reduce")
     grounds = page.evaluate(GROUNDS)
@@ -580,7 +566,7 @@ def test_the_maps_cells_its_legend_and_masked_keys_share_one_colour_scale(
     browser, tmp_path, scheme
 ):
     path, (q, k, v) = write_page(tmp_path, causal=True)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     page = watched.page
     emulate(page, color_scheme=scheme)
     weights = reference(q, k, v, 1, 2, causal=True).weights
@@ -628,7 +614,7 @@ def test_the_maps_cells_its_legend_and_masked_keys_share_one_colour_scale(
 
 def test_print_is_light_in_dark_mode(browser, tmp_path):
     path, _ = write_page(tmp_path)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     page = watched.page
     emulate(page, color_scheme="dark")
     dark = page.evaluate(GROUNDS)
@@ -647,7 +633,7 @@ def test_print_is_light_in_dark_mode(browser, tmp_path):
 
 def test_a_zoom_redraws_the_map_sharp_at_the_new_pixel_ratio(browser, tmp_path):
     path, _ = write_page(tmp_path)
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     page = watched.page
     cdp = page.context.new_cdp_session(page)
     sharp = """(ratio) => devicePixelRatio === ratio && ['heatmap', 'lines'].every((id) => {
@@ -667,7 +653,7 @@ def test_a_zoom_redraws_the_map_sharp_at_the_new_pixel_ratio(browser, tmp_path):
 def test_the_maps_box_scrolls_to_the_chosen_row(browser, tmp_path):
     n = 300  # 3 px cells: 936 px of map in a 760 px box
     path, _ = write_page(tmp_path, tokens=[f"t{i}" for i in range(n)])
-    watched = Watched(browser, path)
+    watched = OfflinePage(browser, path)
     page = watched.page
     row_in_box = """(i) => {
         const box = document.querySelector('.map-scroll').getBoundingClientRect();

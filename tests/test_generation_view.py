@@ -21,26 +21,20 @@ import torch
 from typer.testing import CliRunner
 
 import selfattn
-from conftest import WatchedPage, needs_chromium
+from conftest import OfflinePage, needs_chromium
 from selfattn.cli import app
 from selfattn.models.model import Generation, GenerationStep
 from selfattn.recording import record
 from selfattn.train import load_model, train_gpt
 from selfattn.viz.generation import generation_page, generation_payload
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: fastest on one thread
+
 TOL = 1e-5
 PAGE_TOL = 1e-6
 CORPUS = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n" * 12
 )
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -233,17 +227,8 @@ def in_chromium(test):
     return test
 
 
-class Watched(WatchedPage):
-    def __init__(self, browser, path, color_scheme="light", fragment=""):
-        super().__init__(browser)
-        self.page.emulate_media(color_scheme=color_scheme)
-        self.url = path.as_uri()
-        self.page.goto(self.url + fragment)
-        self.page.wait_for_selector("#app[data-ready='true']", timeout=30_000)
-
-    def check_clean(self):
-        assert self.errors == []
-        assert [url for url in self.requests if url != self.url] == []
+class Watched(OfflinePage):
+    """The generation page, with readers for its top keys and strips."""
 
     def top_keys(self) -> dict[int, float]:
         return dict(
@@ -325,7 +310,7 @@ def test_page_follows_dark_mode(browser, gpt2_page):
     path, _ = gpt2_page
     grounds, images = {}, {}
     for scheme in ("light", "dark"):
-        watched = Watched(browser, path, scheme)
+        watched = Watched(browser, path, color_scheme=scheme)
         grounds[scheme] = watched.page.evaluate(
             "() => getComputedStyle(document.body).backgroundColor"
         )

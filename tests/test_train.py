@@ -53,20 +53,13 @@ from selfattn.train import checkpoint as checkpoint_module
 from selfattn.train import loop as loop_module
 from selfattn.train import run as run_module
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: fastest on one thread
+
 CORPUS = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
     "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\n"
     "Resolved. resolved.\n\n"
 ) * 12
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest, and steadiest on a busy machine, on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
