@@ -47,7 +47,9 @@ from selfattn.train.loop import TrainConfig
 
 FORMAT = "selfattn-train-checkpoint"
 LATEST = "LATEST"
-OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors names the errno of a failed write
+# How safetensors names the errno of a failed write: "(os error 28)", or before 0.4.2 or so
+# the Rust debug form "Os { code: 28, ... }".
+OS_ERROR = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")
 T = TypeVar("T")  # what a checkpoint file reads as
 
 
@@ -386,7 +388,7 @@ def _write_tensors(path: Path, write: Callable[[str], None]) -> None:
         code = OS_ERROR.search(str(error))
         if code is None:
             raise
-        number = int(code.group(1))
+        number = int(code.group(1) or code.group(2))
         raise OSError(number, os.strerror(number), str(path)) from error
 
 
