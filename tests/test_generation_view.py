@@ -396,3 +396,25 @@ def test_the_address_keeps_the_selection(browser, gpt2_page):
     page.wait_for_function("document.querySelector('#selection').textContent.includes('head 2')")
     assert_top_keys_are(watched, generation.weights(7, 1, 2))
     watched.check_clean()
+
+
+@in_chromium
+def test_an_address_the_page_cannot_show_is_said_in_one_line(browser, gpt2_page):
+    # The explorer names a bad address's values in one notice; the generation page moved them
+    # into range silently. Now it says so too, and the notice goes once something is chosen.
+    path, generation = gpt2_page
+    steps = len(generation.steps)
+    watched = Watched(browser, path, fragment="#layer=9&head=x&step=99")
+    page = watched.page
+    notice = page.text_content("#hash-notice")
+    assert notice == (
+        f"The address's layer=9 and head=x and step=99 are not on this page "
+        f"(layers 0..{generation.n_layers - 1}, heads 0..{generation.n_heads - 1} or mean, "
+        f"steps 0..{steps - 1}): showing layer {generation.n_layers - 1}, head 0, step {steps - 1}."
+    )
+    page.select_option("#head", "mean")
+    assert page.is_hidden("#hash-notice")
+    page.evaluate("location.hash = '#layer=0&head=1&step=2'")
+    page.wait_for_function("document.querySelector('#selection').textContent.includes('head 1')")
+    assert page.is_hidden("#hash-notice")
+    watched.check_clean()

@@ -8,7 +8,7 @@
 
 (() => {
   const {
-    h, fmt, decodeTensor, readPalette, channels, clip, paintToken, headName, readHash, renderEmbedded, renders, applySelection,
+    h, fmt, decodeTensor, readPalette, channels, clip, paintToken, headName, readHash, noteHash, renderEmbedded, renders, applySelection,
     markChosen, onPixelRatioChange, onColourChange, keepBandInView, buildControls, buildLegend, topKeys, drawLegend, sizedContext,
     drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents,
   } = window.selfattn;
@@ -132,6 +132,7 @@
 
     function select(changes) {
       choose(changes);
+      ui.hashNotice.hidden = true; // the address now holds what is shown
       update();
     }
 
@@ -158,8 +159,15 @@
       palette = readPalette();
       draw();
     }, signal);
-    if (hash) window.addEventListener("hashchange", () => select(readHash(HASH_NAMES)), { signal });
-    select(hash ? readHash(HASH_NAMES) : {}); // what the address asks for, over the payload's first selection
+    /** What the address asks for, over the payload's first selection; a notice for what the page has not. */
+    function selectFromHash() {
+      const asked = readHash(HASH_NAMES);
+      select(asked);
+      noteHash(ui.hashNotice, asked, state, model, ["step", "steps", steps]);
+    }
+    if (hash) window.addEventListener("hashchange", selectFromHash, { signal });
+    if (hash) selectFromHash();
+    else select({});
     document.title = `${model.model}: attention during generation`;
     root.dataset.ready = "true";
   }
@@ -199,6 +207,7 @@
     const slid = model.starts.some((start) => start > 0);
     const generatedCount = model.queries.length;
     const selection = h("p", { id: idOf("selection"), class: "selection", "aria-live": "polite" });
+    const hashNotice = h("p", { id: idOf("hash-notice"), class: "notice", role: "status", hidden: "" });
     const header = h(
       "header",
       {},
@@ -212,6 +221,7 @@
       ),
       h("div", { class: "controls" }, layer, head, shadeBy),
       selection,
+      hashNotice,
     );
     const flow = h("div", { id: idOf("flow"), class: "flow", role: "listbox", "aria-label": "generated tokens", "aria-orientation": "horizontal" });
     const detail = h("div", { id: idOf("detail"), class: "row-summary", "aria-live": "polite" });
@@ -251,7 +261,7 @@
         legend.line,
       ),
     );
-    return { page, idOf, layer, head, shadeBy, selection, flow, detail, map, tip, legend };
+    return { page, idOf, layer, head, shadeBy, selection, hashNotice, flow, detail, map, tip, legend };
   }
 
   function buildTokens(model, flow) {

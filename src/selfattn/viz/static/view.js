@@ -269,7 +269,7 @@
     choose(asked);
 
     const ui = buildLayout(model, (name) => idPrefix + name);
-    noteHash(ui.hashNotice, asked, state, model);
+    noteHash(ui.hashNotice, asked, state, model, ["query", "tokens", model.length]);
     root.replaceChildren(ui.page);
     palette = readPalette();
     const tokenEls = buildTokens(model, ui.flow);
@@ -331,7 +331,7 @@
     function selectFromHash() {
       const changes = readHash(HASH_NAMES);
       select(changes);
-      noteHash(ui.hashNotice, changes, state, model);
+      noteHash(ui.hashNotice, changes, state, model, ["query", "tokens", model.length]);
     }
 
     ui.layer.addEventListener("change", () => select({ layer: ui.layer.value }));
@@ -397,9 +397,10 @@
   /**
    * Say in `notice` which values of the hash (`asked`) the page has not, such as layer=9 or head=x,
    * and what it shows instead (`state`, where applySelection put them); hidden when it has them all.
+   * `position` names the third value and how many the page has: ["query", "tokens", T], ["step", "steps", M].
    */
-  function noteHash(notice, asked, state, model) {
-    const offered = { layer: ["layers", model.layers], head: ["heads", model.heads], query: ["tokens", model.length] };
+  function noteHash(notice, asked, state, model, [position, plural, count]) {
+    const offered = { layer: ["layers", model.layers], head: ["heads", model.heads], [position]: [plural, count] };
     const onPage = (name, value) => (name === "head" && value === "mean") || (/^\d+$/.test(value) && +value < offered[name][1]);
     const bad = Object.keys(offered).filter((name) => asked[name] !== undefined && !onPage(name, asked[name]));
     notice.hidden = !bad.length;
@@ -967,7 +968,7 @@
   // h, fmt and the rest with the page of attention during generation (generation.js).
   window.selfattn = {
     render, clear: explorers.clear, h, fmt, decodeTensor, readPalette, channels, clip, paintToken, headName,
-    readHash, renderEmbedded, renders, applySelection, markChosen, onPixelRatioChange, onColourChange, keepBandInView,
+    readHash, noteHash, renderEmbedded, renders, applySelection, markChosen, onPixelRatioChange, onColourChange, keepBandInView,
     buildControls, buildLegend, topKeys, drawLegend, sizedContext, drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents,
   };
   renderEmbedded("selfattn-payload", render);
