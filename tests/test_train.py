@@ -9,6 +9,7 @@ sums differs).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import io
 import json
@@ -223,31 +224,42 @@ def test_resume_gives_the_same_losses_as_straight_training(corpus, tmp_path):
         assert torch.equal(a, b), name
 
 
-def test_a_resume_trains_with_the_weight_decay_it_is_given(corpus, tmp_path, monkeypatch):
-    """10 steps at weight decay 0.1, resumed to 20 with --weight-decay 0 == 20 straight steps
-    whose AdamW is set to weight decay 0 (torch's own group setting) before step 11: weights
-    bit-exact. The resumed optimizer took the checkpoint's 0.1 back (config.json said 0)."""
+@pytest.mark.parametrize(
+    ("setting", "value", "group_key"),
+    [("weight_decay", 0.0, "weight_decay"), ("beta1", 0.5, "betas"), ("beta2", 0.9, "betas")],
+)
+def test_a_resume_trains_with_the_adamw_settings_it_is_given(
+    corpus, tmp_path, monkeypatch, setting, value, group_key
+):
+    """10 steps with the preset's AdamW, resumed to 20 with --weight-decay 0 (or --beta1 0.5,
+    --beta2 0.9) == 20 straight steps whose AdamW groups get that setting (torch's own group
+    setting) before step 11: weights bit-exact. The resumed optimizer used to take the
+    checkpoint's weight decay back (config.json said 0)."""
     out = tmp_path / "out"
     settings = {"max_iters": 20, "eval_interval": 10}
     train_gpt(corpus, out, preset="tiny", overrides={**settings, "max_iters": 10})
-    resumed = train_gpt(corpus, out, overrides={**settings, "weight_decay": 0.0}, resume=True)
+    resumed = train_gpt(corpus, out, overrides={**settings, setting: value}, resume=True)
 
-    def decay_until_step_ten(model, config):
+    def change_at_step_eleven(model, config):
         optimizer = configure_optimizer(model, config)
+        changed = dataclasses.replace(config, **{setting: value})
         steps = []
 
         def before_step(optimizer, *_):
             steps.append(len(steps) + 1)
             if steps[-1] == 11:
                 for group in optimizer.param_groups:
-                    group["weight_decay"] = 0.0
+                    if group_key == "betas":
+                        group["betas"] = (changed.beta1, changed.beta2)
+                    elif group["weight_decay"]:  # biases and norms keep 0
+                        group["weight_decay"] = value
 
         optimizer.register_step_pre_hook(before_step)
         return optimizer
 
-    monkeypatch.setattr(run_module, "configure_optimizer", decay_until_step_ten)
+    monkeypatch.setattr(run_module, "configure_optimizer", change_at_step_eleven)
     straight = train_gpt(corpus, tmp_path / "straight", preset="tiny", overrides=settings)
-    assert load_checkpoint(out)[2].train.weight_decay == 0.0
+    assert getattr(load_checkpoint(out)[2].train, setting) == value
     for (name, a), b in zip(
         straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
     ):
@@ -793,7 +805,13 @@ def test_an_unusable_out_data_or_device_fails_before_training(corpus, tmp_path):
 
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--lr", "inf"), ("--min-lr", "nan"), ("--grad-clip", "nan"), ("--weight-decay", "inf")],
+    [
+        ("--lr", "inf"),
+        ("--min-lr", "nan"),
+        ("--grad-clip", "nan"),
+        ("--weight-decay", "inf"),
+        ("--beta1", "nan"),
+    ],
 )
 def test_non_finite_settings_are_refused(corpus, tmp_path, flag, value):
     """inf/nan settings used to train silently to a NaN loss."""
@@ -813,7 +831,9 @@ def test_non_finite_settings_are_refused(corpus, tmp_path, flag, value):
       "lower --min-lr to 0.0001 or less, or raise --lr"),
      (["--min-lr", "0"], "--min-lr 0.0 (min_lr= in Python) must be above 0"),
      (["--eval-iters", "0"], "--eval-iters 0 (eval_iters= in Python) must be at least 1"),
-     (["--grad-clip", "-1"], "--grad-clip -1.0 (grad_clip= in Python) must be 0 or more")],
+     (["--grad-clip", "-1"], "--grad-clip -1.0 (grad_clip= in Python) must be 0 or more"),
+     (["--beta2", "1"], "--beta2 1.0 (beta2= in Python) must be in [0, 1) (AdamW's betas)"),
+     (["--beta1", "-0.1"], "--beta1 -0.1 (beta1= in Python) must be in [0, 1) (AdamW's betas)")],
 )  # fmt: skip
 def test_invalid_settings_name_their_flags_and_the_fix(corpus, tmp_path, flags, message):
     """They were named as Python fields with no fix ("need 0 <= warmup_iters < lr_decay_iters,
@@ -824,7 +844,7 @@ def test_invalid_settings_name_their_flags_and_the_fix(corpus, tmp_path, flags, 
     assert line == f"Error: invalid training settings: {message}", line
     train_flags = typer.main.get_command(app).commands["train"].params
     known = {option for param in train_flags for option in param.opts}
-    assert set(re.findall(r"--[a-z-]+", line)) <= known, line
+    assert set(re.findall(r"--[a-z0-9-]+", line)) <= known, line
     assert not out.exists()
 
 
@@ -1339,3 +1359,25 @@ def test_ctrl_c_outside_the_steps_says_what_is_left(trained, corpus, tmp_path, m
     for out, said in ((trained, "the last checkpoint in"), (tmp_path / "new", "nothing saved")):
         result = CliRunner().invoke(app, ["train", "--data", str(corpus), "--out", str(out)])
         assert result.exit_code == 130 and said in result.output, result.output
+
+
+def test_adamw_betas_from_the_command_line_reach_the_optimizer(corpus, tmp_path, monkeypatch):
+    """--beta1/--beta2 (nanoGPT's beta1/beta2) are the betas of the AdamW that trains, and are
+    saved with the checkpoint."""
+    seen = []
+
+    def configure(model, config):
+        optimizer = configure_optimizer(model, config)
+        seen.extend(group["betas"] for group in optimizer.param_groups)
+        return optimizer
+
+    monkeypatch.setattr(run_module, "configure_optimizer", configure)
+    out = tmp_path / "o"
+    args = ["train", "--data", str(corpus), "--out", str(out), "--preset", "tiny"]
+    result = CliRunner().invoke(
+        app, [*args, "--max-iters", "2", "--beta1", "0.8", "--beta2", "0.9"]
+    )
+    assert result.exit_code == 0, result.output
+    assert seen == [(0.8, 0.9), (0.8, 0.9)]
+    saved = load_checkpoint(out)[2].train
+    assert (saved.beta1, saved.beta2) == (0.8, 0.9)

@@ -72,10 +72,9 @@ class TrainConfig:
                 f"{self._setting('lr_decay_iters')}; raise --lr-decay-iters above "
                 f"{self.warmup_iters} or lower --warmup-iters below {self.lr_decay_iters}"
             )
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(
-                f"AdamW's betas (beta1=, beta2=) must be in [0, 1), got {self.beta1}, {self.beta2}"
-            )
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{self._setting(name)} must be in [0, 1) (AdamW's betas)")
 
     def _setting(self, name: str) -> str:
         """A field as `selfattn train` takes it, then as Python does: "--lr 0.1 (learning_rate=
