@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from selfattn import (
     KVCache,
@@ -20,6 +20,7 @@ from selfattn import (
     record,
 )
 from selfattn.errors import SelfAttnError
+from selfattn.layers import GatedFeedForward, GroupedQueryAttention, RMSNorm, RotaryPositions
 from selfattn.models.gpt import GPT, GPTConfig
 from test_attention import compile_whole
 
@@ -562,3 +563,100 @@ def test_a_cache_equals_the_uncached_layer_and_refuses_another_batch():
     torch.testing.assert_close(torch.cat(parts, 1), layer(x, causal=True), atol=1e-12, rtol=0)
     with pytest.raises(ValueError, match=r"holds keys of leading dims \(2, 4\).*got \(3, 4\)"):
         layer(torch.randn(3, 1, 16, dtype=torch.float64), causal=True, cache=cache)
+
+
+# The Llama family's layers: RoPE, grouped-query attention, RMSNorm, SwiGLU.
+
+
+def test_rope_makes_query_key_scores_depend_only_on_the_position_difference():
+    """q at p and k at p' score q·k by p - p' alone: shifting both by s changes nothing
+    (1e-5: the angles are float32, as Llama's reference computes them, whatever the input's
+    dtype), while the same pair at another distance scores differently."""
+    torch.manual_seed(11)
+    rope = RotaryPositions(head_dim=8, theta=10000.0)
+    query, key = torch.randn(2, 1, 8, dtype=torch.float64)
+
+    def score(p: int, p_key: int) -> Tensor:
+        return (rope(query, p) * rope(key, p_key)).sum()
+
+    for p, p_key in [(0, 0), (5, 2), (3, 9), (40, 1)]:
+        for shift in (1, 7, 100):
+            shifted = score(p + shift, p_key + shift)
+            torch.testing.assert_close(shifted, score(p, p_key), atol=1e-5, rtol=0)
+    assert not torch.isclose(score(5, 2), score(5, 3))
+    torch.testing.assert_close(rope(query, 0), query)  # position 0: no turn at all
+
+
+def test_rope_turns_pairs_of_dims_half_a_head_apart_keeping_their_length():
+    rope = RotaryPositions(head_dim=6)
+    x = torch.randn(2, 3, 5, 6, dtype=torch.float64)
+    turned = rope(x, offset=4)
+    pairs = (x[..., :3] ** 2 + x[..., 3:] ** 2, turned[..., :3] ** 2 + turned[..., 3:] ** 2)
+    torch.testing.assert_close(*pairs)  # each pair (i, i + D/2) keeps its length
+    with pytest.raises(ValueError, match="head_dim must be even, got 5"):
+        RotaryPositions(5)
+
+
+def test_grouped_query_attention_shares_each_key_value_head_with_its_group():
+    """6 query heads over 2 key/value heads: the layer equals itself with each key/value head
+    copied into its 3 query heads (plain multi-head attention, n_kv_heads=6), float64 1e-12,
+    on every CPU backend; the recording holds per-query-head keys, heads 0-2 sharing one."""
+    torch.manual_seed(12)
+    grouped = GroupedQueryAttention(12, 6, n_kv_heads=2, head_dim=4, qkv_bias=True).double()
+    plain = GroupedQueryAttention(12, 6, n_kv_heads=6, head_dim=4, qkv_bias=True).double()
+    with torch.no_grad():
+        for name in ("W_k", "W_v"):
+            source, target = getattr(grouped, name), getattr(plain, name)
+            target.weight.copy_(source.weight.view(2, 1, 4, 12).expand(2, 3, 4, 12).reshape(24, 12))
+            target.bias.copy_(source.bias.view(2, 1, 4).expand(2, 3, 4).reshape(24))
+        for name in ("W_q", "W_o"):
+            getattr(plain, name).load_state_dict(getattr(grouped, name).state_dict())
+    x = torch.randn(2, 7, 12, dtype=torch.float64)
+    padding = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    padding[1, ..., 5:] = False
+    expected = plain(x, mask=padding, causal=True)
+    for backend in ("explicit", "sdpa", "chunked"):
+        grouped.backend = backend
+        torch.testing.assert_close(
+            grouped(x, mask=padding, causal=True), expected, atol=1e-12, rtol=0
+        )
+    with record(grouped) as rec:
+        grouped(x, causal=True)
+    key = rec[0].key  # (B, H, S, D): the key each query head used
+    assert key.shape == (2, 6, 7, 4)
+    assert torch.equal(key[:, 0], key[:, 2]) and torch.equal(key[:, 3], key[:, 5])
+    assert not torch.equal(key[:, 2], key[:, 3])
+
+
+def test_grouped_query_attention_with_rope_passes_gradcheck():
+    """float64 gradcheck (eps 1e-6, atol 1e-8) of the rotary, grouped layer, causal, through
+    a cache of 2 tokens (the new tokens' positions start after them)."""
+    torch.manual_seed(13)
+    layer = GroupedQueryAttention(8, 4, n_kv_heads=2, head_dim=4, qk_norm_eps=1e-6).double()
+    past = torch.randn(1, 2, 8, dtype=torch.float64)
+    x = torch.randn(1, 3, 8, dtype=torch.float64, requires_grad=True)
+
+    def run(x: Tensor) -> Tensor:
+        cache = KVCache()
+        layer(past, causal=True, cache=cache)
+        return layer(x, causal=True, cache=cache)
+
+    assert torch.autograd.gradcheck(run, (x,), eps=1e-6, atol=1e-8)
+
+
+def test_grouped_query_attention_refuses_heads_that_do_not_group():
+    with pytest.raises(ValueError, match=r"n_heads \(6\) must be divisible by n_kv_heads \(4\)"):
+        GroupedQueryAttention(12, 6, n_kv_heads=4)
+    with pytest.raises(ValueError, match=r"d_model \(10\) must be divisible by n_heads \(3\)"):
+        GroupedQueryAttention(10, 3)
+
+
+def test_rms_norm_and_swiglu_by_hand():
+    norm = RMSNorm(4, eps=0.0)
+    torch.testing.assert_close(norm(torch.tensor([3.0, 4.0, 0.0, 0.0])), torch.tensor(
+        [3.0, 4.0, 0.0, 0.0]) / 2.5)  # fmt: skip
+    assert norm.half()(torch.ones(2, 4, dtype=torch.float16)).dtype == torch.float16
+    mlp = GatedFeedForward(3, 5)
+    x = torch.randn(2, 3)
+    expected = mlp.down(torch.nn.functional.silu(mlp.gate(x)) * mlp.up(x))
+    torch.testing.assert_close(mlp(x), expected)

@@ -21,9 +21,12 @@ from selfattn.models.loading import (
     CONVERSIONS,
     bert_config,
     bert_rules,
+    distilbert_config,
+    distilbert_rules,
     gpt2_config,
     gpt2_rules,
     load,
+    roberta_config,
 )
 
 BERT = {
@@ -33,6 +36,16 @@ BERT = {
     "num_hidden_layers": 2,
     "num_attention_heads": 2,
     "intermediate_size": 24,
+    "max_position_embeddings": 20,
+}
+ROBERTA = {**BERT, "model_type": "roberta", "max_position_embeddings": 22, "type_vocab_size": 1}
+DISTILBERT = {
+    "model_type": "distilbert",
+    "vocab_size": 50,
+    "dim": 16,
+    "n_layers": 2,
+    "n_heads": 2,
+    "hidden_dim": 24,
     "max_position_embeddings": 20,
 }
 GPT2 = {
@@ -124,8 +137,10 @@ def test_missing_weights(tmp_path):
 
 
 def test_unsupported_model_type(tmp_path):
-    write(tmp_path, {**BERT, "model_type": "llama"}, bert_tensors())
-    refused(tmp_path, "unsupported model_type 'llama' .*; supported: bert, gpt2")
+    write(tmp_path, {**BERT, "model_type": "t5"}, bert_tensors())
+    message = refused(tmp_path, "unsupported model_type 't5' .*; supported: .*bert")
+    for family in ("bert", "roberta", "xlm-roberta", "distilbert", "gpt2"):
+        assert family in message.split("supported: ")[1].split(", ")
 
 
 def test_config_without_a_size(tmp_path):
@@ -168,6 +183,76 @@ def test_wrong_shape(tmp_path):
         r"tensor encoder.layer.0.intermediate.dense.weight has shape \(25, 16\) "
         r"but the model expects \(24, 16\)",
     )
+
+
+def encoder_tensors(config: dict) -> tuple[str, dict[str, torch.Tensor]]:
+    """A RoBERTa or DistilBERT checkpoint as its task models save it: body under its prefix."""
+    if config["model_type"] == "distilbert":
+        parsed = distilbert_config(config)
+        rules = distilbert_rules(parsed.n_layers)
+    else:
+        parsed = roberta_config(config, pooler=False)
+        rules = bert_rules(parsed.n_layers, pooler=False)
+    prefix = "distilbert." if config["model_type"] == "distilbert" else "roberta."
+    tensors = checkpoint_tensors(rules, Bert(parsed))
+    return prefix, {f"{prefix}{name}": tensor for name, tensor in tensors.items()}
+
+
+FAMILIES = [ROBERTA, {**ROBERTA, "model_type": "xlm-roberta"}, DISTILBERT]
+FAMILY_IDS = ["roberta", "xlm-roberta", "distilbert"]
+
+
+@pytest.mark.parametrize("config", FAMILIES, ids=FAMILY_IDS)
+def test_encoder_family_with_a_head_loads_and_names_it(tmp_path, config):
+    _, tensors = encoder_tensors(config)
+    tensors["qa_outputs.weight"] = torch.zeros(2, 16)
+    model = load(write(tmp_path, config, tensors))
+    assert model.config.skipped == ("qa_outputs.*",)
+    assert model(torch.tensor([[0, 5, 2]])).last_hidden_state.shape == (1, 3, 16)
+
+
+@pytest.mark.parametrize("config", FAMILIES, ids=FAMILY_IDS)
+def test_encoder_family_missing_tensor_is_named(tmp_path, config):
+    prefix, tensors = encoder_tensors(config)
+    block = (
+        "transformer.layer.1.ffn.lin2"
+        if prefix == "distilbert."
+        else "encoder.layer.1.output.dense"
+    )
+    del tensors[f"{prefix}{block}.bias"]
+    message = refused(write(tmp_path, config, tensors), "lacks 1 tensor")
+    assert f"{block}.bias" in message
+
+
+@pytest.mark.parametrize("config", FAMILIES, ids=FAMILY_IDS)
+def test_encoder_family_extra_tensor_is_named(tmp_path, config):
+    prefix, tensors = encoder_tensors(config)
+    tensors[f"{prefix}embeddings.extra_table.weight"] = torch.zeros(3, 16)
+    message = refused(write(tmp_path, config, tensors), "holds 1 tensor.*no place for")
+    assert "embeddings.extra_table.weight" in message
+
+
+def test_distilbert_token_types_have_no_place(tmp_path):
+    prefix, tensors = encoder_tensors(DISTILBERT)
+    tensors[f"{prefix}embeddings.token_type_embeddings.weight"] = torch.zeros(2, 16)
+    refused(write(tmp_path, DISTILBERT, tensors), "no place for.*token_type_embeddings")
+
+
+@pytest.mark.parametrize("pad", [21, None, -1])
+def test_roberta_pad_token_id_outside_its_positions(tmp_path, pad):
+    write(tmp_path, {**ROBERTA, "pad_token_id": pad}, encoder_tensors(ROBERTA)[1])
+    refused(tmp_path, rf"unsupported pad_token_id {pad} in config.json; .* in 0\.\.20")
+
+
+def test_distilbert_config_without_its_size(tmp_path):
+    config = {key: value for key, value in DISTILBERT.items() if key != "dim"}
+    write(tmp_path, config, encoder_tensors(DISTILBERT)[1])
+    refused(tmp_path, "config.json lacks the entry 'dim' that distilbert needs")
+
+
+def test_distilbert_unsupported_activation(tmp_path):
+    write(tmp_path, {**DISTILBERT, "activation": "swish"}, encoder_tensors(DISTILBERT)[1])
+    refused(tmp_path, "unsupported activation 'swish'.*supported: gelu")
 
 
 def test_corrupt_safetensors(tmp_path):

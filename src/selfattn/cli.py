@@ -382,18 +382,24 @@ def _one_model(model: str | None, checkpoint: Path | None) -> None:
 
 def _load(model: str | None, checkpoint: Path | None):
     """The model to look into (pretrained, or trained here; 'minilm' when neither is given),
-    with a status line on stderr."""
+    with a status line on stderr, and a note there naming the task heads a fine-tuned
+    checkpoint had that were left out."""
     if model is None and checkpoint is None:
         model = DEFAULT_MODEL
     label = str(checkpoint) if checkpoint is not None else model
-    with Console(stderr=True).status(f"Loading {label}…"):
+    stderr = Console(stderr=True)
+    with stderr.status(f"Loading {label}…"):
         if checkpoint is not None:
             from selfattn.train import load_model
 
             return load_model(checkpoint)
-        from selfattn.models.loading import load
+        from selfattn.models.loading import load, skipped_note
 
-        return load(model)
+        loaded = load(model)
+    note = skipped_note(loaded)
+    if note is not None:
+        stderr.print(f"note: {note}", soft_wrap=True, markup=False)
+    return loaded
 
 
 @contextmanager

@@ -1,5 +1,9 @@
 """Layers built on the core: the single head of the guide, multi-head attention, positions, blocks.
 
+The Llama family's pieces live here too: :class:`RotaryPositions` (RoPE), :class:`RMSNorm`,
+:class:`GatedFeedForward` (SwiGLU) and :class:`GroupedQueryAttention`, whose query heads share
+fewer key/value heads.
+
 Every attention module calls :func:`selfattn.attention` through :meth:`AttentionModule.attend`,
 which also reports the call to an active :func:`selfattn.record` block (eager calls only: under
 ``torch.compile`` it does not look, so a layer compiles whole with ``fullgraph=True``).
@@ -8,6 +12,8 @@ which also reports the call to an active :func:`selfattn.record` block (eager ca
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -63,18 +69,35 @@ class AttentionModule(nn.Module):
     def attend(
         self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool
     ) -> Tensor:
+        """query (..., H, T, D), key and value (..., H, S, D) -> (..., H, T, Dv).
+
+        Key and value may have fewer heads, Hkv dividing H (grouped-query attention): each
+        run of G = H / Hkv query heads shares one, broadcast as a view, never copied. A
+        recording holds each query head's own key and value, (B, H, S, D), as a reader
+        expects them.
+        """
+        groups = query.shape[-3] // key.shape[-3] if query.dim() > 2 and key.dim() > 2 else 1
+        grouped_query, grouped_mask = query, mask
+        if groups > 1:
+            grouped_query = query.unflatten(-3, (-1, groups))  # (..., Hkv, G, T, D)
+            key, value = (_repeat_heads(x, groups) for x in (key, value))  # (..., Hkv, G, S, D)
+            grouped_mask = _grouped_mask(mask, groups)
         output = attention(
-            query,
+            grouped_query,
             key,
             value,
-            mask=mask,
+            mask=grouped_mask,
             causal=causal,
             similarity=self.similarity,
             dropout_p=self.dropout if self.training else 0.0,
             backend=self.backend,
         )
+        if groups > 1:
+            output = output.flatten(-4, -3)  # (..., H, T, Dv)
         recording = active_recording()
         if recording is not None:
+            if groups > 1:
+                key, value = key.flatten(-4, -3), value.flatten(-4, -3)  # (..., H, S, D)
             recording.add(
                 self,
                 query=as_4d(query),
@@ -87,6 +110,22 @@ class AttentionModule(nn.Module):
                 output=as_4d(output),
             )
         return output
+
+
+def _repeat_heads(x: Tensor, groups: int) -> Tensor:
+    """(..., Hkv, S, D) -> (..., Hkv, G, S, D): each key/value head once per query head of its
+    group, a view (stride 0 along G)."""
+    return x.unsqueeze(-3).expand(*x.shape[:-2], groups, *x.shape[-2:])
+
+
+def _grouped_mask(mask: Tensor | None, groups: int) -> Tensor | None:
+    """A mask for (..., H, T, S) scores as the grouped call's (..., Hkv, G, T, S) needs it: a
+    head axis of H split into (Hkv, G), one of 1 given a G axis of 1; (T, S) masks unchanged."""
+    if mask is None or mask.dim() < 3:
+        return mask
+    if mask.shape[-3] == 1:
+        return mask.unsqueeze(-3)
+    return mask.unflatten(-3, (-1, groups))
 
 
 def _mask_as_4d(mask: Tensor | None, query: Tensor) -> Tensor | None:
@@ -267,6 +306,85 @@ class MultiHeadAttention(AttentionModule):
         return layer.train(source.training)
 
 
+class GroupedQueryAttention(AttentionModule):
+    """The attention of the Llama family: rotary positions, query heads sharing key/value heads.
+
+    ``n_heads`` query heads of size ``head_dim`` (default d_model / n_heads) and ``n_kv_heads``
+    key/value heads (default n_heads: plain multi-head attention; 1: multi-query), each shared
+    by n_heads / n_kv_heads query heads. ``rotary`` rotates q and k by their positions (after
+    Qwen3's per-head RMSNorm, with ``qk_norm_eps``) before the key is cached: a cache holds
+    rotated keys, and the next tokens' positions start after them.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        *,
+        rotary: RotaryPositions | None = None,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        qk_norm_eps: float | None = None,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__("dot", dropout)
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        _check_sizes(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads)
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+            head_dim = d_model // n_heads
+        _check_sizes(head_dim=head_dim)
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.W_q = nn.Linear(d_model, n_heads * head_dim, bias=qkv_bias)
+        self.W_k = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
+        self.W_v = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
+        self.W_o = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
+        self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
+        self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
+        self.rotary = RotaryPositions(head_dim) if rotary is None else rotary
+
+    def extra_repr(self) -> str:
+        return (
+            f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+            f"{super().extra_repr()}"
+        )
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, heads, T, hd)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        mask: Tensor | None = None,
+        causal: bool = False,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        """x: (B, T, D) -> (B, T, D); its tokens sit at positions len(cache) .. len(cache)+T-1.
+
+        ``mask`` broadcasts to (B, H, T, S), True = may attend.
+        """
+        _check_input(x, self.W_q.weight, batched=True)
+        query = self.split_heads(self.W_q(x))  # (B, H, T, hd)
+        key = self.split_heads(self.W_k(x))  # (B, Hkv, T, hd)
+        value = self.split_heads(self.W_v(x))  # (B, Hkv, T, hd)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        offset = 0 if cache is None else len(cache)
+        query, key = self.rotary(query, offset), self.rotary(key, offset)
+        if cache is not None:
+            key, value = cache.extend(key, value)  # (B, Hkv, S, hd)
+        output = self.attend(query, key, value, mask, causal)  # (B, H, T, hd)
+        b, h, t, hd = output.shape
+        return self.W_o(output.transpose(1, 2).reshape(b, t, h * hd))  # (B, T, D)
+
+
 class SinusoidalPositions(nn.Module):
     """The fixed positions of "Attention Is All You Need": sin on even dims, cos on odd dims.
 
@@ -316,10 +434,84 @@ def _positions(table: Tensor, length: int, offset: int, max_len: int) -> Tensor:
     return table[offset : offset + length]
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """How a RoPE variant slows the rotation for contexts longer than it was trained on.
+
+    ``"linear"`` divides every frequency by ``factor``; ``"llama3"`` (Llama 3.1) divides only
+    those whose wavelength exceeds original_max_positions / low_freq_factor, keeps those
+    below original_max_positions / high_freq_factor, and blends the ones between.
+    """
+
+    KINDS: ClassVar[tuple[str, ...]] = ("linear", "llama3")
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"unknown RoPE scaling {self.kind!r}; choose one of {self.KINDS}")
+
+    def apply(self, frequencies: Tensor) -> Tensor:
+        if self.kind == "linear":
+            return frequencies / self.factor
+        wavelength = 2 * math.pi / frequencies
+        low_wavelength = self.original_max_positions / self.low_freq_factor
+        high_wavelength = self.original_max_positions / self.high_freq_factor
+        slowed = torch.where(wavelength > low_wavelength, frequencies / self.factor, frequencies)
+        smooth = (self.original_max_positions / wavelength - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        blended = (1 - smooth) * slowed / self.factor + smooth * slowed
+        between = (wavelength >= high_wavelength) & (wavelength <= low_wavelength)
+        return torch.where(between, blended, slowed)
+
+
+class RotaryPositions(nn.Module):
+    """Rotary position embeddings (RoPE, Su et al. 2021), in Hugging Face's rotate-half layout.
+
+    Dims i and i + D/2 of a query or key at position p turn together by the angle p * f_i,
+    f_i = theta^(-2i/D): a query at p and a key at p' then score by p - p' only. The angles
+    are computed on the fly in float32, as Llama's reference computes them (no table to
+    allocate for long contexts, none to lose precision when the model is cast to float16).
+    """
+
+    def __init__(
+        self, head_dim: int, theta: float = 10000.0, scaling: RopeScaling | None = None
+    ) -> None:
+        super().__init__()
+        _check_sizes(head_dim=head_dim)
+        if head_dim % 2:
+            raise ValueError(f"RoPE turns pairs of dims: head_dim must be even, got {head_dim}")
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}, scaling={self.scaling}"
+
+    def frequencies(self, device: torch.device | None = None) -> Tensor:
+        """f_i for i < D/2, float32 (D/2,)."""
+        exponents = torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim
+        frequencies = 1.0 / self.theta**exponents
+        return frequencies if self.scaling is None else self.scaling.apply(frequencies)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """x (..., T, D) rotated as the tokens at positions offset .. offset+T-1."""
+        positions = torch.arange(offset, offset + x.shape[-2], device=x.device).float()
+        angles = torch.outer(positions, self.frequencies(x.device))  # (T, D/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (T, D): dims i and i + D/2 share one
+        first, second = x.chunk(2, dim=-1)
+        half_turned = torch.cat([-second, first], dim=-1)  # each pair (a, b) -> (-b, a)
+        return x * angles.cos().to(x.dtype) + half_turned * angles.sin().to(x.dtype)
+
+
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),  # exact, erf-based (BERT)
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's gelu_new
     "relu": F.relu,
+    "silu": F.silu,  # the Llama family's gate
 }
 
 
@@ -338,6 +530,45 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(ACTIVATIONS[self.activation](self.up(x)))
+
+
+class GatedFeedForward(nn.Module):
+    """SwiGLU (Shazeer 2020): down(activation(gate(x)) * up(x)), d_model -> d_ff -> d_model."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "silu", bias: bool = False):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"unknown activation {activation!r}; choose one of {list(ACTIVATIONS)}"
+            )
+        self.activation = activation
+        self.gate = nn.Linear(d_model, d_ff, bias=bias)
+        self.up = nn.Linear(d_model, d_ff, bias=bias)
+        self.down = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) * weight: no mean subtracted, no bias (Llama's norm).
+
+    Computed in float32 (float64 stays float64) and cast back before the weight, as Hugging
+    Face's Llama does, so half-precision runs round as theirs do.
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        normed = wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class TransformerBlock(nn.Module):

@@ -1,7 +1,8 @@
 """Text to tokens and back, and which tokens make up which word (through character offsets).
 
 A checkpoint's ``tokenizer.json`` is read with Hugging Face ``tokenizers`` (word-piece for BERT,
-byte-level BPE for GPT-2). Words are found in the text itself, the same way for every
+byte-level BPE for GPT-2, Llama 3 and Qwen, sentencepiece-style BPE with "▁" for spaces and
+byte fallback for Llama 2 and Mistral). Words are found in the text itself, the same way for every
 tokenizer: runs of letters and digits with their combining marks (``don't`` and ``3.50`` stay
 whole), single punctuation marks and single Chinese characters (as BERT splits them: ``银行``
 is two words). A token belongs to the words its character span overlaps, so a word split
@@ -41,6 +42,8 @@ CJK = (
 )
 LETTERS = rf"[^\W{CJK}]"  # a letter or digit that is not a CJK ideograph
 APOSTROPHE = str.maketrans("’", "'")  # l'amico finds l’amico, and l’amico l'amico
+METASPACE = "\u2581"  # "▁": a space, in sentencepiece-style vocabularies
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte fallback
 
 Span = tuple[int, int]  # (start, end) character positions, end excluded
 
@@ -61,7 +64,7 @@ class Encoding:
 
     text: str
     ids: list[int]
-    tokens: list[str]  # readable pieces: "##ing" for word-piece, " bank" for byte-level BPE
+    tokens: list[str]  # readable pieces: "##ing" for word-piece, " bank" for BPE (also "▁bank")
     offsets: list[Span]  # each token's characters in ``text``; (0, 0) for special tokens
     words: list[Word]  # the words that have at least one token (all, unless truncated)
     word_ids: list[int | None]  # index into ``words`` of each token; None for special tokens
@@ -159,6 +162,8 @@ class Tokenizer:
         self.backend.no_truncation()
         self.backend.no_padding()
         self.byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        # Sentencepiece-style: "▁" stands for a space, "<0xE6>" for a byte (Llama 2, Mistral).
+        self.metaspace = backend.decoder is not None and METASPACE in decoder_json(backend)
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
@@ -186,13 +191,25 @@ class Tokenizer:
             (0, 0) if special else span
             for span, special in zip(encoded.offsets, encoded.special_tokens_mask, strict=True)
         ]
-        if self.byte_level:
-            pieces = [self.backend.decode([i], skip_special_tokens=False) for i in encoded.ids]
+        if self.byte_level or self.metaspace:
+            pieces = [self.piece(i) for i in encoded.ids]
+            if self.metaspace:
+                pieces = without_added_spaces(pieces, offsets, text)
             pieces = readable_byte_pieces(pieces, offsets, text)
         else:
             pieces = list(encoded.tokens)
         words, word_ids = align_words(text, offsets)
         return Encoding(text, list(encoded.ids), pieces, offsets, words, word_ids)
+
+    def piece(self, token_id: int) -> str:
+        """One token as read: " bank" for byte-level BPE and for "▁bank" alike; a byte that is
+        only part of a character (byte-level, or sentencepiece's "<0xE6>") is "\ufffd"."""
+        if self.byte_level:
+            return self.backend.decode([token_id], skip_special_tokens=False)
+        token = self.backend.id_to_token(token_id)
+        if self.metaspace and (byte := BYTE_TOKEN.fullmatch(token)):
+            return chr(int(byte[1], 16)) if int(byte[1], 16) < 0x80 else "\ufffd"
+        return token.replace(METASPACE, " ") if self.metaspace else token
 
     def encode_ids(self, texts: list[str], max_length: int | None = None) -> list[list[int]]:
         """Token ids of many texts at once (the library's parallel path), each cut if asked."""
@@ -227,6 +244,20 @@ def check_word(word: str) -> None:
     """One line for a word to find that is empty or only spaces."""
     if not word.strip():
         raise SelfAttnError("the word to find is empty; pass a word of the text")
+
+
+def decoder_json(backend: tokenizers.Tokenizer) -> str:
+    """The tokenizer's decoder as its JSON (a Sequence's parts are not attributes)."""
+    return backend.decoder.__getstate__().decode("utf-8")
+
+
+def without_added_spaces(pieces: list[str], offsets: list[Span], text: str) -> list[str]:
+    """Pieces without a leading space the text does not have there: the "▁" a sentencepiece
+    tokenizer puts before the first word reads "I", not " I"."""
+    return [
+        piece[1:] if piece.startswith(" ") and start < end and not text[start].isspace() else piece
+        for piece, (start, end) in zip(pieces, offsets, strict=True)
+    ]
 
 
 def readable_byte_pieces(pieces: list[str], offsets: list[Span], text: str) -> list[str]:

@@ -4,6 +4,12 @@ Embeddings are word + learned position + token type, then layer norm (as in BERT
 is :class:`selfattn.layers.TransformerBlock` with ``norm_first=False``: attention, add, norm,
 feed-forward, add, norm. The pooler (tanh of a linear map of the first token, trained for
 next-sentence prediction) exists only when the checkpoint carries its weights.
+
+The same network serves BERT's relatives, through two options of :class:`BertConfig`:
+``padding_idx`` numbers positions as RoBERTa (and XLM-RoBERTa) do, from ``padding_idx + 1``
+over the tokens that are not padding (a padding token gets ``padding_idx``), so the table's
+first ``padding_idx + 1`` rows are never a real token's; ``type_vocab_size=0`` drops the
+token-type table, which DistilBERT does not have.
 """
 
 from __future__ import annotations
@@ -25,24 +31,37 @@ class BertConfig:
     n_layers: int
     n_heads: int
     intermediate_size: int
-    max_positions: int
-    type_vocab_size: int = 2
+    max_positions: int  # rows of the position table
+    type_vocab_size: int = 2  # 0: no token types (DistilBERT)
     layer_norm_eps: float = 1e-12
     activation: str = "gelu"
     pooler: bool = False
+    padding_idx: int | None = None  # RoBERTa: positions count from padding_idx + 1
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "intermediate_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BertConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.max_positions < 1 or self.type_vocab_size < 1:
-            raise ValueError("BertConfig.max_positions and type_vocab_size must be positive")
+        if self.max_positions < 1 or self.type_vocab_size < 0:
+            raise ValueError(
+                "BertConfig.max_positions must be positive and type_vocab_size not negative"
+            )
+        if self.padding_idx is not None and not 0 <= self.padding_idx < self.max_positions - 1:
+            raise ValueError(
+                f"BertConfig.padding_idx must lie in 0..{self.max_positions - 2} (the position "
+                f"table has {self.max_positions} rows), got {self.padding_idx}"
+            )
         if self.hidden_size % self.n_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by n_heads ({self.n_heads})"
             )
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r}; one of {list(ACTIVATIONS)}")
+
+    @property
+    def usable_positions(self) -> int:
+        """The longest input: the table's rows, less the ``padding_idx + 1`` RoBERTa reserves."""
+        return self.max_positions - (0 if self.padding_idx is None else self.padding_idx + 1)
 
 
 @dataclass
@@ -53,21 +72,46 @@ class EncoderOutput:
 
 
 class BertEmbeddings(nn.Module):
-    """Token + position + token-type vectors, summed and layer-normalised."""
+    """Token + position (+ token-type) vectors, summed and layer-normalised."""
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
+        self.padding_idx = config.padding_idx
+        self.usable_positions = config.usable_positions
         self.token = nn.Embedding(config.vocab_size, config.hidden_size)
         self.positions = LearnedPositions(config.max_positions, config.hidden_size)
-        self.token_type = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.token_type = (
+            nn.Embedding(config.type_vocab_size, config.hidden_size)
+            if config.type_vocab_size
+            else None
+        )
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
         """input_ids (B, T) -> (B, T, D); token types default to 0 (one sentence)."""
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        x = self.positions(self.token(input_ids)) + self.token_type(token_type_ids)
+        x = self.token(input_ids)
+        if self.padding_idx is None:
+            x = self.positions(x)
+        else:
+            x = x + self.positions.embedding(self.roberta_positions(input_ids))
+        if self.token_type is not None:
+            x = x + self.token_type(
+                torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+            )
+        elif token_type_ids is not None:
+            raise ValueError("this encoder has no token types; call it without token_type_ids")
         return self.norm(x)
+
+    def roberta_positions(self, input_ids: Tensor) -> Tensor:
+        """RoBERTa's position ids (B, T): ``padding_idx + 1, + 2, ...`` over the tokens that are
+        not ``padding_idx``, ``padding_idx`` for those that are (as transformers numbers them)."""
+        if input_ids.shape[1] > self.usable_positions:
+            raise ValueError(
+                f"sequence of {input_ids.shape[1]} tokens is longer than the model's "
+                f"{self.usable_positions} positions; shorten the text"
+            )
+        real = input_ids.ne(self.padding_idx).long()
+        return real.cumsum(dim=1) * real + self.padding_idx
 
 
 class Bert(nn.Module):

@@ -52,7 +52,85 @@ class DecoderOutput:
     hidden_states: tuple[Tensor, ...]  # embedding output, then each block's output
 
 
-class GPT(nn.Module):
+class Decoder(nn.Module):
+    """What generation needs of a decoder network, shared by :class:`GPT` and the Llama family.
+
+    A subclass has ``blocks`` (one :class:`KVCache` each), ``max_positions``, and a
+    ``forward(input_ids, caches=...)`` that gives a :class:`DecoderOutput`, its tokens placed
+    after the cached ones.
+    """
+
+    blocks: nn.ModuleList
+
+    @property
+    def max_positions(self) -> int:
+        """The most tokens the network reads at once."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        use_cache: bool = True,
+    ) -> Tensor:
+        """Append ``max_new_tokens`` tokens to ``input_ids`` (B, T); temperature 0 is greedy.
+
+        With the key/value cache each step feeds only the new token (bottom-right causal
+        alignment lets it see every cached key). Once the context outgrows ``max_positions`` the
+        window slides and the cache is rebuilt, so outputs match ``use_cache=False`` exactly.
+        """
+        steps = self.generate_steps(
+            input_ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            use_cache=use_cache,
+        )
+        last = deque(steps, maxlen=1)  # runs every step, keeps the final ids
+        return last[0] if last else input_ids
+
+    @torch.no_grad()
+    def generate_steps(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        use_cache: bool = True,
+    ) -> Iterator[Tensor]:
+        """:meth:`generate` one token at a time: yields the ids (B, T + n) after each new token.
+
+        Each ``next()`` runs exactly one forward pass, the one that chose the new token, so a
+        caller can look at it (``with record(model): next(steps)``).
+        """
+        check_sampling(max_new_tokens, temperature, top_k)
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+        window = self.max_positions
+        caches: list[KVCache] | None = None
+        ids = input_ids
+        for _ in range(max_new_tokens):
+            if use_cache and caches is not None and len(caches[0]) < window:
+                step_ids = ids[:, -1:]
+            else:
+                caches = [KVCache() for _ in self.blocks] if use_cache else None
+                step_ids = ids[:, -window:]
+            logits = self(step_ids, caches=caches).logits[:, -1, :]  # (B, vocab)
+            next_id = sample(logits, temperature, top_k, generator)
+            ids = torch.cat([ids, next_id], dim=1)
+            yield ids
+
+
+class GPT(Decoder):
     """Decoder-only transformer; ``forward(input_ids, targets)`` gives logits and loss."""
 
     def __init__(self, config: GPTConfig) -> None:
@@ -118,67 +196,9 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
         return DecoderOutput(logits, loss, tuple(hidden_states))
 
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: Tensor,
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        seed: int | None = None,
-        use_cache: bool = True,
-    ) -> Tensor:
-        """Append ``max_new_tokens`` tokens to ``input_ids`` (B, T); temperature 0 is greedy.
-
-        With the key/value cache each step feeds only the new token (bottom-right causal
-        alignment lets it see every cached key). Once the context outgrows ``block_size`` the
-        window slides and the cache is rebuilt, so outputs match ``use_cache=False`` exactly.
-        """
-        steps = self.generate_steps(
-            input_ids,
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            seed=seed,
-            use_cache=use_cache,
-        )
-        last = deque(steps, maxlen=1)  # runs every step, keeps the final ids
-        return last[0] if last else input_ids
-
-    @torch.no_grad()
-    def generate_steps(
-        self,
-        input_ids: Tensor,
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        seed: int | None = None,
-        use_cache: bool = True,
-    ) -> Iterator[Tensor]:
-        """:meth:`generate` one token at a time: yields the ids (B, T + n) after each new token.
-
-        Each ``next()`` runs exactly one forward pass, the one that chose the new token, so a
-        caller can look at it (``with record(model): next(steps)``).
-        """
-        check_sampling(max_new_tokens, temperature, top_k)
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=input_ids.device).manual_seed(seed)
-        block_size = self.config.block_size
-        caches: list[KVCache] | None = None
-        ids = input_ids
-        for _ in range(max_new_tokens):
-            if use_cache and caches is not None and len(caches[0]) < block_size:
-                step_ids = ids[:, -1:]
-            else:
-                caches = [KVCache() for _ in self.blocks] if use_cache else None
-                step_ids = ids[:, -block_size:]
-            logits = self(step_ids, caches=caches).logits[:, -1, :]  # (B, vocab)
-            next_id = sample(logits, temperature, top_k, generator)
-            ids = torch.cat([ids, next_id], dim=1)
-            yield ids
+    @property
+    def max_positions(self) -> int:
+        return self.config.block_size
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:

@@ -10,12 +10,27 @@ or split into W_q, W_k, W_v). Loading refuses, with a one-line message, anything
 fit: missing or extra tensors, wrong shapes, unknown architectures, unreadable files.
 
 Tensors deliberately left out: buffers that are not parameters (``position_ids``,
-``token_type_ids``, GPT-2's ``attn.bias``/``attn.masked_bias`` causal masks), BERT's
-pre-training heads (``cls.*``: masked-word and next-sentence prediction, which no feature here
-uses) and GPT-2's ``lm_head.weight``, which must equal the token embedding it is tied to.
-BERT's pooler is loaded (into :attr:`Bert.pooler`) when the checkpoint has one. Old BERT
-checkpoints name their layer norms' weight and bias ``gamma`` and ``beta``; they are read under
-today's names, as transformers reads them.
+``token_type_ids``, GPT-2's ``attn.bias``/``attn.masked_bias`` causal masks), the encoders'
+task heads (:data:`TASK_HEADS`: BERT's pre-training ``cls.*``, the masked-word heads
+``lm_head.*`` and DistilBERT's ``vocab_*``, fine-tuned ``classifier.*``/``pre_classifier.*``
+and ``qa_outputs.*``), which no feature here uses: a fine-tuned checkpoint loads as the encoder
+under its head, and :attr:`ModelConfig.skipped` (and :func:`skipped_note`) names what was left
+out. GPT-2's ``lm_head.weight`` is not skipped but checked: it must equal the token embedding
+it is tied to. BERT's pooler is loaded (into :attr:`Bert.pooler`) when the checkpoint has one.
+Old BERT checkpoints name their layer norms' weight and bias ``gamma`` and ``beta``; they are
+read under today's names, as transformers reads them.
+
+One :class:`Bert` serves three encoder families. RoBERTa (and XLM-RoBERTa, the same network)
+is BERT with positions numbered from ``pad_token_id + 1``: its table's first rows are never a
+real token's, so it reads ``max_position_embeddings - pad_token_id - 1`` tokens at most
+(514 rows, 512 tokens). DistilBERT is BERT without token types or pooler under other names
+(``q_lin``, ``sa_layer_norm``, ``ffn.lin1``); a ``sinusoidal_pos_embds`` checkpoint stores its
+fixed table like a learned one, so it loads the same way.
+
+The Llama family (Llama, Mistral, Qwen2, Qwen3) loads onto :class:`Llama`, one map for all
+four: the rules list exactly the parameters the config builds (biases, Qwen3's q/k norms, an
+untied head). A tied head's ``lm_head.weight``, when saved, must equal the embedding and is
+dropped; older checkpoints' ``rotary_emb.inv_freq`` buffers are skipped.
 """
 
 from __future__ import annotations
@@ -23,7 +38,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,8 +47,10 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from selfattn.errors import SelfAttnError
+from selfattn.layers import RopeScaling
 from selfattn.models.bert import Bert, BertConfig
 from selfattn.models.gpt import GPT, GPTConfig
+from selfattn.models.llama import Llama, LlamaConfig
 from selfattn.models.model import Model, ModelConfig, SentenceConfig, set_backend
 from selfattn.text import Tokenizer
 
@@ -47,6 +64,7 @@ HF_ACTIVATIONS = {  # Hugging Face's names -> ours (selfattn.layers.ACTIVATIONS)
     "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
     "relu": "relu",
+    "silu": "silu",
 }
 
 
@@ -109,8 +127,8 @@ def activation_of(raw: dict, key: str, default: str) -> str:
     return HF_ACTIVATIONS[name]
 
 
-def bert_config(raw: dict, pooler: bool) -> BertConfig:
-    """Our encoder config from a BERT ``config.json``."""
+def bert_config(raw: dict, pooler: bool, padding_idx: int | None = None) -> BertConfig:
+    """Our encoder config from a BERT ``config.json`` (or RoBERTa's, with its padding_idx)."""
     if raw.get("position_embedding_type", "absolute") != "absolute":
         raise SelfAttnError(
             f"unsupported position_embedding_type {raw['position_embedding_type']!r}; "
@@ -132,6 +150,33 @@ def bert_config(raw: dict, pooler: bool) -> BertConfig:
         layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
         activation=activation_of(raw, "hidden_act", "gelu"),
         pooler=pooler,
+        padding_idx=padding_idx,
+    )
+
+
+def roberta_config(raw: dict, pooler: bool) -> BertConfig:
+    """Our encoder config from a RoBERTa ``config.json``: positions offset by its padding id."""
+    padding_idx = raw.get("pad_token_id", 1)  # RobertaConfig's default
+    if padding_idx is None or not 0 <= padding_idx < raw["max_position_embeddings"] - 1:
+        raise SelfAttnError(
+            f"unsupported pad_token_id {padding_idx!r} in config.json; RoBERTa numbers its "
+            f"positions after it, so it must lie in 0..{raw['max_position_embeddings'] - 2}"
+        )
+    return bert_config(raw, pooler, padding_idx)
+
+
+def distilbert_config(raw: dict) -> BertConfig:
+    """Our encoder config from a DistilBERT ``config.json`` (its own names: dim, n_layers)."""
+    return BertConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["dim"],
+        n_layers=raw["n_layers"],
+        n_heads=raw["n_heads"],
+        intermediate_size=raw["hidden_dim"],
+        max_positions=raw["max_position_embeddings"],
+        type_vocab_size=0,
+        layer_norm_eps=1e-12,  # fixed in DistilBERT's code, not in its config
+        activation=activation_of(raw, "activation", "gelu"),
     )
 
 
@@ -155,6 +200,95 @@ def gpt2_config(raw: dict) -> GPTConfig:
         layer_norm_eps=raw.get("layer_norm_epsilon", 1e-5),
         activation=activation_of(raw, "activation_function", "gelu_new"),
     )
+
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # model_types built as Llama
+ROPE_TYPES = ("default", *RopeScaling.KINDS)
+
+
+def llama_config(raw: dict) -> LlamaConfig:
+    """Our decoder config from a Llama, Mistral, Qwen2 or Qwen3 ``config.json``; defaults as
+    their transformers config classes have them."""
+    model_type = raw["model_type"]
+    n_heads = raw["num_attention_heads"]
+    theta, scaling = rope_of(raw)
+    attention_bias = raw.get("attention_bias", False) if model_type in ("llama", "qwen3") else False
+    return LlamaConfig(
+        vocab_size=raw["vocab_size"],
+        d_model=raw["hidden_size"],
+        n_layers=raw["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=raw.get("num_key_value_heads") or n_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // n_heads,
+        d_ff=raw["intermediate_size"],
+        max_positions=raw["max_position_embeddings"],
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        activation=activation_of(raw, "hidden_act", "silu"),
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        out_bias=attention_bias,
+        mlp_bias=raw.get("mlp_bias", False) if model_type == "llama" else False,
+        qk_norm=model_type == "qwen3",
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        sliding_windows=sliding_windows_of(raw),
+    )
+
+
+def rope_of(raw: dict) -> tuple[float, RopeScaling | None]:
+    """RoPE's theta and scaling: transformers 5's ``rope_parameters``, or the older top-level
+    ``rope_theta`` and ``rope_scaling``."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES or any(isinstance(value, dict) for value in rope.values()):
+        raise SelfAttnError(
+            f"unsupported RoPE type {kind!r} (rope_parameters in config.json); supported: "
+            f"{', '.join(ROPE_TYPES)}, one for every layer"
+        )
+    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise SelfAttnError(
+            f"unsupported partial_rotary_factor {partial} in config.json; RoPE turns every "
+            "dim of a head here (1.0)"
+        )
+    theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if kind == "default":
+        return theta, None
+    scaling = RopeScaling(
+        kind,
+        factor=rope["factor"],
+        low_freq_factor=rope.get("low_freq_factor", 1.0),
+        high_freq_factor=rope.get("high_freq_factor", 4.0),
+        original_max_positions=rope.get(
+            "original_max_position_embeddings", raw["max_position_embeddings"]
+        ),
+    )
+    return theta, scaling
+
+
+def sliding_windows_of(raw: dict) -> tuple[int | None, ...]:
+    """Each layer's sliding window, () if none has one: Mistral's ``sliding_window`` for every
+    layer; Qwen's only with ``use_sliding_window``, for the layers ``layer_types`` (or, without
+    it, ``max_window_layers``) makes sliding."""
+    n_layers = raw["num_hidden_layers"]
+    if raw["model_type"] == "mistral":
+        window = raw.get("sliding_window", 4096)  # MistralConfig's default; null for none
+        return (window,) * n_layers if window else ()
+    if not raw["model_type"].startswith("qwen") or not raw.get("use_sliding_window"):
+        return ()
+    window = raw.get("sliding_window")
+    layer_types = raw.get("layer_types") or [
+        "sliding_attention" if i >= raw.get("max_window_layers", 28) else "full_attention"
+        for i in range(n_layers)
+    ]
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise SelfAttnError(
+            f"unsupported layer_types {sorted(unknown)} in config.json; supported: "
+            "full_attention, sliding_attention"
+        )
+    windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    return windows if any(windows) else ()
 
 
 def sentence_config(folder: Path, max_positions: int) -> SentenceConfig:
@@ -267,23 +401,54 @@ BERT_BLOCK = {
 }
 
 
+ENCODER_EMBEDDINGS = {
+    "word_embeddings": "token",
+    "position_embeddings": "positions.embedding",
+    "token_type_embeddings": "token_type",
+}
+DISTILBERT_BLOCK = {
+    "attention.q_lin": "attention.W_q",
+    "attention.k_lin": "attention.W_k",
+    "attention.v_lin": "attention.W_v",
+    "attention.out_lin": "attention.W_o",
+    "sa_layer_norm": "norm1",
+    "ffn.lin1": "feed_forward.up",
+    "ffn.lin2": "feed_forward.down",
+    "output_layer_norm": "norm2",
+}
+
+
 def bert_rules(n_layers: int, pooler: bool) -> list[Rule]:
-    """BERT's names (``encoder.layer.3.attention.self.query.weight``) onto :class:`Bert`."""
-    rules = [
-        Rule("embeddings.word_embeddings.weight", ("embeddings.token.weight",)),
-        Rule("embeddings.position_embeddings.weight", ("embeddings.positions.embedding.weight",)),
-        Rule("embeddings.token_type_embeddings.weight", ("embeddings.token_type.weight",)),
-        Rule("embeddings.LayerNorm.weight", ("embeddings.norm.weight",)),
-        Rule("embeddings.LayerNorm.bias", ("embeddings.norm.bias",)),
-    ]
-    for i in range(n_layers):
-        for theirs, ours in BERT_BLOCK.items():
-            for part in ("weight", "bias"):
-                rules.append(
-                    Rule(f"encoder.layer.{i}.{theirs}.{part}", (f"blocks.{i}.{ours}.{part}",))
-                )
+    """BERT's and RoBERTa's names (``encoder.layer.3.attention.self.query.weight``) onto
+    :class:`Bert`."""
+    rules = encoder_rules(n_layers, "encoder.layer", BERT_BLOCK, token_types=True)
     if pooler:
         rules += [Rule(f"pooler.dense.{p}", (f"pooler.{p}",)) for p in ("weight", "bias")]
+    return rules
+
+
+def distilbert_rules(n_layers: int) -> list[Rule]:
+    """DistilBERT's names (``transformer.layer.3.attention.q_lin.weight``) onto :class:`Bert`,
+    which it fills without token types or pooler."""
+    return encoder_rules(n_layers, "transformer.layer", DISTILBERT_BLOCK, token_types=False)
+
+
+def encoder_rules(
+    n_layers: int, layers: str, block: dict[str, str], token_types: bool
+) -> list[Rule]:
+    """The embeddings' names, shared by the BERT family, then each block's under ``layers``."""
+    rules = [
+        Rule(f"embeddings.{theirs}.weight", (f"embeddings.{ours}.weight",))
+        for theirs, ours in ENCODER_EMBEDDINGS.items()
+        if token_types or theirs != "token_type_embeddings"
+    ]
+    rules += [
+        Rule(f"embeddings.LayerNorm.{p}", (f"embeddings.norm.{p}",)) for p in ("weight", "bias")
+    ]
+    for i in range(n_layers):
+        for theirs, ours in block.items():
+            for part in ("weight", "bias"):
+                rules.append(Rule(f"{layers}.{i}.{theirs}.{part}", (f"blocks.{i}.{ours}.{part}",)))
     return rules
 
 
@@ -315,14 +480,91 @@ def gpt2_rules(n_layers: int) -> list[Rule]:
     return rules
 
 
+LLAMA_BLOCK = {
+    "self_attn.q_proj": "attention.W_q",
+    "self_attn.k_proj": "attention.W_k",
+    "self_attn.v_proj": "attention.W_v",
+    "self_attn.o_proj": "attention.W_o",
+    "mlp.gate_proj": "feed_forward.gate",
+    "mlp.up_proj": "feed_forward.up",
+    "mlp.down_proj": "feed_forward.down",
+    "input_layernorm": "norm1",
+    "post_attention_layernorm": "norm2",
+    "self_attn.q_norm": "attention.q_norm",  # Qwen3
+    "self_attn.k_norm": "attention.k_norm",
+}
+
+
+def llama_rules(network: Llama) -> list[Rule]:
+    """The Llama family's names (``layers.3.self_attn.q_proj.weight``, ``model.`` stripped)
+    onto :class:`Llama`: a tensor for every parameter it has (its biases and q/k norms are
+    those its config asks for; ``lm_head.weight`` when the head is not tied)."""
+    ours = dict(network.named_parameters())  # a tied head is listed once, as the embedding
+    rules = [
+        Rule("embed_tokens.weight", ("token_embedding.weight",)),
+        Rule("norm.weight", ("final_norm.weight",)),
+    ]
+    if "lm_head.weight" in ours:
+        rules.append(Rule("lm_head.weight", ("lm_head.weight",)))
+    for i in range(network.config.n_layers):
+        for theirs, mine in LLAMA_BLOCK.items():
+            for part in ("weight", "bias"):
+                target = f"blocks.{i}.{mine}.{part}"
+                if target in ours:
+                    rules.append(Rule(f"layers.{i}.{theirs}.{part}", (target,)))
+    return rules
+
+
+TASK_HEADS = {  # the encoders' heads, skipped: checkpoint prefix -> what the head does
+    "cls.": "pre-training heads",  # BERT: masked word and next sentence
+    "lm_head.": "masked-word head",  # RoBERTa
+    "vocab_transform.": "masked-word head",  # DistilBERT: vocab_transform, _layer_norm, _projector
+    "vocab_layer_norm.": "masked-word head",
+    "vocab_projector.": "masked-word head",
+    "pre_classifier.": "classification head",  # DistilBERT: pre_classifier, then classifier
+    "classifier.": "classification head",  # sequence, token or multiple-choice classification
+    "qa_outputs.": "question-answering head",
+}
+ENCODER_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
+ROBERTA = Architecture(  # XLM-RoBERTa saves the same network under the same names
+    prefix="roberta.",
+    ignored_suffixes=ENCODER_BUFFERS,
+    ignored_prefixes=("lm_head.", "classifier.", "qa_outputs."),
+    tied={},
+    legacy_suffixes={},
+)
+LLAMA = Architecture(  # Mistral, Qwen2 and Qwen3 save the same names (Qwen3 adds q/k norms)
+    prefix="model.",
+    ignored_suffixes=("rotary_emb.inv_freq",),  # a buffer older checkpoints saved
+    ignored_prefixes=(),
+    tied={},  # lm_head.weight is tied or not by config.json: see build_llama
+    legacy_suffixes={},
+)
+
 ARCHITECTURES = {
     "bert": Architecture(
         prefix="bert.",
-        ignored_suffixes=("embeddings.position_ids", "embeddings.token_type_ids"),
-        ignored_prefixes=("cls.",),
+        ignored_suffixes=ENCODER_BUFFERS,
+        ignored_prefixes=("cls.", "classifier.", "qa_outputs."),
         tied={},
         # Checkpoints converted from TensorFlow (bert-base-uncased among them).
         legacy_suffixes={"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"},
+    ),
+    "roberta": ROBERTA,
+    "xlm-roberta": ROBERTA,
+    "distilbert": Architecture(
+        prefix="distilbert.",
+        ignored_suffixes=ENCODER_BUFFERS,
+        ignored_prefixes=(
+            "vocab_transform.",
+            "vocab_layer_norm.",
+            "vocab_projector.",
+            "pre_classifier.",
+            "classifier.",
+            "qa_outputs.",
+        ),
+        tied={},
+        legacy_suffixes={},
     ),
     "gpt2": Architecture(
         prefix="transformer.",
@@ -331,6 +573,10 @@ ARCHITECTURES = {
         tied={"lm_head.weight": "wte.weight"},
         legacy_suffixes={},
     ),
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    "qwen2": LLAMA,
+    "qwen3": LLAMA,
 }
 
 
@@ -338,8 +584,11 @@ ARCHITECTURES = {
 # Weights
 
 
-def read_checkpoint(path: Path, architecture: Architecture) -> dict[str, Tensor]:
-    """The checkpoint's tensors under our rule names: prefix stripped, buffers and heads dropped."""
+def read_checkpoint(
+    path: Path, architecture: Architecture
+) -> tuple[dict[str, Tensor], tuple[str, ...]]:
+    """The checkpoint's tensors under our rule names (prefix stripped, buffers and heads
+    dropped), and the heads dropped, as name patterns (``("classifier.*",)``)."""
     if not path.is_file():
         raise SelfAttnError(
             f"{shown(path)} is missing; the folder needs model.safetensors (convert other formats "
@@ -352,11 +601,13 @@ def read_checkpoint(path: Path, architecture: Architecture) -> dict[str, Tensor]
             f"{path} is not a readable safetensors file ({error}); download or export it again"
         ) from None
     tensors: dict[str, Tensor] = {}
+    heads: set[str] = set()
     for name, tensor in raw.items():
         name = renamed(name.removeprefix(architecture.prefix), architecture.legacy_suffixes)
         if name.endswith(architecture.ignored_suffixes):
             continue
         if name.startswith(architecture.ignored_prefixes):
+            heads.update(head for head in architecture.ignored_prefixes if name.startswith(head))
             continue
         tensors[name] = tensor
     for name, twin in architecture.tied.items():
@@ -366,7 +617,8 @@ def read_checkpoint(path: Path, architecture: Architecture) -> dict[str, Tensor]
                 f"{path}: {name} differs from {twin}; only checkpoints with the output head "
                 "tied to the token embedding are supported"
             )
-    return tensors
+    skipped = tuple(f"{head}*" for head in architecture.ignored_prefixes if head in heads)
+    return tensors, skipped
 
 
 def renamed(name: str, legacy_suffixes: dict[str, str]) -> str:
@@ -421,17 +673,34 @@ Built = tuple[nn.Module, list[Rule], ModelConfig, SentenceConfig | None]
 def build_bert(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
     """An empty :class:`Bert` for this config (with a pooler if the checkpoint has one)."""
     config = bert_config(raw, pooler="pooler.dense.weight" in tensors)
+    return encoder(config, raw, bert_rules(config.n_layers, config.pooler), folder)
+
+
+def build_roberta(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
+    """An empty :class:`Bert` numbering positions as RoBERTa (and XLM-RoBERTa) does."""
+    config = roberta_config(raw, pooler="pooler.dense.weight" in tensors)
+    return encoder(config, raw, bert_rules(config.n_layers, config.pooler), folder)
+
+
+def build_distilbert(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
+    """An empty :class:`Bert` without token types or pooler, for DistilBERT's names."""
+    config = distilbert_config(raw)
+    return encoder(config, raw, distilbert_rules(config.n_layers), folder)
+
+
+def encoder(config: BertConfig, raw: dict, rules: list[Rule], folder: Path) -> Built:
+    """The :class:`Bert`, its rules, its description and its sentence-transformers settings;
+    the model reads ``usable_positions`` tokens at most (RoBERTa's table holds more rows)."""
     info = ModelConfig(
         kind="encoder",
-        model_type="bert",
+        model_type=raw["model_type"],
         n_layers=config.n_layers,
         n_heads=config.n_heads,
         d_model=config.hidden_size,
-        max_positions=config.max_positions,
+        max_positions=config.usable_positions,
         vocab_size=config.vocab_size,
     )
-    rules = bert_rules(config.n_layers, config.pooler)
-    return Bert(config), rules, info, sentence_config(folder, config.max_positions)
+    return Bert(config), rules, info, sentence_config(folder, config.usable_positions)
 
 
 def build_gpt2(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
@@ -441,7 +710,41 @@ def build_gpt2(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
     return GPT(config), gpt2_rules(config.n_layer), info, None
 
 
-BUILDERS = {"bert": build_bert, "gpt2": build_gpt2}
+def build_llama(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
+    """An empty :class:`Llama` for a Llama, Mistral, Qwen2 or Qwen3 config; a tied head's
+    copy in the checkpoint, if saved, must equal the embedding (and is dropped)."""
+    config = llama_config(raw)
+    head = tensors.pop("lm_head.weight", None) if config.tie_word_embeddings else None
+    embedding = tensors.get("embed_tokens.weight")
+    if head is not None and embedding is not None and not torch.equal(head, embedding):
+        raise SelfAttnError(
+            f"{folder / 'model.safetensors'}: lm_head.weight differs from embed_tokens.weight "
+            "but config.json says tie_word_embeddings true; restore the original config.json"
+        )
+    info = ModelConfig(
+        kind="decoder",
+        model_type=raw["model_type"],
+        n_layers=config.n_layers,
+        n_heads=config.n_heads,
+        d_model=config.d_model,
+        max_positions=config.max_positions,
+        vocab_size=config.vocab_size,
+    )
+    network = Llama(config)
+    return network, llama_rules(network), info, None
+
+
+BUILDERS = {
+    "bert": build_bert,
+    "roberta": build_roberta,
+    "xlm-roberta": build_roberta,
+    "distilbert": build_distilbert,
+    "gpt2": build_gpt2,
+    "llama": build_llama,
+    "mistral": build_llama,
+    "qwen2": build_llama,
+    "qwen3": build_llama,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,8 +783,10 @@ def load(
 
     Args:
         name_or_path: ``"minilm"`` (also ``"all-MiniLM-L6-v2"``), the installed default model,
-            or a folder with ``config.json`` and ``model.safetensors`` (``model_type`` bert or
-            gpt2) and optionally ``tokenizer.json``.
+            or a folder with ``config.json`` and ``model.safetensors`` (a ``model_type`` of
+            :data:`ARCHITECTURES`: bert, roberta, xlm-roberta, distilbert, gpt2, ...) and
+            optionally ``tokenizer.json``. A fine-tuned encoder loads without its task head,
+            which ``model.config.skipped`` names.
         dtype, device: where the weights live.
         backend: the attention backend of every attention module (``"auto"``, ``"sdpa"``,
             ``"explicit"``, ...).
@@ -504,7 +809,7 @@ def load(
             f"supported: {', '.join(ARCHITECTURES)}"
         )
     weights_path = folder / "model.safetensors"
-    tensors = read_checkpoint(weights_path, ARCHITECTURES[model_type])
+    tensors, skipped = read_checkpoint(weights_path, ARCHITECTURES[model_type])
     try:
         network, rules, info, sentence = BUILDERS[model_type](raw, tensors, folder)
     except KeyError as missing:
@@ -515,6 +820,21 @@ def load(
     load_weights(network, rules, tensors, weights_path)
     tokenizer_path = folder / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tokenizer_path) if tokenizer_path.is_file() else None
+    info = replace(info, skipped=skipped)
     model = Model(network, info, name=name, tokenizer=tokenizer, sentence=sentence)
     set_backend(model, backend)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def skipped_note(model: Model) -> str | None:
+    """One line saying which task heads of the checkpoint were left out, or None if none."""
+    if not model.config.skipped:
+        return None
+    heads: dict[str, list[str]] = {}
+    for pattern in model.config.skipped:
+        heads.setdefault(TASK_HEADS.get(pattern.removesuffix("*"), "head"), []).append(pattern)
+    named = " and ".join(f"{what} ({', '.join(patterns)})" for what, patterns in heads.items())
+    return (
+        f"{model.name}: left out the checkpoint's {named}, not used here; run, attention and "
+        "encode show the encoder under it"
+    )

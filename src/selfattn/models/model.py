@@ -1,8 +1,9 @@
 """A loaded model with its tokenizer: look inside one text (``run``), embed many (``encode``),
 continue a prompt (``generate``).
 
-:class:`Model` wraps a network built from our layers (:class:`~selfattn.models.bert.Bert` or
-:class:`~selfattn.models.gpt.GPT`). :meth:`Model.run` runs one text on the fast path under
+:class:`Model` wraps a network built from our layers (:class:`~selfattn.models.bert.Bert`, or a
+:class:`~selfattn.models.gpt.Decoder`: :class:`~selfattn.models.gpt.GPT`,
+:class:`~selfattn.models.llama.Llama`). :meth:`Model.run` runs one text on the fast path under
 :func:`selfattn.record` and returns a :class:`Run`: tokens aligned to words, every layer's hidden
 states, and attention weights and traces recomputed on demand for the layers and heads asked for.
 """
@@ -26,7 +27,7 @@ from selfattn.attention import AttentionTrace, check_backend
 from selfattn.errors import SelfAttnError
 from selfattn.layers import AttentionModule
 from selfattn.models.bert import Bert, EncoderOutput
-from selfattn.models.gpt import GPT, DecoderOutput, GPTConfig
+from selfattn.models.gpt import Decoder, DecoderOutput, GPTConfig
 from selfattn.recording import Capture, Recording, in_range, record
 from selfattn.text import Encoding, Span, Tokenizer, Word
 
@@ -37,13 +38,14 @@ PROGRESS_MIN_BATCHES = 4  # progress=None shows a bar above this many batches on
 class ModelConfig:
     """What a viewer needs to know about a model, whatever its architecture."""
 
-    kind: str  # "encoder" (BERT family) or "decoder" (GPT family)
-    model_type: str  # config.json's model_type: "bert", "gpt2"
+    kind: str  # "encoder" (BERT family) or "decoder" (GPT and Llama families)
+    model_type: str  # config.json's model_type: "bert", "gpt2", "llama"...
     n_layers: int
     n_heads: int
     d_model: int
     max_positions: int
     vocab_size: int
+    skipped: tuple[str, ...] = ()  # the checkpoint's task heads left out ("classifier.*")
 
     @classmethod
     def for_decoder(cls, config: GPTConfig, model_type: str) -> ModelConfig:
@@ -313,7 +315,7 @@ class Generation:
 def _recorded_steps(
     network: nn.Module, steps: Iterator[Tensor]
 ) -> Iterator[tuple[int, GenerationStep]]:
-    """Run ``steps`` (one forward pass each, see GPT.generate_steps), each under its own
+    """Run ``steps`` (one forward pass each, see Decoder.generate_steps), each under its own
     recording; give each step's new token id and its query's attention."""
     while True:
         with record(network) as recording:
@@ -341,12 +343,12 @@ MAX_CHARACTER_BYTES = 4  # UTF-8: so at most 4 byte-level tokens share one chara
 
 
 def _token_strings(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
-    """Each id as its token: " bank" for byte-level BPE, and a part of a character split
-    across tokens named as the prompt's are ("é[1/2]", "é[2/2]"); bytes that make no
-    character stay "\ufffd"."""
-    if not tokenizer.byte_level:
+    """Each id as its token: " bank" for byte-level BPE (and for "▁bank"), and a part of a
+    character split across tokens named as the prompt's are ("é[1/2]", "é[2/2]"); bytes that
+    make no character stay "\ufffd"."""
+    if not (tokenizer.byte_level or tokenizer.metaspace):
         return [tokenizer.backend.id_to_token(i) for i in ids]
-    pieces = [tokenizer.backend.decode([i], skip_special_tokens=False) for i in ids]
+    pieces = [tokenizer.piece(i) for i in ids]
     start = 0
     while start < len(ids):
         end = _character_end(tokenizer, ids, pieces, start)
@@ -397,7 +399,7 @@ class Model(nn.Module):
 
     def __init__(
         self,
-        network: Bert | GPT,
+        network: Bert | Decoder,
         config: ModelConfig,
         *,
         name: str,
@@ -441,6 +443,11 @@ class Model(nn.Module):
         """One-line errors for token inputs the network cannot take, before any lookup."""
         if self.config.kind == "decoder" and token_type_ids is not None:
             raise SelfAttnError("token_type_ids are for encoders; a decoder takes none")
+        if token_type_ids is not None and not self.network.config.type_vocab_size:
+            raise SelfAttnError(
+                f"{self.name} ({self.config.model_type}) has no token types; call it without "
+                "token_type_ids"
+            )
         _check_ids("input_ids", input_ids, self.config.vocab_size)
         if attention_mask is not None:
             _check_like_ids("attention_mask", attention_mask, input_ids)

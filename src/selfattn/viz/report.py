@@ -141,18 +141,33 @@ def _scaled_by(steps: Steps) -> str:
 
 
 def _print_masked_note(console: Console, e: Explanation) -> None:
-    """Say which keys the query may not attend, and why their weight is 0."""
+    """Say which keys the query may not attend, and why their weight is 0: in a decoder, the
+    keys after it (the causal mask) and those before a sliding window (Mistral's)."""
     keys = e.masked_keys
-    if not keys:
-        return
-    if len(keys) == 1:
-        named = f"key {keys[0]}"
-    elif keys == list(range(keys[0], keys[-1] + 1)):
-        named = f"keys {keys[0]}..{keys[-1]}"
+    if not e.causal:
+        reasons = [(keys, "masked")]
     else:
-        named = "keys " + ", ".join(map(str, keys))
-    why = "after the query: a decoder may not look ahead (causal mask)" if e.causal else "masked"
-    console.print(f"[dim]masked: {named}, {why}; scaled set to -inf, so weight 0[/]")
+        reasons = [
+            ([key for key in keys if key < e.query], "before the query's sliding window"),
+            (
+                [key for key in keys if key > e.query],
+                "after the query: a decoder may not look ahead (causal mask)",
+            ),
+        ]
+    for masked, why in reasons:
+        if masked:
+            console.print(
+                f"[dim]masked: {_key_range(masked)}, {why}; scaled set to -inf, so weight 0[/]"
+            )
+
+
+def _key_range(keys: list[int]) -> str:
+    """ "key 3", "keys 4..9" for a run, else "keys 1, 5, 7"."""
+    if len(keys) == 1:
+        return f"key {keys[0]}"
+    if keys == list(range(keys[0], keys[-1] + 1)):
+        return f"keys {keys[0]}..{keys[-1]}"
+    return "keys " + ", ".join(map(str, keys))
 
 
 def _causal_note(e: Explanation) -> str:

@@ -1,0 +1,166 @@
+"""The Llama family of decoders (Llama, Mistral, Qwen2, Qwen3) built from our layers.
+
+Token embedding without positions; pre-norm blocks of :class:`~selfattn.layers.RMSNorm`,
+:class:`~selfattn.layers.GroupedQueryAttention` (rotary positions on q and k, query heads
+sharing key/value heads) and :class:`~selfattn.layers.GatedFeedForward` (SwiGLU); a final
+RMSNorm and an output head, tied to the embedding or not. Mistral's (and Qwen's, where
+enabled) sliding window is a mask: a query sees itself and the ``sliding_window - 1`` tokens
+before it. Generation is :class:`~selfattn.models.gpt.Decoder`'s, shared with GPT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from selfattn.errors import SelfAttnError
+from selfattn.layers import (
+    ACTIVATIONS,
+    GatedFeedForward,
+    GroupedQueryAttention,
+    KVCache,
+    RMSNorm,
+    RopeScaling,
+    RotaryPositions,
+)
+from selfattn.models.gpt import Decoder, DecoderOutput
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Sizes and options of a Llama-family decoder; validated on creation."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    max_positions: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    activation: str = "silu"
+    qkv_bias: bool = False  # Qwen2: True
+    out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm of each query and key head
+    tie_word_embeddings: bool = False
+    sliding_windows: tuple[int | None, ...] = ()  # per layer (None: full), () for none at all
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {self.activation!r}; one of {list(ACTIVATIONS)}")
+        if self.sliding_windows and len(self.sliding_windows) != self.n_layers:
+            raise ValueError(
+                f"sliding_windows has {len(self.sliding_windows)} entries, one per layer of "
+                f"{self.n_layers}"
+            )
+
+
+class LlamaBlock(nn.Module):
+    """x + attention(norm1(x)), then + feed_forward(norm2(x)); no biases unless configured."""
+
+    def __init__(self, config: LlamaConfig, rotary: RotaryPositions) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(config.d_model, config.rms_norm_eps)
+        self.attention = GroupedQueryAttention(
+            config.d_model,
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
+            rotary=rotary,
+            qkv_bias=config.qkv_bias,
+            out_bias=config.out_bias,
+            qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
+        )
+        self.norm2 = RMSNorm(config.d_model, config.rms_norm_eps)
+        self.feed_forward = GatedFeedForward(
+            config.d_model, config.d_ff, config.activation, config.mlp_bias
+        )
+
+    def forward(self, x: Tensor, *, mask: Tensor | None, cache: KVCache | None) -> Tensor:
+        """x: (B, T, D) -> (B, T, D), causal; ``mask`` broadcasts to (B, H, T, S)."""
+        x = x + self.attention(self.norm1(x), mask=mask, causal=True, cache=cache)
+        return x + self.feed_forward(self.norm2(x))
+
+
+class Llama(Decoder):
+    """Decoder of the Llama family; ``forward(input_ids, targets)`` gives logits and loss."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        rotary = RotaryPositions(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.blocks = nn.ModuleList(LlamaBlock(config, rotary) for _ in range(config.n_layers))
+        self.final_norm = RMSNorm(config.d_model, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.token_embedding.weight
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_positions
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        targets: Tensor | None = None,
+        *,
+        attention_mask: Tensor | None = None,
+        caches: list[KVCache] | None = None,
+    ) -> DecoderOutput:
+        """input_ids (B, T); attention_mask (B, S) with 1 for real tokens; caches per block."""
+        offset = len(caches[0]) if caches else 0
+        length = offset + input_ids.shape[1]
+        if length > self.max_positions:
+            raise SelfAttnError(
+                f"sequence of {length} tokens is longer than the model's {self.max_positions} "
+                "positions (max_position_embeddings); shorten the text"
+            )
+        x = self.token_embedding(input_ids)  # (B, T, D)
+        padding = None
+        if attention_mask is not None:
+            padding = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S): keys that exist
+        windows = self.config.sliding_windows or (None,) * len(self.blocks)
+        masks = {
+            window: _combined(padding, self._window_mask(window, input_ids.shape[1], length))
+            for window in set(windows)
+        }
+        hidden_states = [x]
+        for i, block in enumerate(self.blocks):
+            x = block(x, mask=masks[windows[i]], cache=caches[i] if caches else None)
+            hidden_states.append(x)
+        logits = self.lm_head(self.final_norm(x))  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return DecoderOutput(logits, loss, tuple(hidden_states))
+
+    def _window_mask(self, window: int | None, t: int, s: int) -> Tensor | None:
+        """(T, S) True where key j lies within ``window`` of query i (j > i - window, queries
+        aligned bottom-right, as causal masking aligns them); None when no key is that far."""
+        if window is None or s <= window:
+            return None
+        device = self.token_embedding.weight.device
+        queries = torch.arange(s - t, s, device=device).unsqueeze(-1)  # (T, 1) positions
+        return torch.arange(s, device=device) > queries - window  # (T, S)
+
+
+def _combined(padding: Tensor | None, window: Tensor | None) -> Tensor | None:
+    """Both masks (True = may attend), or the one given."""
+    if padding is None or window is None:
+        return window if padding is None else padding
+    return padding & window  # (B, 1, T, S)

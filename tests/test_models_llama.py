@@ -1,0 +1,354 @@
+"""Randomly initialised Hugging Face Llama, Mistral, Qwen2 and Qwen3, saved as safetensors, load
+onto our layers (:class:`selfattn.models.llama.Llama`) and run end to end.
+
+Six small models (hidden 48, 3 layers, 6 heads, initializer_range 0.2): Llama with grouped
+key/value heads (2), untied; Llama with plain multi-head attention (6), tied, and Llama 3.1's
+"llama3" RoPE scaling; Mistral with a sliding window of 6 tokens (texts and generations run
+past it); Qwen2 (q/k/v biases), tied; Qwen3 (q/k RMSNorm, head_dim 10 given in config.json,
+rope_theta 1e6). Each reads a sentencepiece-style tokenizer ("▁" for spaces, byte fallback,
+a ``<s>`` first), built here.
+
+Tolerances (float32): logits and every hidden state 1e-4 absolute; attention weights of every
+layer and head (recomputed from the q and k recorded after RoPE) against Hugging Face's eager
+``output_attentions`` 1e-5; 20 greedy tokens identical to Hugging Face ``generate(do_sample=
+False)``, with and without our key/value cache. The name map is checked key by key and shape
+by shape against each Hugging Face state dict.
+"""
+
+import json
+import re
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from typer.testing import CliRunner
+
+import selfattn
+from selfattn.cli import app
+from selfattn.errors import SelfAttnError
+from selfattn.explain import explain_text
+from selfattn.models.loading import llama_rules
+from selfattn.viz import report
+from test_models_random import CORPUS, assert_map_fits
+
+transformers = pytest.importorskip("transformers")
+
+SENTENCE = "I went to the bank to deposit money; café 日本."
+PROMPT = "I went to the bank"
+SIZES = dict(
+    hidden_size=48,
+    intermediate_size=71,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=None,
+)
+FAMILIES = {  # name -> (Hugging Face class, its config class, config settings)
+    "llama": ("LlamaForCausalLM", "LlamaConfig", {}),
+    "llama-tied-mha-llama3": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        {
+            "num_key_value_heads": 6,
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        },
+    ),
+    "mistral": ("MistralForCausalLM", "MistralConfig", {"sliding_window": 6}),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": (
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        {"head_dim": 10, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    ),
+}
+
+
+def metaspace_tokenizer(path) -> int:
+    """A small sentencepiece-style BPE (Llama 2's and Mistral's kind): "▁" for spaces, one
+    before the first word, "<0xE6>" pieces for bytes of unknown characters, "<s>" first.
+    Returns its vocabulary size."""
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=250, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)]
+    )
+    data = json.loads(tokenizer.to_str())
+    vocab = data["model"]["vocab"]
+    for byte in range(256):  # in the model's vocabulary, as sentencepiece has them
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    Tokenizer.from_str(json.dumps(data)).save(str(path))
+    return len(vocab)
+
+
+@pytest.fixture(scope="module")
+def vocab_size(tmp_path_factory):
+    return metaspace_tokenizer(tmp_path_factory.mktemp("tokenizer") / "tokenizer.json")
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory, vocab_size):
+    """(folder, Hugging Face model on its eager attention, our model) of one family."""
+    model_class, config_class, settings = FAMILIES[request.param]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**SIZES, **settings, "vocab_size": vocab_size})
+    folder = tmp_path_factory.mktemp(request.param)
+    getattr(transformers, model_class)(config).save_pretrained(folder)
+    metaspace_tokenizer(folder / "tokenizer.json")
+    hf = getattr(transformers, model_class).from_pretrained(folder, attn_implementation="eager")
+    return folder, hf.eval(), selfattn.load(folder)
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory, vocab_size):
+    """The grouped, untied Llama, for the refusals (each test edits its own copy)."""
+    model_class, config_class, settings = FAMILIES["llama"]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**SIZES, **settings, "vocab_size": vocab_size})
+    folder = tmp_path_factory.mktemp("llama-refusals")
+    getattr(transformers, model_class)(config).save_pretrained(folder)
+    metaspace_tokenizer(folder / "tokenizer.json")
+    return folder
+
+
+def test_logits_and_every_hidden_state_match_hugging_face(family):
+    _, hf, model = family
+    assert model.config.kind == "decoder"
+    assert (model.config.n_layers, model.config.n_heads) == (3, 6)
+    input_ids = torch.randint(
+        0, model.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(2)
+    )
+    with torch.no_grad():
+        ours = model(input_ids)
+        theirs = hf(input_ids, output_hidden_states=True)
+    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-4, rtol=0)
+    # Hugging Face's last hidden state comes after the final norm; ours before it.
+    for mine, hf_state in zip(ours.hidden_states[:-1], theirs.hidden_states[:-1], strict=True):
+        torch.testing.assert_close(mine, hf_state, atol=1e-4, rtol=0)
+    final = model.network.final_norm(ours.hidden_states[-1])
+    torch.testing.assert_close(final, theirs.hidden_states[-1], atol=1e-4, rtol=0)
+
+
+def test_run_attention_equals_hugging_face_eager_attentions(family):
+    """The weights explain shows, recomputed from the q and k recorded (after RoPE) on the
+    fast path, equal Hugging Face's eager attentions for every layer and head: causal rows,
+    and Mistral's window of 6 on a longer text, included."""
+    _, hf, model = family
+    run = model.run(SENTENCE)
+    assert len(run.tokens) > 6
+    with torch.no_grad():
+        theirs = hf(torch.tensor([run.token_ids]), output_attentions=True)
+    for layer, attention in enumerate(theirs.attentions):
+        torch.testing.assert_close(run.attention(layer), attention[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(run.logits, theirs.logits[0], atol=1e-4, rtol=0)
+    window = getattr(hf.config, "sliding_window", None)
+    if window:  # the last query sees only the window's last keys
+        assert torch.all(run.attention(0)[:, -1, :-window] == 0)
+        assert torch.all(run.attention(0)[:, -1, -window:] > 0)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_greedy_tokens_equal_hugging_face(family, use_cache):
+    """20 greedy tokens after a 6-token prompt: past Mistral's window, so its cached steps
+    mask the keys that slid out of it."""
+    _, hf, model = family
+    prompt_ids = torch.tensor([model.tokenizer.encode(PROMPT).ids])
+    with torch.no_grad():
+        theirs = hf.generate(
+            prompt_ids,
+            attention_mask=torch.ones_like(prompt_ids),
+            do_sample=False,
+            max_new_tokens=20,
+            min_new_tokens=20,
+            pad_token_id=0,
+        )
+    ours = model.network.generate(prompt_ids, 20, temperature=0.0, use_cache=use_cache)
+    assert ours.tolist() == theirs.tolist()
+    text = model.generate(PROMPT, 20, temperature=0.0, use_cache=use_cache)
+    assert text == model.tokenizer.decode(theirs[0].tolist())[len(PROMPT) :]
+
+
+def test_name_map_covers_both_state_dicts_with_matching_shapes(family):
+    _, hf, model = family
+    theirs = {name.removeprefix("model."): tensor for name, tensor in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        assert torch.equal(theirs.pop("lm_head.weight"), theirs["embed_tokens.weight"])
+    ours = dict(model.network.named_parameters())
+    assert_map_fits(llama_rules(model.network), theirs, ours)
+
+
+def test_trace_shows_each_query_heads_own_key_group(family):
+    """With 2 key/value heads for 6 query heads, run.trace(layer, head) shows the key and
+    value of the head's group: heads 0-2 share one, 3-5 the other."""
+    _, hf, model = family
+    run = model.run(SENTENCE)
+    groups = hf.config.num_attention_heads // hf.config.num_key_value_heads
+    keys = [run.trace(1, head).key for head in range(6)]
+    for head in range(6):
+        assert torch.equal(keys[head], keys[head - head % groups])  # its group's first head
+    assert not torch.equal(keys[0], keys[groups])  # the next group (or head) differs
+    assert run.trace(1, 4).query.shape == (len(run.tokens), model.network.config.head_dim)
+
+
+def test_generate_recorded_rows_equal_a_full_run(family):
+    """What `generate --html` shows: each step's weights (recorded during the cached
+    generation, keys rotated at their own positions) equal the rows of one full run, 1e-5."""
+    _, _, model = family
+    generation = model.generate_recorded(PROMPT, 8, temperature=0.0)
+    assert generation.text == model.generate(PROMPT, 8, temperature=0.0)
+    ids = torch.tensor([generation.token_ids[:-1]])
+    with torch.no_grad(), selfattn.record(model.network) as recording:
+        model(ids)
+    for step in generation.steps:
+        full = torch.stack([capture.weights()[:, step.query] for capture in recording])
+        torch.testing.assert_close(step.weights, full[..., : step.query + 1], atol=1e-5, rtol=0)
+
+
+def test_sentencepiece_tokens_read_as_text_and_align_with_words(family):
+    _, _, model = family
+    run = model.run("I went to the bank. Un café 日本")
+    assert run.tokens[:5] == ["<s>", "I", " went", " to", " the"]  # no "▁", no space added
+    assert "".join(run.tokens[1:]).startswith("I went to the bank.")
+    assert [token for token in run.tokens if "[" in token] == [
+        "日[1/3]", "日[2/3]", "日[3/3]", "本[1/3]", "本[2/3]", "本[3/3]"
+    ]  # fmt: skip
+    assert [word.text for word in run.words] == [
+        "I", "went", "to", "the", "bank", ".", "Un", "café", "日", "本"
+    ]  # fmt: skip
+    assert "".join(run.tokens[i] for i in run.word_tokens("café")).strip() == "café"
+
+
+def test_cli_explains_and_continues_a_llama_folder(family, tmp_path):
+    """`selfattn explain TEXT --model DIR` and `selfattn generate --model DIR PROMPT` (with
+    --html) run on the Llama family as on GPT-2; generate prints what Model.generate writes."""
+    folder, _, model = family
+    result = CliRunner().invoke(
+        app, ["explain", SENTENCE, "--model", str(folder), "--word", "bank"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "causal: each query sees keys up to itself" in result.stdout
+    page = tmp_path / "generation.html"
+    args = ["generate", "--model", str(folder), PROMPT, "--max-new-tokens", "6"]
+    result = CliRunner().invoke(app, [*args, "--temperature", "0", "--html", str(page)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == PROMPT + model.generate(PROMPT, 6, temperature=0.0) + "\n"
+    assert page.stat().st_size > 0
+
+
+def rewritten(source, target, config=None, tensors=None):
+    """A copy of the checkpoint folder ``source`` in ``target``, with config.json entries
+    replaced (None deletes one) and tensors changed by ``tensors(dict)``."""
+    raw = json.loads((source / "config.json").read_text())
+    for key, value in (config or {}).items():
+        raw[key] = value
+        if value is None:
+            del raw[key]
+    (target / "config.json").write_text(json.dumps(raw))
+    weights = load_file(source / "model.safetensors")
+    save_file(tensors(weights) if tensors else weights, target / "model.safetensors")
+    (target / "tokenizer.json").write_bytes((source / "tokenizer.json").read_bytes())
+    return target
+
+
+@pytest.mark.parametrize(
+    ("config", "tensors", "message"),
+    [
+        (
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+            None,
+            "unsupported RoPE type 'yarn' (rope_parameters in config.json); supported: "
+            "default, linear, llama3, one for every layer",
+        ),
+        (
+            {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+            None,
+            "unsupported RoPE type 'dynamic'",
+        ),
+        (
+            {"partial_rotary_factor": 0.5},
+            None,
+            "unsupported partial_rotary_factor 0.5 in config.json",
+        ),
+        (
+            {"hidden_act": "gelu_fast"},
+            None,
+            "unsupported hidden_act 'gelu_fast' in config.json",
+        ),
+        (
+            None,
+            lambda weights: {k: v for k, v in weights.items() if "layers.2.mlp.up" not in k},
+            "lacks 1 tensor(s) the model needs, e.g. layers.2.mlp.up_proj.weight",
+        ),
+        (
+            None,
+            lambda weights: {**weights, "model.layers.0.self_attn.q_proj.bias": torch.zeros(48)},
+            "holds 1 tensor(s) the model has no place for, e.g. layers.0.self_attn.q_proj.bias",
+        ),
+        (
+            {"tie_word_embeddings": True},
+            None,
+            "lm_head.weight differs from embed_tokens.weight but config.json says "
+            "tie_word_embeddings true",
+        ),
+        (
+            {"num_key_value_heads": 3},
+            None,
+            "tensor layers.0.self_attn.k_proj.weight has shape (16, 48) but the model expects "
+            "(24, 48)",
+        ),
+    ],
+)
+def test_what_does_not_fit_is_refused_in_one_line(llama_folder, tmp_path, config, tensors, message):
+    folder = rewritten(llama_folder, tmp_path, config, tensors)
+    with pytest.raises(SelfAttnError, match=re.escape(message)) as error:
+        selfattn.load(folder)
+    assert "\n" not in str(error.value)
+
+
+def test_a_text_longer_than_the_positions_is_refused(llama_folder):
+    """RoPE has no table to run out of: the model says where max_position_embeddings ends."""
+    model = selfattn.load(llama_folder)
+    with pytest.raises(SelfAttnError, match=r"takes at most 64; shorten it or pass --truncate"):
+        model.run("bank " * 70)
+    assert len(model.run("bank " * 70, truncate=True).tokens) == 64
+    with pytest.raises(
+        SelfAttnError, match=r"^sequence of 65 tokens is longer than the model's 64"
+    ):
+        model(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_explain_names_keys_outside_mistrals_window_apart_from_later_ones(family):
+    """Keys before a sliding window were said to be "after the query (causal mask)"; a query
+    in the middle of a text longer than Mistral's window of 6 names both kinds, each once."""
+    _, hf, model = family
+    window = getattr(hf.config, "sliding_window", None)
+    if not window:
+        pytest.skip("no sliding window in this family")
+    run, e = explain_text(model, SENTENCE, index=8, layer=0, head=0)
+    assert len(run.tokens) > 9
+    console = Console(record=True, width=200, color_system=None)
+    report.print_explanation(console, e)
+    text = console.export_text()
+    before = f"masked: keys 0..{8 - window}, before the query's sliding window"
+    after = f"masked: keys 9..{len(run.tokens) - 1}, after the query"
+    assert before in text and after in text, text
