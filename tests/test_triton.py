@@ -28,6 +28,7 @@ if os.environ["TRITON_INTERPRET"] != "1":
     pytest.skip("these tests run the kernels under TRITON_INTERPRET=1", allow_module_level=True)
 
 from selfattn.attention import BACKENDS, attention, choose_backend, make_call
+from selfattn.kernels.chunked import LOG2E
 
 ABS_FLOOR = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 
@@ -51,8 +52,13 @@ def _run(backend: str, q, k, v, grad, dtype, **options):
 
 def assert_matches_reference(q, k, v, grad, dtype=torch.float32, **options):
     """Triton within twice SDPA's error of the float64 explicit path, output and gradients."""
-    reference = _run("explicit", q, k, v, grad, torch.float64, **options)
     ours = _run("triton", q, k, v, grad, dtype, **options)
+    assert_within_twice_sdpa(ours, q, k, v, grad, dtype, **options)
+
+
+def assert_within_twice_sdpa(ours, q, k, v, grad, dtype, **options):
+    """``ours`` (output, dq, dk, dv) within twice SDPA's error of the float64 explicit path."""
+    reference = _run("explicit", q, k, v, grad, torch.float64, **options)
     baseline = _run("sdpa", q, k, v, grad, dtype, **options)
     for name, got, base, want in zip(
         ("output", "dq", "dk", "dv"), ours, baseline, reference, strict=True
@@ -1022,3 +1028,211 @@ def test_gpu_benchmark_script_dry_run():
     )
     assert checks and all(line.endswith("| yes |") for line in checks), report.stdout
     assert "## Throughput" in report.stdout and "## Layer layout" in report.stdout
+
+
+# Ring attention's blocks: block_forward and block_backward. Tolerance in float32: 1e-5
+# (absolute and relative) against the float64 explicit path and against chunked's tiles; in
+# float16/bfloat16 the file's rule above (twice SDPA's error of the float64 path, plus a floor).
+
+BLOCK_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+def _block_inputs(t: int, s: int, padded: bool, seed: int = 0):
+    """(3, T, 16) queries, (3, S, 16) keys and values, dO, and a key mask (3, S) or None: with
+    ``padded``, head 1 has no key in its first 24 and head 2 only its last key."""
+    q, k, v, grad = _inputs(t, s, 16, lead=(3,), seed=seed)
+    allowed = None
+    if padded:
+        allowed = torch.rand(3, s, generator=torch.Generator().manual_seed(seed)) > 0.3
+        allowed[1, :24] = False
+        allowed[2] = False
+        allowed[2, -1] = True
+    return q, k, v, grad, allowed
+
+
+def _reference_lse(q, k, allowed, causal: bool, scale: float):
+    """The base-2 log-sum-exp of the scaled, masked scores, +inf where a row sees no key."""
+    scores = q @ k.transpose(-1, -2) * scale
+    t, s = scores.shape[-2:]
+    visible = torch.ones(t, s, dtype=torch.bool).tril(s - t) if causal else torch.tensor(True)
+    if allowed is not None:
+        visible = visible & allowed[:, None, :]
+    lse = torch.logsumexp(scores.masked_fill(~visible, float("-inf")), -1, keepdim=True)
+    return (lse * LOG2E).masked_fill(lse == float("-inf"), float("inf"))
+
+
+def _explicit_options(allowed, causal: bool, scale: float) -> dict:
+    """``attention``'s options for the same call: the key mask as (N, 1, S)."""
+    return dict(mask=None if allowed is None else allowed[:, None, :], causal=causal, scale=scale)
+
+
+BLOCK_CASES = {  # T, S, causal, padded
+    "plain": (33, 40, False, False),
+    "causal-diagonal": (33, 33, True, False),
+    "padded": (33, 24, False, True),  # head 1 sees no key at all
+    "causal-padded": (24, 24, True, True),  # nor do head 2's rows before its one key
+}
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES)
+def test_block_forward_matches_chunked_tiles_and_the_reference(case):
+    """Output (float32) and base-2 lse as chunked's tile_forward gives them with the same
+    Masks (its unmasked calls are in base e: converted), and as the float64 explicit path; a
+    row with no key gets output 0 and lse +inf."""
+    from selfattn.kernels.chunked import Masks, tile_forward
+    from selfattn.kernels.triton_attention import block_forward
+
+    t, s, causal, padded = BLOCK_CASES[case]
+    q, k, v, _, allowed = _block_inputs(t, s, padded)
+    scale = 0.3
+    out, lse = block_forward(
+        q.float(), k.float(), v.float(), causal=causal, scale=scale, key_allowed=allowed
+    )
+    assert out.dtype == lse.dtype == torch.float32 and lse.shape == (3, t, 1)
+
+    masks = Masks(torch.Size([3]), None if allowed is None else allowed[:, None, :], causal, False)
+    tile_out, tile_lse = tile_forward(q.float(), k.float(), v.float(), None, masks, scale, 16, 16)
+    torch.testing.assert_close(out, tile_out, **BLOCK_TOLERANCE)
+    torch.testing.assert_close(lse, tile_lse * (LOG2E / masks.unit), **BLOCK_TOLERANCE)
+
+    want = attention(q, k, v, backend="explicit", **_explicit_options(allowed, causal, scale))
+    torch.testing.assert_close(out, want.float(), **BLOCK_TOLERANCE)
+    want_lse = _reference_lse(q, k, allowed, causal, scale)
+    torch.testing.assert_close(lse, want_lse.float(), **BLOCK_TOLERANCE)
+    empty = want_lse == float("inf")
+    assert empty.any() == padded
+    assert (out * empty == 0).all() and not out.isnan().any()
+
+
+def _merge(blocks):
+    """The (output, lse) of blocks merged as ring attention merges them, in base 2: the lse
+    by logaddexp2, the output weighted by each block's share of the softmax mass,
+    sigmoid((block_lse - lse) · ln 2), 0 for a block with no visible key."""
+    out, lse = torch.zeros_like(blocks[0][0]), torch.full_like(blocks[0][1], float("-inf"))
+    for block_out, block_lse in blocks:
+        block_lse = block_lse.masked_fill(block_lse == float("inf"), float("-inf"))  # no mass
+        share = torch.sigmoid((block_lse - lse) / LOG2E).masked_fill(block_lse == float("-inf"), 0)
+        out = out + (block_out - out) * share
+        lse = torch.logaddexp2(lse, block_lse)
+    return out, lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
+TWO_BLOCK_CASES = {  # causal, padded, scale
+    "plain": (False, False, 0.3),
+    "causal": (True, False, 0.3),
+    "padded": (False, True, 0.3),
+    "causal-padded": (True, True, 0.3),
+    "negative-scale": (True, True, -0.3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", TWO_BLOCK_CASES)
+def test_two_blocks_merged_by_lse_give_attention_over_all_keys(case, dtype):
+    """33 queries against keys in two blocks, as a ring rank meets them: 24 earlier keys (all
+    visible), then the diagonal block of its own 33 (causal within it, when causal). The
+    blocks' outputs merged by lse (``_merge``) are attention over all 57 keys, bottom-right
+    causal; block_backward with the merged output and lse gives each block's dK, dV and a
+    share of dQ, which sum to its gradients. Float32 within BLOCK_TOLERANCE of the float64
+    explicit path (output, lse, dQ, dK, dV); float16/bfloat16 within twice SDPA's error."""
+    from selfattn.kernels.triton_attention import block_backward, block_forward
+
+    causal, padded, scale = TWO_BLOCK_CASES[case]
+    q, k, v, grad, allowed = _block_inputs(33, 57, padded)
+    cut = [slice(0, 24), slice(24, 57)]
+    blocks = [
+        dict(
+            key=k[:, cols].to(dtype),
+            value=v[:, cols].to(dtype),
+            causal=causal and cols.start > 0,
+            scale=scale,
+            key_allowed=None if allowed is None else allowed[:, cols],
+        )
+        for cols in cut
+    ]
+    out, lse = _merge([block_forward(q.to(dtype), **block) for block in blocks])
+    grads = [
+        block_backward(grad.float(), q.to(dtype), out=out, lse=lse, **block) for block in blocks
+    ]
+    dq = sum(grad_query for grad_query, _, _ in grads)
+    dk, dv = (torch.cat([block_grads[i] for block_grads in grads], dim=1) for i in (1, 2))
+    ours = [out, dq, dk, dv]
+    assert all(x.dtype == torch.float32 and not x.isnan().any() for x in ours)
+
+    options = _explicit_options(allowed, causal, scale)
+    want_lse = _reference_lse(q, k, allowed, causal, scale)
+    if dtype == torch.float32:
+        reference = _run("explicit", q, k, v, grad, torch.float64, **options)
+        for got, want in zip([lse, *ours], [want_lse, *reference], strict=True):
+            torch.testing.assert_close(got, want.float(), **BLOCK_TOLERANCE)
+    else:
+        assert_within_twice_sdpa(ours, q, k, v, grad, dtype, **options)
+        own = _reference_lse(*(x.to(dtype) for x in (q, k)), allowed, causal, scale)
+        finite = torch.isfinite(want_lse)
+        assert torch.equal(torch.isfinite(lse), finite)
+        error = (lse.double() - want_lse)[finite].abs().max()
+        assert error <= 2 * (own.double() - want_lse)[finite].abs().max() + ABS_FLOOR[dtype]
+    if padded:  # head 2's rows that see no key, in either block: no gradient
+        empty = want_lse[2, :, 0] == float("inf")
+        assert empty.any() == causal and (dq[2, empty] == 0).all()
+
+
+def test_block_calls_over_the_grid_cap_go_in_several_launches(monkeypatch):
+    """More heads (N) than a grid axis takes (a cap of 2 here): several launches of at most
+    that many, the same results bit for bit."""
+    from selfattn.kernels import triton_attention
+
+    q, k, v, grad, allowed = (
+        x.float() if x.is_floating_point() else x for x in _block_inputs(7, 33, padded=True)
+    )
+    options = dict(causal=True, scale=0.3, key_allowed=allowed)
+
+    def both():
+        out, lse = triton_attention.block_forward(q, k, v, **options)
+        return out, lse, *triton_attention.block_backward(grad, q, k, v, out, lse, **options)
+
+    whole = both()
+    monkeypatch.setattr(triton_attention, "MAX_GRID_HEADS", 2)
+    launched = []
+    for name in ("_forward", "_backward"):
+        launch = getattr(triton_attention, name)
+
+        def counted(*args, _launch=launch, **kwargs):
+            query = args[1] if _launch is triton_attention._backward else args[0]
+            launched.append(query.shape[0] * query.shape[1])
+            return _launch(*args, **kwargs)
+
+        monkeypatch.setattr(triton_attention, name, counted)
+    for got, want in zip(both(), whole, strict=True):
+        assert torch.equal(got, want)
+    assert launched == [2, 1, 2, 1]
+
+
+def _refused(dtype=torch.float32, d=16, key_allowed=None, value_dtype=None, lead=(3,)):
+    """What block_forward and block_backward say about a call, checked to be one line each."""
+    from selfattn.kernels.triton_attention import block_backward, block_forward
+
+    q, k = torch.randn(*lead, 7, d, dtype=dtype), torch.randn(*lead, 9, d, dtype=dtype)
+    v = torch.randn(*lead, 9, d, dtype=value_dtype or dtype)
+    out, lse = torch.zeros(*lead, 7, d), torch.zeros(*lead, 7, 1)
+    options = dict(causal=False, scale=0.25, key_allowed=key_allowed)
+    messages = []
+    for call in (
+        lambda: block_forward(q, k, v, **options),
+        lambda: block_backward(out, q, k, v, out, lse, **options),
+    ):
+        with pytest.raises(ValueError) as refusal:
+            call()
+        messages.append(str(refusal.value))
+    assert messages[0] == messages[1] and "\n" not in messages[0]
+    return messages[0]
+
+
+def test_block_functions_refuse_what_the_kernels_cannot_do_in_one_line():
+    assert "float16, bfloat16 or float32" in _refused(dtype=torch.float64)
+    assert "head dims up to 256" in _refused(d=300)
+    assert "share one dtype" in _refused(value_dtype=torch.float16)
+    assert "(N, T, D)" in _refused(lead=(2, 3))
+    assert "non-empty" in _refused(lead=(0,))
+    assert "boolean" in _refused(key_allowed=torch.zeros(3, 9))
+    assert "broadcastable" in _refused(key_allowed=torch.ones(2, 9, dtype=torch.bool))

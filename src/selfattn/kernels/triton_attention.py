@@ -40,6 +40,11 @@ Measured on an H200 (docs/benchmarks.md): 479 TFLOP/s forward and 378 backward a
 128, T = 16,384. ``benchmarks/triton_sm90.py`` compiles every configuration for Hopper on any
 machine and reports registers, spills and wgmma use.
 
+Ring attention (``kernels/ring.py``) attends one block of keys at a time and merges the blocks
+by log-sum-exp; ``block_forward`` and ``block_backward`` run these kernels on one such block:
+its output normalised over the block and its log-sum-exp, and the block's gradients given the
+merged output and log-sum-exp of all blocks.
+
 With ``TRITON_INTERPRET=1`` set before triton is imported, the same kernels run on CPU tensors
 through Triton's interpreter; autotuning is then reduced to one small configuration so that
 tests stay fast.
@@ -53,6 +58,7 @@ import os
 from collections.abc import Callable
 from functools import partial
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 import triton
@@ -807,12 +813,14 @@ def _forward(
     mask_kind: int,
     causal: bool,
     scale: float,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the Triton forward kernel (autotuned) on (outer, inner, T, D) inputs; returns
-    the output (outer, inner, T, Dv), laid out as the query, and the LSE (outer · inner, T)."""
+    the output (outer, inner, T, Dv), laid out as the query, in ``out_dtype`` (by default the
+    input's; the kernel rounds its float32 result to it), and the LSE (outer · inner, T)."""
     n, t = query.shape[0] * query.shape[1], query.shape[2]
     s, value_dim = key.shape[2], value.shape[3]
-    out = _empty_heads(query, value_dim)
+    out = _empty_heads(query, value_dim, out_dtype)
     lse = torch.empty((n, t), dtype=torch.float32, device=query.device)
     tma_ok = _tma_ok(query, key, value)
     if tma_ok and not INTERPRETING:
@@ -892,14 +900,15 @@ def _gluon_forwards(
     }
 
 
-def _empty_heads(like: Tensor, last_dim: int) -> Tensor:
+def _empty_heads(like: Tensor, last_dim: int, dtype: torch.dtype | None = None) -> Tensor:
     """An empty (outer, inner, T, last_dim) tensor laid out as ``like`` is: T outside the heads
     when ``like`` is a (B, T, H, D) projection seen as (B, H, T, D), so that the caller's
-    transpose back to (B, T, H·D) is a view, as it is with torch's SDPA; contiguous otherwise."""
+    transpose back to (B, T, H·D) is a view, as it is with torch's SDPA; contiguous otherwise.
+    In ``dtype``, by default ``like``'s."""
     outer, inner, t, _ = like.shape
     if _interleaved(like):
-        return like.new_empty((outer, t, inner, last_dim)).transpose(1, 2)
-    return like.new_empty((outer, inner, t, last_dim))
+        return like.new_empty((outer, t, inner, last_dim), dtype=dtype).transpose(1, 2)
+    return like.new_empty((outer, inner, t, last_dim), dtype=dtype)
 
 
 def _interleaved(heads: Tensor) -> bool:
@@ -948,9 +957,13 @@ def _backward(
     mask_kind: int,
     causal: bool,
     scale: float,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the backward kernels of the chosen plan; returns dQ, dK, dV shaped like the inputs
-    (outer, inner, T|S, D)."""
+    (outer, inner, T|S, D), in ``grad_dtype`` (by default the inputs'; the kernels round their
+    float32 sums to it). ``out`` may be in any float dtype (only Δ reads it); ``grad_out`` must
+    be in the inputs' (it multiplies them)."""
+    grad_dtype = query.dtype if grad_dtype is None else grad_dtype
     n, t = query.shape[0] * query.shape[1], query.shape[2]
     s, value_dim = key.shape[2], value.shape[3]
     shape_args = _shape_args(query, value, causal, mask_kind)
@@ -988,7 +1001,8 @@ def _backward(
     tensors = (query, key, value, mask_arg, grad_out, lse, delta)
 
     gluon = {}  # Hopper's Gluon kernel, by tiling, where it may run and applies
-    if backward_plan == "gluon" or gluon_backward:
+    # It writes dK and dV in the inputs' dtype only (through TMA descriptors of that type).
+    if (backward_plan == "gluon" or gluon_backward) and grad_dtype == query.dtype:
         hopper_backward = _gluon_module("hopper_backward", query)
         if hopper_backward is not None and hopper_backward.applies(
             query, key, value, grad_out, mask is not None, causal
@@ -996,8 +1010,9 @@ def _backward(
             gluon = {config.describe(): config for config in hopper_backward.CONFIGS}
 
     def run(plan: str) -> tuple[Tensor, Tensor, Tensor]:
-        grad_key, grad_value = _empty_heads(key, key.shape[-1]), _empty_heads(value, value_dim)
-        grad_query = _empty_heads(query, query.shape[-1])
+        grad_key = _empty_heads(key, key.shape[-1], grad_dtype)
+        grad_value = _empty_heads(value, value_dim, grad_dtype)
+        grad_query = _empty_heads(query, query.shape[-1], grad_dtype)
         grad_strides = (*grad_key.stride()[:3], *grad_value.stride()[:3])
         if plan in gluon:
             dq = hopper_backward.hopper_backward(
@@ -1242,20 +1257,203 @@ def triton_attention(
     # (B, T, H, D) projection goes to the kernels as it is.
     heads = [x.reshape(-1, inner, *x.shape[-2:]) for x in (query, key, value)]
     settings = (inner, mask_kind, causal, float(scale))
-    step = MAX_GRID_HEADS // inner  # outer rows per launch
-    if heads[0].shape[0] <= step:
-        out = _FusedAttention.apply(*heads, kernel_mask, *settings)
-    else:  # sliced only here: a slice's backward would hand back contiguous gradients
-        rows = [slice(start, start + step) for start in range(0, heads[0].shape[0], step)]
-        pieces = [[x[part] for x in heads] for part in rows]
-        masks = [None if kernel_mask is None else kernel_mask[part] for part in rows]
-        out = torch.cat(
-            [
-                _FusedAttention.apply(*piece, piece_mask, *settings)
-                for piece, piece_mask in zip(pieces, masks, strict=True)
-            ]
-        )
+    out = _in_launches(
+        lambda *piece: _FusedAttention.apply(*piece, *settings), inner, *heads, kernel_mask
+    )
     return out.reshape(*lead, t, value_dim)
+
+
+def _in_launches(
+    launch: Callable[..., Tensor | tuple[Tensor, ...]], inner: int, *tensors: Tensor | None
+) -> Tensor | tuple[Tensor, ...]:
+    """``launch(*tensors)`` on (outer, inner, ...) tensors (None passes as it is), cut along
+    outer into launches of at most ``MAX_GRID_HEADS`` heads, the grid axis's cap; a tensor
+    result, or each of a tuple's, is joined along its first dim again (outer, or the
+    outer · inner rows of an LSE). Sliced only when over the cap (a slice's autograd backward
+    would hand back contiguous gradients)."""
+    step = MAX_GRID_HEADS // inner  # outer rows per launch
+    outer = tensors[0].shape[0]
+    if outer <= step:
+        return launch(*tensors)
+    parts = [
+        launch(*(None if x is None else x[start : start + step] for x in tensors))
+        for start in range(0, outer, step)
+    ]
+    if isinstance(parts[0], Tensor):
+        return torch.cat(parts)
+    return tuple(torch.cat(pieces) for pieces in zip(*parts, strict=True))
+
+
+def block_forward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    key_allowed: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The queries attended over one block of keys, for ring attention to merge by lse.
+
+    Args:
+        query, key, value: ``(N, T, D)``, ``(N, S, D)``, ``(N, S, Dv)`` (N: batch and heads
+            folded), one dtype of float16, bfloat16 and float32, any strides.
+        causal: query i sees keys ``j <= i + S - T`` of the block (bottom-right alignment).
+        scale: multiplies the dot products (any sign).
+        key_allowed: boolean key padding, True = may attend, ``(N, S)`` or broadcastable to it;
+            the kernels read it with stride 0 along T (no ``(T, S)`` mask is formed).
+
+    Returns:
+        The output normalised over this block's keys, ``(N, T, Dv)`` float32 (the kernel
+        writes its float32 result, not rounded to the input dtype), and the log-sum-exp
+        ``(N, T, 1)`` float32 in base 2: ``log2(sum_j exp2(scores_ij · log2(e)))`` of the
+        scaled (masked) scores, i.e. the natural lse · ``LOG2E``, the convention of chunked's
+        ``tile_forward`` under ``Masks.unit == LOG2E`` (a masked or causal call; its unmasked
+        calls return the natural lse). A row with no visible key: output 0, lse +inf.
+
+    Runs the autotuned Triton kernel, never Hopper's Gluon forward: that one writes its output
+    in the input dtype only.
+    """
+    call = _block_call(query, key, value, key_allowed, causal, scale)
+    n, t = query.shape[:2]
+
+    def launch(
+        query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        return _forward(query, key, value, mask, *call.settings, out_dtype=torch.float32)
+
+    out, lse = _in_launches(launch, call.settings[0], *call.heads, call.mask)
+    return out.reshape(n, t, value.shape[-1]), lse.view(n, t, 1)
+
+
+def block_backward(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    key_allowed: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """This block's share of the gradients of ring attention's merged output.
+
+    The weights are recomputed from the merged ``lse`` (``exp2(scores · log2(e) - lse)``: each
+    key's weight in the softmax over all blocks) and Δ = rowsum(dO ∘ O) is taken from the
+    merged ``out``, so dK, dV are this block's keys' gradients and dQ summed over all blocks
+    is the queries'.
+
+    Args:
+        grad_out: dO, ``(N, T, Dv)``; rounded to the inputs' dtype (the kernels multiply it
+            with the values and weights in that dtype; nothing is lost for float32 inputs).
+        query, key, value, causal, scale, key_allowed: as for :func:`block_forward`.
+        out: the merged output ``(N, T, Dv)``, any float dtype (Δ is summed in float32).
+        lse: the merged log-sum-exp ``(N, T, 1)`` in :func:`block_forward`'s convention
+            (base 2; +inf for a row that sees no key in any block: its gradients are 0).
+
+    Returns:
+        dQ ``(N, T, D)``, dK ``(N, S, D)``, dV ``(N, S, Dv)``, float32 (the kernels' float32
+        sums, not rounded to the input dtype). The plan is ``_backward_plan``'s, bar Hopper's
+        Gluon kernel, which writes dK and dV in the input dtype only.
+    """
+    call = _block_call(query, key, value, key_allowed, causal, scale)
+    (n, t), dv, inner = query.shape[:2], value.shape[-1], call.settings[0]
+    if grad_out.shape != (n, t, dv) or out.shape != (n, t, dv) or lse.shape != (n, t, 1):
+        raise ValueError(
+            f"block_backward takes grad_out and out of shape {(n, t, dv)} and lse of "
+            f"{(n, t, 1)} for these queries and values, got {tuple(grad_out.shape)}, "
+            f"{tuple(out.shape)} and {tuple(lse.shape)}"
+        )
+    rows = [x.reshape(-1, inner, t, dv) for x in (grad_out.to(query.dtype), out)]
+    lse = lse.to(torch.float32).reshape(-1, inner, t).contiguous()  # the kernels' (N, T) rows
+
+    def launch(
+        grad_out: Tensor,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        mask: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        lse = lse.view(-1, t)  # the kernels' (N, T) rows
+        return _backward(
+            grad_out, query, key, value, out, lse, mask, *call.settings, grad_dtype=torch.float32
+        )
+
+    grads = _in_launches(launch, inner, rows[0], *call.heads, rows[1], lse, call.mask)
+    grad_query, grad_key, grad_value = (x.reshape(n, *x.shape[2:]) for x in grads)
+    return grad_query, grad_key.neg_() if call.key_negated else grad_key, grad_value
+
+
+class _BlockCall(NamedTuple):
+    """A block call in the kernels' terms."""
+
+    heads: list[Tensor]  # query, key, value as (outer, inner, T|S, D) views
+    mask: Tensor | None  # key_allowed as _kernel_mask gives it: (outer, inner, T, S), stride 0 on T
+    settings: tuple[int, int, bool, float]  # inner, mask kind, causal, scale >= 0
+    key_negated: bool  # a negative scale went onto the key: dK changes sign back
+
+
+def _block_call(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_allowed: Tensor | None,
+    causal: bool,
+    scale: float,
+) -> _BlockCall:
+    """Check a block call (one-line ValueErrors) and put it in the kernels' terms; a negative
+    scale moves onto the key, as in :func:`triton_attention` (the kernels need scale >= 0)."""
+    reason = _block_problem(query, key, value, key_allowed) or unsupported_reason(
+        query, key, value, None
+    )
+    if reason is not None:
+        raise ValueError(reason)
+    n, t, s = query.shape[0], query.shape[1], key.shape[1]
+    if scale < 0:
+        key = -key
+    allowed = None if key_allowed is None else key_allowed.unsqueeze(-2)  # one row for all T
+    mask, inner, mask_kind = _kernel_mask(allowed, torch.Size((n,)), t, s, query.device)
+    heads = [x.reshape(-1, inner, *x.shape[1:]) for x in (query, key, value)]
+    return _BlockCall(heads, mask, (inner, mask_kind, causal, abs(float(scale))), scale < 0)
+
+
+def _block_problem(
+    query: Tensor, key: Tensor, value: Tensor, key_allowed: Tensor | None
+) -> str | None:
+    """What the block functions cannot take in these shapes and dtypes, in one line, or None."""
+    shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+    if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+        return f"the block functions take (N, T, D), (N, S, D), (N, S, Dv) tensors, got {shapes}"
+    (n, _, d), s = query.shape, key.shape[1]
+    if key.shape[0] != n or key.shape[2] != d or value.shape[:2] != key.shape[:2]:
+        return f"query, key and value must be (N, T, D), (N, S, D), (N, S, Dv), got {shapes}"
+    if 0 in (n, query.shape[1], s):
+        return (
+            f"the block functions take non-empty blocks (N, T, S > 0), got {shapes}; an empty "
+            "block adds nothing to the merge: skip it"
+        )
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        return (
+            f"query, key and value must share one dtype, got {query.dtype}, {key.dtype} and "
+            f"{value.dtype}; cast them to one"
+        )
+    if key_allowed is None:
+        return None
+    if key_allowed.dtype != torch.bool:
+        return f"key_allowed is boolean (True = may attend), got {key_allowed.dtype}"
+    fits = 1 <= key_allowed.dim() <= 2 and all(
+        size in (1, full) for size, full in zip(reversed(key_allowed.shape), (s, n), strict=False)
+    )
+    if not fits:
+        return (
+            f"key_allowed must be (N, S) = ({n}, {s}) or broadcastable to it, got "
+            f"{tuple(key_allowed.shape)}"
+        )
+    return None
 
 
 def describe_config(config: triton.Config) -> str:
