@@ -17,8 +17,16 @@ outputs and gradients included; for P=2 the larger of the two ranks. Every proce
 earlier case's leftovers cannot hide a later case's peak. Inputs: this rank's q, k, v (and
 the output's gradient), which a ring splits P ways.
 
+Balance (``--balance``): causal, T = 6,144, each layout (contiguous, zig-zag) over P = 2 and
+3 ranks, 1 thread per rank. Per rank, the CPU seconds of its own thread spent in the chunked
+tiles (``tile_forward``/``tile_backward``, timed by wrapping them), which counts the work a rank
+does whatever else shares its core (P = 3 time-shares 2 cores), the least of three calls;
+their max/min over the ranks; and the call's time (the slowest rank's, as above), which for
+P = 2 shows what the ring waits.
+
     python benchmarks/ring_attention.py                  # about 3 minutes on 2 cores
     python benchmarks/ring_attention.py --lengths 2048   # a shorter run
+    python benchmarks/ring_attention.py --balance        # about 2 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -37,44 +45,78 @@ import torch.multiprocessing as mp
 
 from attention import peak_rss, reset_peak_rss
 from selfattn.attention import attention
-from selfattn.kernels.ring import ring_attention
+from selfattn.kernels import ring as ring_module
+from selfattn.kernels.ring import ring_attention, shard
 
 HEADS, HEAD_DIM = 8, 64
 CORES = 2
 CASES = [(backward, causal) for backward in (False, True) for causal in (False, True)]
+BALANCE_LENGTH = 6144  # splits into 2P chunks for P = 2 and 3
+BALANCE_RUNS = [(size, layout) for size in (2, 3) for layout in ring_module.LAYOUTS]
 
 
 TIMED_CALLS = 3
 
 
-def measure(call, synchronise) -> dict:
-    """Peak extra bytes of the first call, the least seconds of the next ones (between barriers)."""
+class TileClock:
+    """CPU seconds this thread spends in the ring's tiles, from when it is made on: the
+    work a rank does, whatever else shares its core."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        for name in ("tile_forward", "tile_backward"):
+            setattr(ring_module, name, self._timed(getattr(ring_module, name)))
+
+    def _timed(self, function):
+        def timed(*args):
+            start = time.thread_time()
+            try:
+                return function(*args)
+            finally:
+                self.seconds += time.thread_time() - start
+
+        return timed
+
+
+def measure(call, synchronise, clock: TileClock | None = None) -> dict:
+    """Peak extra bytes of the first call, the least seconds of the next ones (between
+    barriers) and, with a clock, the least CPU seconds in the tiles of one of them."""
     synchronise()
     before = reset_peak_rss()
     call()
     synchronise()
     peak = peak_rss() - before
-    times = []
+    times, tile_times = [], []
     for _ in range(TIMED_CALLS):
+        tiles_before = clock.seconds if clock else 0.0
         start = time.perf_counter()
         call()
         synchronise()
         times.append(time.perf_counter() - start)
-    return {"seconds": min(times), "peak_bytes": peak}
+        tile_times.append(clock.seconds - tiles_before if clock else 0.0)
+    return {"seconds": min(times), "peak_bytes": peak, "tile_seconds": min(tile_times)}
 
 
-def case_call(t: int, backward: bool, causal: bool, rank: int, size: int, ring: bool):
+def case_call(
+    t: int,
+    backward: bool,
+    causal: bool,
+    rank: int,
+    size: int,
+    ring: bool,
+    layout: str = "contiguous",
+):
     """A call of this rank's attention on its shard of a seeded (1, H, T, D) sequence."""
     torch.manual_seed(0)
-    n = t // size
-    shard = slice(rank * n, (rank + 1) * n)
-    inputs = [torch.randn(1, HEADS, t, HEAD_DIM)[..., shard, :].clone() for _ in range(4)]
+    inputs = [
+        shard(torch.randn(1, HEADS, t, HEAD_DIM), rank, size, layout=layout) for _ in range(4)
+    ]
     leaves = [x.requires_grad_(backward) for x in inputs[:3]]
     input_bytes = sum(x.nbytes for x in inputs[: 4 if backward else 3])
 
     def call() -> None:
         if ring:
-            output = ring_attention(*leaves, causal=causal)
+            output = ring_attention(*leaves, causal=causal, layout=layout)
         else:
             output = attention(*leaves, causal=causal, backend="sdpa")
         if backward:
@@ -104,17 +146,36 @@ def worker(rank: int, port: int, size: int, ring: bool, lengths: list[int], out:
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def run(size: int, ring: bool, lengths: list[int]) -> dict[str, dict]:
-    """Spawn ``size`` workers; per case, the slowest rank's seconds and largest peak."""
+def balance_worker(rank: int, port: int, size: int, layout: str, out: Path) -> None:
+    """Causal ring attention in ``layout``, forward and forward + backward, on this rank: its
+    measurements, with the CPU seconds in its tiles, to ``out/rank{rank}.json``."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    clock = TileClock()
+    results = {}
+    for backward in (False, True):
+        call, _ = case_call(BALANCE_LENGTH, backward, True, rank, size, True, layout)
+        results[str(backward)] = measure(call, dist.barrier, clock)
+    dist.destroy_process_group()
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def spawn(worker, size: int, *args) -> list[dict]:
+    """``worker(rank, port, size, *args, out)`` in ``size`` spawned processes; each rank's
+    results."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder)
-        mp.start_processes(
-            worker, args=(port, size, ring, lengths, out), nprocs=size, start_method="spawn"
-        )
-        ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(size)]
+        mp.start_processes(worker, args=(port, size, *args, out), nprocs=size, start_method="spawn")
+        return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(size)]
+
+
+def run(size: int, ring: bool, lengths: list[int]) -> dict[str, dict]:
+    """Spawn ``size`` workers; per case, the slowest rank's seconds and largest peak."""
+    ranks = spawn(worker, size, ring, lengths)
     return {
         case: {
             "seconds": max(r[case]["seconds"] for r in ranks),
@@ -125,11 +186,34 @@ def run(size: int, ring: bool, lengths: list[int]) -> dict[str, dict]:
     }
 
 
+def balance() -> None:
+    """Print, per P, layout and pass, each rank's CPU seconds in the tiles and the call's."""
+    print(f"torch {torch.__version__}, {CORES} cores, B=1 H={HEADS} D={HEAD_DIM} float32, gloo, ")
+    print(f"causal, T={BALANCE_LENGTH}, 1 thread per rank\n")
+    header = ["P", "layout", "pass", "tile CPU s per rank", "max / min", "call s"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for size, layout in BALANCE_RUNS:
+        ranks = spawn(balance_worker, size, layout)
+        for backward in ("False", "True"):
+            tiles = [r[backward]["tile_seconds"] for r in ranks]
+            row = [str(size), layout, "fwd+bwd" if backward == "True" else "fwd"]
+            row += [", ".join(f"{x:.3f}" for x in tiles), f"{max(tiles) / min(tiles):.2f}"]
+            row += [f"{max(r[backward]['seconds'] for r in ranks):.3f}"]
+            print("| " + " | ".join(row) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument(
+        "--balance", action="store_true", help="the causal work per rank of each layout instead"
+    )
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by each spawned process's glibc
+    if args.balance:
+        balance()
+        return
     runs = {
         "sdpa": run(1, False, args.lengths),
         "ring P=1": run(1, True, args.lengths),

@@ -1,11 +1,12 @@
 """Ring attention against the explicit reference on the gathered sequence, and its errors.
 
-The sequence is split over 2 or 3 spawned gloo ranks; each rank's output and q/k/v gradient
-shards, put back together, are compared with ``attention(..., backend="explicit")`` on the
-whole sequence. Tolerances (max absolute difference): float64 1e-10; float32, float16 and
-bfloat16 at most twice the error of torch's fused kernel (SDPA) on the whole sequence in that
-dtype against a float64 reference, plus 1e-6 (float32) or 1e-3 (float16, bfloat16), as in
-test_chunked.py.
+The sequence is split over 2 or 3 spawned gloo ranks, in the contiguous or the zig-zag layout,
+with or without a key-padding mask; each rank's output and q/k/v gradient shards, put back
+together (``ring.unshard``), are compared with ``attention(..., backend="explicit")`` on the
+whole sequence with the whole mask. Tolerances (max absolute difference): float64 1e-10;
+float32, float16 and bfloat16 at most twice the error of torch's fused kernel (SDPA) on the
+whole sequence in that dtype against a float64 reference, plus 1e-6 (float32) or 1e-3
+(float16, bfloat16), as in test_chunked.py.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from selfattn.train import distributed
 
 @dataclass(frozen=True)
 class Case:
-    """One ring call: each rank holds ``n`` tokens of ``(*lead, size·n, D)`` inputs."""
+    """One ring call: each rank holds ``n`` tokens of ``(*lead, size·n, D)`` inputs, cut by
+    ``layout``; ``mask``: none, or a boolean or float key-padding mask (see ``key_mask``)."""
 
     lead: tuple[int, ...] = (2, 3)
     n: int = 5
@@ -42,6 +44,8 @@ class Case:
     similarity: str = "dot"
     scale: float | None = None
     dtype: torch.dtype = torch.float64
+    layout: str = "contiguous"
+    mask: str | None = None  # None, "bool" or "float"
 
     def inputs(self, size: int) -> list[torch.Tensor]:
         """Query, key, value and the output's gradient over the whole sequence (seeded)."""
@@ -49,6 +53,26 @@ class Case:
         t = size * self.n
         shapes = [(*self.lead, t, self.d)] * 2 + [(*self.lead, t, self.dv)] * 2
         return [torch.randn(s, generator=generator, dtype=torch.float64) for s in shapes]
+
+    def key_mask(self, size: int) -> torch.Tensor | None:
+        """The whole sequence's key mask, ``(B, 1, 1, T)`` (``(T,)`` without lead dims), seeded:
+        keys dropped at random, and every key of the last rank, and key 0 (so causal query 0
+        sees nothing); batch 1, if any, all padded (none of its queries sees a key). Boolean
+        (True = may attend), or float: -inf where padded, random finite values elsewhere."""
+        if self.mask is None:
+            return None
+        t = size * self.n
+        shape = (self.lead[0], *[1] * (len(self.lead) - 1), 1, t) if self.lead else (t,)
+        generator = torch.Generator().manual_seed(1)
+        allowed = torch.rand(shape, generator=generator) > 0.3
+        allowed[..., ring.positions(size - 1, size, t, layout=self.layout)] = False
+        allowed[..., 0] = False
+        if len(self.lead) and self.lead[0] > 1:
+            allowed[1] = False
+        if self.mask == "bool":
+            return allowed
+        bias = torch.randn(shape, generator=generator, dtype=torch.float64)
+        return bias.masked_fill(~allowed, -math.inf)
 
 
 EXACT = {  # float64, compared within 1e-10
@@ -60,12 +84,26 @@ EXACT = {  # float64, compared within 1e-10
     "no-lead": Case(lead=()),
     "one-lead": Case(lead=(3,), n=8, d=3, dv=9),
     "one-token-causal": Case(n=1, causal=True),
+    "zigzag": Case(n=6, layout="zigzag"),
+    "zigzag-causal": Case(n=6, layout="zigzag", causal=True),
+    "zigzag-cosine-causal": Case(lead=(), n=4, layout="zigzag", similarity="cosine", causal=True),
+    "zigzag-two-tokens-causal": Case(n=2, layout="zigzag", causal=True),
+    "padding": Case(mask="bool"),
+    "padding-causal": Case(mask="bool", causal=True),
+    "padding-causal-no-lead": Case(lead=(), mask="bool", causal=True),
+    "zigzag-padding": Case(n=6, layout="zigzag", mask="bool"),
+    "zigzag-padding-causal": Case(n=6, layout="zigzag", mask="bool", causal=True),
+    "float-mask-causal": Case(mask="float", causal=True),
+    "zigzag-float-mask": Case(n=6, layout="zigzag", mask="float"),
 }
 REDUCED = {  # float32, float16 and bfloat16 against twice SDPA's error
     "float32": Case(n=64, d=32, dv=32, causal=True, dtype=torch.float32),
     "float16": Case(n=64, d=32, dv=32, causal=True, dtype=torch.float16),
     "bfloat16": Case(n=64, d=32, dv=32, causal=True, dtype=torch.bfloat16),
     "bfloat16-full": Case(n=64, d=32, dv=32, dtype=torch.bfloat16),
+    "float32-zigzag-padding": Case(
+        n=64, d=32, dv=32, causal=True, dtype=torch.float32, layout="zigzag", mask="bool"
+    ),
 }
 FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-3}
 CASES = EXACT | REDUCED
@@ -81,37 +119,51 @@ def _shard(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
     return x[..., rank * n : (rank + 1) * n, :]
 
 
-def _counting(function, calls: list[int]):
-    """``function``, counting its calls in ``calls[0]``."""
+def _logging(function, parts: list[tuple[int, int, bool]], query_at: int):
+    """``function`` (tile_forward, or tile_backward with query at ``query_at`` = 1 after the
+    output's gradient), appending to ``parts`` the query rows, key columns and whether the
+    causal diagonal crosses them, of each block part it computes."""
 
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return function(*args, **kwargs)
+    def logged(*args):
+        query, key = args[query_at : query_at + 2]
+        masks = next(arg for arg in args if isinstance(arg, ring.Masks))
+        parts.append((query.shape[1], key.shape[1], masks.causal))
+        return function(*args)
 
-    return counted
+    return logged
 
 
 def _cases_worker(rank: int, port: int, size: int, out: Path) -> None:
-    """Every case on this rank: its output and gradient shards, and how many key blocks it
+    """Every case on this rank: its output and gradient shards, and the block parts it
     attended to forward and backward, saved to ``out/rank{rank}.pt``."""
     _join(rank, port, size)
-    forwards, backwards = [0], [0]
-    ring.tile_forward = _counting(ring.tile_forward, forwards)
-    ring.tile_backward = _counting(ring.tile_backward, backwards)
+    forwards, backwards = [], []
+    ring.tile_forward = _logging(ring.tile_forward, forwards, query_at=0)
+    ring.tile_backward = _logging(ring.tile_backward, backwards, query_at=1)
     results = {}
     try:
         for name, case in CASES.items():
             query, key, value, grad_output = (
-                _shard(x, rank, case.n).to(case.dtype) for x in case.inputs(size)
+                ring.shard(x, rank, size, layout=case.layout).to(case.dtype)
+                for x in case.inputs(size)
             )
+            mask = case.key_mask(size)
+            if mask is not None:
+                mask = ring.shard(mask, rank, size, layout=case.layout, dim=-1)
             leaves = [x.requires_grad_() for x in (query, key, value)]
-            forwards[0] = backwards[0] = 0
+            forwards.clear()
+            backwards.clear()
             output = ring_attention(
-                *leaves, causal=case.causal, similarity=case.similarity, scale=case.scale
+                *leaves,
+                causal=case.causal,
+                similarity=case.similarity,
+                scale=case.scale,
+                mask=mask,
+                layout=case.layout,
             )
             output.backward(grad_output)
             tensors = [output.detach()] + [x.grad for x in leaves]
-            results[name] = {"tensors": tensors, "blocks": (forwards[0], backwards[0])}
+            results[name] = {"tensors": tensors, "parts": (list(forwards), list(backwards))}
     finally:
         distributed.teardown()
     torch.save(results, out / f"rank{rank}.pt")
@@ -126,20 +178,22 @@ def _ring_results(size: int, out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory):
-    """``ring_results(size)``: per case, output and q/k/v gradients gathered over the ranks,
-    and each rank's count of blocks attended forward and backward."""
+    """``ring_results(size)``: per case, output and q/k/v gradients gathered over the ranks
+    (in sequence order), and each rank's block parts attended forward and backward."""
 
-    def gathered(size: int) -> dict[str, tuple[list[torch.Tensor], list[tuple[int, int]]]]:
+    def gathered(size: int) -> dict[str, tuple[list[torch.Tensor], list[tuple[list, list]]]]:
         ranks = _ring_results(size, tmp_path_factory.mktemp(f"ring{size}"))
         return {
             name: (
                 [
-                    torch.cat([r[name]["tensors"][i] for r in ranks], dim=-2).double()
+                    ring.unshard(
+                        [r[name]["tensors"][i] for r in ranks], layout=case.layout
+                    ).double()
                     for i in range(4)
                 ],
-                [r[name]["blocks"] for r in ranks],
+                [r[name]["parts"] for r in ranks],
             )
-            for name in CASES
+            for name, case in CASES.items()
         }
 
     return functools.cache(gathered)
@@ -150,7 +204,12 @@ def _outputs_and_grads(case: Case, size: int, backend: str, dtype: torch.dtype):
     query, key, value, grad_output = (x.to(dtype) for x in case.inputs(size))
     leaves = [x.requires_grad_() for x in (query, key, value)]
     output = attention(
-        *leaves, causal=case.causal, similarity=case.similarity, scale=case.scale, backend=backend
+        *leaves,
+        causal=case.causal,
+        similarity=case.similarity,
+        scale=case.scale,
+        mask=case.key_mask(size),
+        backend=backend,
     )
     output.backward(grad_output)
     return [x.double() for x in [output.detach()] + [x.grad for x in leaves]]
@@ -182,18 +241,65 @@ def test_reduced_precision_no_worse_than_twice_sdpa(ring_results, name):
 
 
 def test_causal_skips_the_blocks_in_the_future(ring_results):
-    """3 ranks: causal, rank r attends to r + 1 key blocks (its own and the earlier ones),
-    forward and backward; not causal, to all 3."""
-    _, causal_blocks = ring_results(3)["causal"]
-    _, full_blocks = ring_results(3)["plain"]
-    assert causal_blocks == [(1, 1), (2, 2), (3, 3)]
-    assert full_blocks == [(3, 3)] * 3
+    """3 ranks, contiguous: causal, rank r attends to r + 1 key blocks (its own, under the
+    causal triangle, and the earlier ones), forward and backward; not causal, to all 3."""
+    n = EXACT["causal"].n
+    _, causal_parts = ring_results(3)["causal"]
+    _, full_parts = ring_results(3)["plain"]
+    for rank, (forward, backward) in enumerate(causal_parts):
+        assert forward == backward == [(n, n, True)] + [(n, n, False)] * rank
+    assert full_parts == [([(n, n, False)] * 3,) * 2] * 3
+
+
+def _work(parts: list[tuple[int, int, bool]]) -> float:
+    """Score elements computed: rows x columns, half of it under the causal triangle."""
+    return sum(rows * cols / (2 if diagonal else 1) for rows, cols, diagonal in parts)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_zigzag_gives_every_rank_the_same_causal_work(ring_results, size):
+    """Causal zig-zag: every rank computes its own block under the causal triangle and half of
+    every other rank's (all its queries against a rank before it's earlier chunk, its later
+    chunk's queries against all of a rank after it), forward and backward: equal work, the
+    same in total as the contiguous layout's, whose last rank does 2P-1 times the first's."""
+    n = EXACT["zigzag-causal"].n
+    _, zigzag_parts = ring_results(size)["zigzag-causal"]
+    for rank, (forward, backward) in enumerate(zigzag_parts):
+        earlier, later = [(n, n // 2, False)] * rank, [(n // 2, n, False)] * (size - 1 - rank)
+        # In ring order: our own block, then ranks r-1, ..., 0, then P-1, ..., r+1.
+        assert forward == backward == [(n, n, True), *earlier, *later]
+    zigzag_work = [_work(forward) for forward, _ in zigzag_parts]
+    assert zigzag_work == [n * n / 2 * size] * size
+    _, contiguous_parts = ring_results(size)["causal"]  # n = 5 there: scale to n = 6
+    contiguous_work = [
+        _work(forward) * (n / EXACT["causal"].n) ** 2 for forward, _ in contiguous_parts
+    ]
+    assert contiguous_work[-1] == pytest.approx((2 * size - 1) * contiguous_work[0])
+    assert sum(contiguous_work) == pytest.approx(sum(zigzag_work))
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("name", [name for name, case in EXACT.items() if case.mask])
+def test_a_query_with_no_key_to_see_gets_zero_and_finite_gradients(ring_results, size, name):
+    """Masked cases: the queries of batch 1 (every key padded) and, with causal, query 0 (key 0
+    padded) see no key: output exactly 0 there; no NaN or inf in any output or gradient (the
+    last rank's keys are all padded, too)."""
+    case = EXACT[name]
+    (output, *grads), _ = ring_results(size)[name]
+    empty = torch.zeros(output.shape[:-1], dtype=torch.bool)
+    if case.lead:
+        empty[1] = True
+    if case.causal:
+        empty[..., 0] = True
+    assert empty.any()
+    assert output[empty].eq(0).all()
+    assert all(x.isfinite().all() for x in [output, *grads])
 
 
 def _bad_shards_worker(rank: int, port: int, size: int, out: Path) -> None:
-    """Calls that rank 1 alone gets wrong (its shards, its options, or no gradients recorded);
-    every rank writes the error each one raised, then the result of a good call (the group
-    still works)."""
+    """Calls that rank 1 alone gets wrong (its shards, its options, its layout or mask, or no
+    gradients recorded), and one both get wrong (an odd zig-zag split); every rank writes the
+    error each one raised, then the result of a good call (the group still works)."""
     _join(rank, port, size)
     good = dict(lead=(2,), n=4, d=3)
     wrong_on_rank_1 = {
@@ -205,16 +311,24 @@ def _bad_shards_worker(rank: int, port: int, size: int, out: Path) -> None:
         "scale": dict(scale=0.5),
         "cosine": dict(similarity="cosine"),
         "gradients": {},
+        "layout": dict(layout="zigzag"),
+        "mask": dict(mask="bool"),
     }
+    wrong_on_both = {"zigzag-odd": dict(n=5, layout="zigzag")}
     errors = {}
     try:
-        for name, change in wrong_on_rank_1.items():
-            case = Case(**(good | (change if rank == 1 else {})))
+        for name, change in (wrong_on_rank_1 | wrong_on_both).items():
+            case = Case(**(good | (change if rank == 1 or name in wrong_on_both else {})))
             leaves = [x.to(case.dtype).requires_grad_() for x in case.inputs(1)[:3]]
             try:
                 with torch.set_grad_enabled(not (name == "gradients" and rank == 1)):
                     ring_attention(
-                        *leaves, causal=case.causal, similarity=case.similarity, scale=case.scale
+                        *leaves,
+                        causal=case.causal,
+                        similarity=case.similarity,
+                        scale=case.scale,
+                        mask=case.key_mask(1),
+                        layout=case.layout,
                     )
                 errors[name] = "no error"
             except ValueError as error:
@@ -226,17 +340,29 @@ def _bad_shards_worker(rank: int, port: int, size: int, out: Path) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(errors))
 
 
-def _options(causal=False, similarity="dot", scale=1 / math.sqrt(3), recording="recording"):
+def _options(
+    causal=False,
+    layout="contiguous",
+    mask="None",
+    similarity="dot",
+    scale=1 / math.sqrt(3),
+    recording="recording",
+):
     """A call's options as the error shows them (default scale of D = 3, dot)."""
-    return f"causal={causal}, similarity={similarity!r}, scale={scale!r}, {recording} gradients"
+    return (
+        f"causal={causal}, layout={layout!r}, mask={mask}, similarity={similarity!r}, "
+        f"scale={scale!r}, {recording} gradients"
+    )
 
 
 def test_shards_or_options_that_differ_across_ranks_are_refused_on_every_rank(tmp_path):
     """2 ranks, rank 1 wrong: length, leading dims, dtype, an unknown similarity, causal, scale,
-    similarity, gradients not recorded: a one-line error on both ranks naming both (a rank
-    that computed with other options would silently return another attention; one that records
-    no gradients would leave the other's backward waiting), none hangs, and the group still
-    serves a good call."""
+    similarity, gradients not recorded, layout, a mask where rank 0 has none: a one-line error
+    on both ranks naming both (a rank that computed with other options would silently return
+    another attention; one that records no gradients would leave the other's backward waiting;
+    a mask on one rank only would travel to a rank that expects none); both with an odd zig-zag
+    split: rank 0's error, with the fix, on both. None hangs, and the group still serves a good
+    call."""
     spawn_ranks(_bad_shards_worker, 2, 2, tmp_path)
     errors = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     shard = "query ({lead}, 4, 3), key ({lead}, 4, 3), value ({lead}, 4, 4) in torch.float64"
@@ -255,18 +381,26 @@ def test_shards_or_options_that_differ_across_ranks_are_refused_on_every_rank(tm
     assert errors[0]["similarity"] == errors[1]["similarity"] == unknown
     start = "ring_attention needs one call on every rank"
     fix = (
-        "pass the same causal, similarity and scale on every rank, and record gradients on "
-        "all or none (their backwards run together)"
+        "pass the same causal, layout, mask (or none), similarity and scale on every rank, and "
+        "record gradients on all or none (their backwards run together)"
     )
     on_rank_1 = {
         "causal": _options(causal=True),
         "scale": _options(scale=0.5),
         "cosine": _options(similarity="cosine", scale=math.sqrt(3)),
         "gradients": _options(recording="not recording"),
+        "layout": _options(layout="zigzag"),
+        "mask": _options(mask="torch.bool (2, 1, 4)"),
     }
     for name, options in on_rank_1.items():
         assert errors[0][name] == f"{start}: rank 0 has {_options()}, rank 1 has {options}; {fix}"
         assert errors[1][name] == f"{start}: rank 1 has {options}, rank 0 has {_options()}; {fix}"
+    odd = (
+        "ring_attention, rank 0: layout 'zigzag' needs an even number of tokens per rank, got 5; "
+        "pad the sequence at its end to a multiple of 2 x 2 ranks = 4 and mask the padding "
+        "(mask=...)"
+    )
+    assert errors[0]["zigzag-odd"] == errors[1]["zigzag-odd"] == odd
     assert errors[0]["good"] == errors[1]["good"] == [2, 4, 4]
 
 
@@ -327,6 +461,42 @@ def test_one_rank_is_plain_attention(one_rank_group):
         torch.testing.assert_close(actual.detach(), expected, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_shard_and_unshard_are_inverse_and_match_positions(size, layout):
+    """Every rank's shard of a (2, 12·size, 3) sequence holds the tokens at ``positions``, in
+    that order; unshard puts the shards back (along dim -2, and a mask's dim -1 too). Zig-zag:
+    rank r holds chunks r and 2P-1-r of 2P."""
+    t = 12 * size
+    x = torch.randn(2, t, 3)
+    shards = [ring.shard(x, rank, size, layout=layout) for rank in range(size)]
+    for rank, held in enumerate(shards):
+        torch.testing.assert_close(held, x[:, ring.positions(rank, size, t, layout=layout)])
+    assert torch.equal(ring.unshard(shards, layout=layout), x)
+    mask = torch.rand(2, 1, t) > 0.5
+    mask_shards = [ring.shard(mask, rank, size, layout=layout, dim=-1) for rank in range(size)]
+    assert torch.equal(ring.unshard(mask_shards, layout=layout, dim=-1), mask)
+    if layout == "zigzag":
+        chunk = t // (2 * size)
+        first, last = ring.positions(0, size, t, layout=layout).tensor_split(2)
+        assert first.tolist() == list(range(chunk))
+        assert last.tolist() == list(range(t - chunk, t))
+
+
+def test_shard_and_unshard_refuse_what_does_not_split():
+    x = torch.zeros(1, 10, 2)
+    with pytest.raises(ValueError) as error:
+        ring.shard(x, 0, 3, layout="zigzag")
+    assert str(error.value) == (
+        "layout 'zigzag' cuts the sequence into 6 equal chunks, but its length 10 is not a "
+        "multiple of 6; pad it at its end (and mask the padding)"
+    )
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
+        ring.shard(x, 2, 2)
+    with pytest.raises(ValueError, match=r"shards must have one length along dim -2, got \[4, 6\]"):
+        ring.unshard([x[:, :4], x[:, 4:]])
+
+
 def test_without_a_process_group_it_says_how_to_start_one():
     query, key, value, _ = Case().inputs(1)
     with pytest.raises(ValueError) as error:
@@ -342,9 +512,20 @@ def test_without_a_process_group_it_says_how_to_start_one():
     [
         (
             {"mask": torch.ones(5, 5, dtype=torch.bool)},
-            "no mask is supported, only causal=True; pad the sequence at its end to a multiple "
-            "of the world size and use causal=True, or run selfattn.attention(..., mask=...) "
-            "in one process",
+            "ring_attention supports key-padding masks only, shape (n,) or (..., 1, n) for this "
+            "rank's n keys, got (5, 5); use causal=True for causal masking, or run "
+            "selfattn.attention(..., mask=...) in one process",
+        ),
+        (
+            {"mask": torch.zeros(2, 1, 1, 5, dtype=torch.float64, requires_grad=True)},
+            "ring_attention takes no gradient for a float mask; pass mask.detach(), or run "
+            "selfattn.attention(..., mask=...) in one process",
+        ),
+        ({"layout": "striped"}, "unknown layout 'striped'; choose 'contiguous' or 'zigzag'"),
+        (
+            {"layout": "zigzag"},
+            "layout 'zigzag' needs an even number of tokens per rank, got 5; pad the sequence "
+            "at its end to a multiple of 2 x 1 ranks = 2 and mask the padding (mask=...)",
         ),
         ({"similarity": "euclid"}, "unknown similarity 'euclid'; choose 'dot' or 'cosine'"),
         (
@@ -396,14 +577,17 @@ def test_double_backward_is_refused(one_rank_group):
 
 def test_the_readme_script_runs_under_torchrun(tmp_path):
     # The README's ring attention example, launched as it says (2 ranks), with a check added
-    # at its end: each rank's shard equals attention over the whole sequence (float32, 1e-5).
+    # at its end: the shapes its comments give, and the gathered output equals attention over
+    # the whole sequence with the whole mask (float32, 1e-5).
     from test_smoke import is_torchrun_script, readme_python_blocks
 
     (script,) = [block for block in readme_python_blocks() if is_torchrun_script(block)]
     check = (
         "\nfrom selfattn import attention\n"
-        "whole = attention(q, k, v, causal=True)[..., rank * n : (rank + 1) * n, :]\n"
-        "torch.testing.assert_close(out, whole, atol=1e-5, rtol=0)\n"
+        "assert my_keys.shape == (2048,) and out.shape == (1, 8, 2048, 64)\n"
+        "assert whole.shape == (1, 8, 4096, 64)\n"
+        "want = attention(q, k, v, causal=True, mask=real)\n"
+        "torch.testing.assert_close(whole, want, atol=1e-5, rtol=0)\n"
     )
     path = tmp_path / "ring.py"
     path.write_text(script + check)

@@ -1,28 +1,43 @@
 """Ring attention: one sequence split across the ranks of a process group, attended whole.
 
-Rank r of P holds tokens ``[r·n, (r+1)·n)`` of the query, key and value. The key/value blocks
-travel around the ring: at step i rank r holds the block of rank ``(r - i) mod P``, computes
-with it while sending it on to rank ``r + 1`` and receiving the next from rank ``r - 1``, so
-after P steps every query has met every key and no rank ever held more than two blocks.
+Each of the P ranks holds n tokens of the query, key and value. The key/value blocks travel
+around the ring: at step i rank r holds the block of rank ``(r - i) mod P``, computes with it
+while sending it on to rank ``r + 1`` and receiving the next from rank ``r - 1``, so after P
+steps every query has met every key and no rank ever held more than two blocks.
+
+Layouts (which tokens rank r holds; :func:`shard` cuts them out, :func:`unshard` puts the
+gathered shards back in order, :func:`positions` gives their global positions):
+
+- ``"contiguous"``: tokens ``[r·n, (r+1)·n)``. With ``causal``, rank r computes r + 1 blocks
+  (the diagonal one half), so rank P-1 does 2P-1 times the work of rank 0 and the ring waits
+  for it.
+- ``"zigzag"``: the sequence cut into 2P chunks of n/2 tokens, rank r holding chunks r and
+  2P-1-r (in that order). With ``causal`` every rank does the same work: its own block under
+  the causal triangle, and from each other rank half a block, all of its queries against
+  the earlier chunk of a rank before it (source < r), its later chunk's queries against all
+  of a rank after it (source > r); the rest lies in the future and is not computed.
 
 Each block is attended with the chunked kernel's tiles (kernels/chunked.py), which return a
 block output normalised over that block alone and its log-sum-exp (``lse``). Two such partial
 results merge exactly as the online softmax merges tiles: with ``lse = log(sum(exp(scaled)))``
-over the keys seen so far,
+over the keys seen so far (-inf while none is),
 
     merged_lse = logaddexp(lse, block_lse)
     output     = output + (block_output - output) * sigmoid(block_lse - lse)
 
-(``sigmoid(block_lse - lse)`` is the block's share of the merged softmax mass). Only
-``output`` and ``lse`` are saved. The backward sends the key/value blocks around again and
-recomputes each block's weights from the saved lse; the gradients of each block's keys and
-values (dK, dV) are summed into accumulators that travel with the block and arrive, after a
-last step, at the rank that owns it.
+(``sigmoid(block_lse - lse)`` is the block's share of the merged softmax mass, 0 for a block
+with no visible key). Only ``output`` and ``lse`` are saved. The backward sends the key/value
+blocks around again and recomputes each block's weights from the saved lse; the gradients of
+each block's keys and values (dK, dV) are summed into accumulators that travel with the block
+and arrive, after a last step, at the rank that owns it.
 
-``causal``: query i sees keys ``j <= i`` in global positions (T == S over the whole sequence).
-The block on the diagonal is masked; blocks entirely in the future (source rank > r) are not
-computed, only passed on. Inputs in float16/bfloat16 travel as they are and are computed in
-float32, as the dK/dV accumulators travel. Masks other than causal are refused.
+``causal``: query i sees keys ``j <= i`` in global positions (T == S over the whole sequence);
+blocks, and tiles within them, entirely in the future are not computed, only passed on.
+``mask``: a key-padding mask of this rank's keys, shape ``(..., 1, n)`` or ``(n,)``,
+broadcastable to the scores: boolean (True = may attend) or float (added to the scaled scores,
+no gradient). It travels with its key/value block. A query with no key to attend gets output
+0 and zero gradients, as in :func:`selfattn.attention`. Inputs in float16/bfloat16 travel as
+they are and are computed in float32, as the dK/dV accumulators travel.
 
 Every send has a matching receive only if all ranks make the same calls in the same order:
 each forward, and each backward, runs on every rank of the group together.
@@ -32,7 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +60,7 @@ from selfattn.kernels.chunked import (
     REDUCED_PRECISION,
     Masks,
     default_block_q,
+    finite_bias,
     refuse_double_backward,
     tile_backward,
     tile_forward,
@@ -52,6 +68,8 @@ from selfattn.kernels.chunked import (
 
 if TYPE_CHECKING:
     from selfattn.attention import AttentionCall
+
+LAYOUTS = ("contiguous", "zigzag")  # which tokens each rank holds (module docstring)
 
 
 def ring_attention(
@@ -63,25 +81,32 @@ def ring_attention(
     similarity: str = "dot",
     scale: float | None = None,
     mask: Tensor | None = None,
+    layout: str = "contiguous",
     group: dist.ProcessGroup | None = None,
 ) -> Tensor:
     """This rank's shard of ``attention(query, key, value)`` over the sequence of all ranks.
 
     Args:
-        query, key, value: this rank's shard, ``(..., n, D)``, ``(..., n, D)``, ``(..., n, Dv)``:
-            rank r holds tokens ``[r·n, (r+1)·n)``; the same shapes and dtype on every rank.
+        query, key, value: this rank's shard, ``(..., n, D)``, ``(..., n, D)``, ``(..., n, Dv)``,
+            as :func:`shard` cuts it for ``layout``; the same shapes and dtype on every rank.
         causal: query i sees keys ``j <= i`` (global positions).
         similarity: ``"dot"`` or ``"cosine"``, as in :func:`selfattn.attention`.
         scale: multiplies the scores; None means ``default_scale`` (1/sqrt(D) for dot).
-        mask: refused unless None (ring attention supports ``causal`` only).
+        mask: a key-padding mask of this rank's n keys, ``(n,)`` or ``(..., 1, n)``
+            broadcastable to the scores (a padding mask ``(B, n)`` for ``(B, H, n, D)``
+            shards: ``mask[:, None, None, :]``); boolean (True = may attend) or float (added
+            to the scaled scores, without gradient). Cut it with :func:`shard` as the keys.
+        layout: which tokens each rank holds: ``"contiguous"`` or ``"zigzag"`` (even work
+            per rank under ``causal``; n must be even); see :func:`shard`.
         group: the process group the sequence is split over; None for the default one.
 
     Returns:
         ``(..., n, Dv)``, this rank's queries attended over the whole sequence.
 
     Every rank checks its arguments, then all agree: an error on one rank, shards of another
-    shape, or other options (``causal``, ``similarity``, ``scale``, whether gradients are
-    recorded) are raised, in one line naming the ranks, on every rank (none is left waiting).
+    shape, or other options (``causal``, ``layout``, the mask's presence, shape and dtype,
+    ``similarity``, ``scale``, whether gradients are recorded) are raised, in one line naming
+    the ranks, on every rank (none is left waiting).
 
     The backward runs on every rank together: each rank must backpropagate through its output
     (a loss that depends on it). One that does not leaves the others waiting for blocks, until
@@ -93,18 +118,20 @@ def ring_attention(
     ring = _Ring.of(group)
 
     def checked_call() -> AttentionCall:
-        if mask is not None:
-            raise ValueError(
-                "no mask is supported, only causal=True; pad the sequence at its end to "
-                "a multiple of the world size and use causal=True, or run "
-                "selfattn.attention(..., mask=...) in one process"
-            )
-        call = make_call(query, key, value, None, causal, similarity, scale, 0.0)
+        _check_layout(layout)
+        call = make_call(query, key, value, mask, causal, similarity, scale, 0.0)
         if query.shape[-2] != key.shape[-2]:
             raise ValueError(
                 "query and key/value shards must hold the same tokens, got lengths "
                 f"{query.shape[-2]} and {key.shape[-2]}; give each rank the query, key and value "
                 "of its own tokens"
+            )
+        _check_key_mask(call.mask)
+        if layout == "zigzag" and query.shape[-2] % 2:
+            raise ValueError(
+                f"layout 'zigzag' needs an even number of tokens per rank, got "
+                f"{query.shape[-2]}; pad the sequence at its end to a multiple of "
+                f"2 x {ring.size} ranks = {2 * ring.size} and mask the padding (mask=...)"
             )
         if dist.get_backend(ring.group) == "nccl" and query.device.type != "cuda":
             raise ValueError(
@@ -113,12 +140,84 @@ def ring_attention(
             )
         return call
 
-    call = ring.agree_on(checked_call)
+    call = ring.agree_on(checked_call, layout)
     query, key = normalize_for_similarity(call)
     lead, n, dv = query.shape[:-2], query.shape[-2], value.shape[-1]
     flat = [x.reshape(math.prod(lead), n, x.shape[-1]) for x in (query, key, value)]
-    output = _RingAttention.apply(*flat, _Blocks(lead, causal, call.scale, ring))
+    key_mask = None if call.mask is None else call.mask.expand(*call.mask.shape[:-1], n)
+    blocks = _Blocks(lead, n, causal, layout, call.scale, ring)
+    output = _RingAttention.apply(*flat, key_mask, blocks)
     return output.reshape(*lead, n, dv).to(query.dtype)
+
+
+def positions(rank: int, size: int, length: int, *, layout: str = "contiguous") -> Tensor:
+    """The global positions (int64, on the CPU) of the tokens rank ``rank`` of ``size`` holds,
+    in order, out of a sequence of ``length``: e.g. for position embeddings of its shard."""
+    count, chunks = _chunks(rank, size, length, layout)
+    chunk = length // count
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in chunks])
+
+
+def shard(x: Tensor, rank: int, size: int, *, layout: str = "contiguous", dim: int = -2) -> Tensor:
+    """Rank ``rank``'s shard of the whole sequence ``x`` (tokens along ``dim``) for ``layout``,
+    as a new tensor: what it passes to :func:`ring_attention` (queries, keys and values; a key
+    mask with ``dim=-1``)."""
+    count, chunks = _chunks(rank, size, x.shape[dim], layout)
+    pieces = x.tensor_split(count, dim)
+    return torch.cat([pieces[c] for c in chunks], dim)
+
+
+def unshard(shards: Sequence[Tensor], *, layout: str = "contiguous", dim: int = -2) -> Tensor:
+    """The whole sequence from every rank's shard, in rank order (e.g. from ``all_gather``):
+    the inverse of :func:`shard`."""
+    lengths = {x.shape[dim] for x in shards}
+    if len(lengths) != 1:
+        raise ValueError(f"shards must have one length along dim {dim}, got {sorted(lengths)}")
+    size, length = len(shards), lengths.pop() * len(shards)
+    ordered: dict[int, Tensor] = {}
+    for rank, x in enumerate(shards):
+        _, chunks = _chunks(rank, size, length, layout)
+        ordered |= zip(chunks, x.tensor_split(len(chunks), dim), strict=True)
+    return torch.cat([ordered[c] for c in sorted(ordered)], dim)
+
+
+def _check_layout(layout: str) -> None:
+    """Refuse a layout this module does not know."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose 'contiguous' or 'zigzag'")
+
+
+def _chunks(rank: int, size: int, length: int, layout: str) -> tuple[int, list[int]]:
+    """How many equal chunks ``layout`` cuts a sequence of ``length`` into, and which of them,
+    in order, rank ``rank`` of ``size`` holds."""
+    _check_layout(layout)
+    if not 0 <= rank < size:
+        raise ValueError(f"rank must be in [0, {size}), got {rank}")
+    count = size if layout == "contiguous" else 2 * size
+    if length % count:
+        raise ValueError(
+            f"layout {layout!r} cuts the sequence into {count} equal chunks, but its length "
+            f"{length} is not a multiple of {count}; pad it at its end (and mask the padding)"
+        )
+    return count, [rank] if layout == "contiguous" else [rank, count - 1 - rank]
+
+
+def _check_key_mask(mask: Tensor | None) -> None:
+    """Refuse masks other than key padding (one row for every query) and float masks that
+    need a gradient (it would have to travel back around the ring)."""
+    if mask is None:
+        return
+    if mask.shape[-2] != 1:
+        raise ValueError(
+            f"ring_attention supports key-padding masks only, shape (n,) or (..., 1, n) for this "
+            f"rank's n keys, got {tuple(mask.shape)}; use causal=True for causal masking, or "
+            "run selfattn.attention(..., mask=...) in one process"
+        )
+    if mask.requires_grad:
+        raise ValueError(
+            "ring_attention takes no gradient for a float mask; pass mask.detach(), or run "
+            "selfattn.attention(..., mask=...) in one process"
+        )
 
 
 @dataclass(frozen=True)
@@ -150,15 +249,15 @@ class _Ring:
         peer = functools.partial(dist.get_global_rank, group)
         return cls(group, rank, size, peer((rank + 1) % size), peer((rank - 1) % size))
 
-    def agree_on(self, checked_call: Callable[[], AttentionCall]) -> AttentionCall:
+    def agree_on(self, checked_call: Callable[[], AttentionCall], layout: str) -> AttentionCall:
         """``checked_call()`` on this rank, once every rank's call passed its checks and all
-        hold shards of one shape, dtype and device type, with the same options; otherwise a
-        ValueError on every rank."""
+        hold shards of one shape, dtype and device type, with the same options and
+        ``layout``; otherwise a ValueError on every rank."""
         try:
             call, problem = checked_call(), None
         except ValueError as error:
             call, problem = None, str(error)
-        shard, options = (None, None) if call is None else (_shard(call), _options(call))
+        shard, options = (None, None) if call is None else (_shard(call), _options(call, layout))
         reports: list[tuple[str | None, ...]] = [(None, None, None)] * self.size
         dist.all_gather_object(reports, (problem, shard, options), group=self.group)
         for rank, (other_problem, _, _) in enumerate(reports):
@@ -174,9 +273,9 @@ class _Ring:
             if other_options != options:
                 raise ValueError(
                     f"ring_attention needs one call on every rank: rank {self.rank} has "
-                    f"{options}, rank {rank} has {other_options}; pass the same causal, "
-                    "similarity and scale on every rank, and record gradients on all or none "
-                    "(their backwards run together)"
+                    f"{options}, rank {rank} has {other_options}; pass the same causal, layout, "
+                    "mask (or none), similarity and scale on every rank, and record gradients "
+                    "on all or none (their backwards run together)"
                 )
         return call
 
@@ -198,14 +297,16 @@ def _shard(call: AttentionCall) -> str:
     return f"{shapes} in {call.query.dtype} on {call.query.device.type}"
 
 
-def _options(call: AttentionCall) -> str:
+def _options(call: AttentionCall, layout: str) -> str:
     """The options that must match across ranks, and whether this one records gradients."""
     records = torch.is_grad_enabled() and any(
         x.requires_grad for x in (call.query, call.key, call.value)
     )
     recording = "recording gradients" if records else "not recording gradients"
+    mask = "None" if call.mask is None else f"{call.mask.dtype} {tuple(call.mask.shape)}"
     return (
-        f"causal={call.causal}, similarity={call.similarity!r}, scale={call.scale!r}, {recording}"
+        f"causal={call.causal}, layout={layout!r}, mask={mask}, similarity={call.similarity!r}, "
+        f"scale={call.scale!r}, {recording}"
     )
 
 
@@ -223,22 +324,46 @@ class _Transfer:
 
 
 @dataclass(frozen=True)
+class _Part:
+    """Which of this rank's queries (rows) see which keys of a block (cols), and whether the
+    causal diagonal crosses them (else every key in cols is visible to every row)."""
+
+    rows: slice
+    cols: slice
+    diagonal: bool
+
+
+@dataclass(frozen=True)
 class _Blocks:
-    """How this rank attends to one block of keys: which blocks it sees, masked how, in tiles."""
+    """How this rank attends to one block of keys: which part it sees, masked how, in tiles."""
 
     lead: torch.Size
+    n: int  # tokens per rank
     causal: bool
+    layout: str
     scale: float
     ring: _Ring
 
-    def visible(self, source: int) -> bool:
-        """Whether this rank's queries see any key of rank ``source``'s block."""
-        return not self.causal or source <= self.ring.rank
+    def part(self, source: int) -> _Part | None:
+        """The part of rank ``source``'s block this rank's queries see (None: all in the
+        future), from the global positions of both (module docstring)."""
+        whole, first, second = slice(0, self.n), slice(0, self.n // 2), slice(self.n // 2, self.n)
+        zigzag = self.layout == "zigzag"
+        if not self.causal:
+            return _Part(whole, whole, diagonal=False)
+        if source == self.ring.rank:  # the causal triangle: local order is global order
+            return _Part(whole, whole, diagonal=True)
+        if source < self.ring.rank:
+            return _Part(whole, first if zigzag else whole, diagonal=False)
+        return _Part(second, whole, diagonal=False) if zigzag else None
 
-    def masks(self, source: int) -> Masks:
-        """The block's masking: the causal triangle on the diagonal block, nothing elsewhere."""
-        diagonal = self.causal and source == self.ring.rank
-        return Masks(self.lead, None, diagonal, has_bias=False)
+    def masks(self, part: _Part, key_mask: Tensor | None) -> tuple[Masks, Tensor | None]:
+        """The tiles' masking of ``part`` (the causal triangle, the key mask's columns) and,
+        for a float key mask, the bias to add."""
+        cols_mask = None if key_mask is None else key_mask[..., part.cols]
+        if cols_mask is None or cols_mask.dtype == torch.bool:
+            return Masks(self.lead, cols_mask, part.diagonal, has_bias=False), None
+        return Masks(self.lead, None, part.diagonal, has_bias=True), cols_mask
 
     def block_q(self) -> int:
         """Query rows per tile, by chunked_attention's default rule (a tile of all heads)."""
@@ -261,41 +386,53 @@ def _around_the_ring(blocks: list[Tensor], ring: _Ring) -> Iterator[tuple[int, l
             blocks = transfer.wait()
 
 
+def _key_blocks(
+    key: Tensor, value: Tensor, key_mask: Tensor | None, ring: _Ring
+) -> Iterator[tuple[int, Tensor, Tensor, Tensor | None]]:
+    """Yield ``(source rank, key, value, key mask or None)`` of every rank's block in turn,
+    starting with ours: the key mask travels with its keys."""
+    travelling = [key, value] if key_mask is None else [key, value, key_mask]
+    for source, (key_block, value_block, *mask_block) in _around_the_ring(travelling, ring):
+        yield source, key_block, value_block, mask_block[0] if mask_block else None
+
+
 def _ring_forward(
-    query: Tensor, key: Tensor, value: Tensor, blocks: _Blocks
+    query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None, blocks: _Blocks
 ) -> tuple[Tensor, Tensor]:
-    """Output (N, n, Dv) and natural log-sum-exp (N, n, 1), in the compute dtype."""
+    """Output (N, n, Dv) and natural log-sum-exp (N, n, 1), in the compute dtype; +inf where
+    a query sees no key (the chunked backward's convention: its weights are all 0)."""
     compute = torch.float32 if query.dtype in REDUCED_PRECISION else query.dtype
     query = query.to(compute)
-    output = lse = None
-    for source, (key_block, value_block) in _around_the_ring([key, value], blocks.ring):
-        if not blocks.visible(source):
+    output = query.new_zeros(*query.shape[:-1], value.shape[-1])
+    lse = query.new_full((*query.shape[:-1], 1), -math.inf)
+    for source, key_block, value_block, mask_block in _key_blocks(
+        key, value, key_mask, blocks.ring
+    ):
+        part = blocks.part(source)
+        if part is None:
             continue
-        masks = blocks.masks(source)
+        masks, bias = blocks.masks(part, mask_block)
         block_output, block_lse = tile_forward(
-            query,
-            key_block.to(compute),
-            value_block.to(compute),
-            None,
+            query[:, part.rows],
+            key_block[:, part.cols].to(compute),
+            value_block[:, part.cols].to(compute),
+            finite_bias(bias, compute, masks.unit),
             masks,
             blocks.scale,
             blocks.block_q(),
             BLOCK_K,
         )
-        block_lse = block_lse / masks.unit  # in base e, whatever the block's base
-        if output is None:
-            output, lse = block_output, block_lse
-        else:
-            output, lse = _merge(output, lse, block_output, block_lse)
-    return output, lse
+        block_lse = (block_lse / masks.unit).masked_fill_(block_lse == math.inf, -math.inf)
+        _merge(output[:, part.rows], lse[:, part.rows], block_output, block_lse)
+    return output, lse.masked_fill_(lse == -math.inf, math.inf)
 
 
-def _merge(
-    output: Tensor, lse: Tensor, block_output: Tensor, block_lse: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Two partial softmax outputs over disjoint keys as one, with their log-sum-exps."""
-    block_share = torch.sigmoid(block_lse - lse)  # exp(block_lse - merged_lse)
-    return output.add_((block_output - output).mul_(block_share)), torch.logaddexp(lse, block_lse)
+def _merge(output: Tensor, lse: Tensor, block_output: Tensor, block_lse: Tensor) -> None:
+    """Merge a block's partial softmax output over other keys into ``output`` and ``lse``,
+    in place (a block or a running result with no visible key has lse -inf)."""
+    block_share = torch.sigmoid(block_lse - lse).masked_fill_(block_lse == -math.inf, 0.0)
+    output.add_((block_output - output).mul_(block_share))
+    lse.copy_(torch.logaddexp(lse, block_lse))
 
 
 def _ring_backward(
@@ -303,6 +440,7 @@ def _ring_backward(
     query: Tensor,
     key: Tensor,
     value: Tensor,
+    key_mask: Tensor | None,
     output: Tensor,
     lse: Tensor,
     blocks: _Blocks,
@@ -315,37 +453,42 @@ def _ring_backward(
     query, grad_output = query.to(compute), grad_output.to(compute)
     grad_query = torch.zeros_like(query)
     sums_in_flight = None
-    for source, (key_block, value_block) in _around_the_ring([key, value], blocks.ring):
-        block_grads = None
-        if blocks.visible(source):
-            masks = blocks.masks(source)
-            block_grad_query, *block_grads, _ = tile_backward(
-                grad_output,
-                query,
-                key_block.to(compute),
-                value_block.to(compute),
-                None,
-                output,
-                lse * masks.unit,  # in the block's base
+    for source, key_block, value_block, mask_block in _key_blocks(
+        key, value, key_mask, blocks.ring
+    ):
+        if sums_in_flight is None:  # step 0: our own block, whose sums start here
+            sums = [torch.zeros_like(x, dtype=compute) for x in (key, value)]
+        else:
+            sums = sums_in_flight.wait()
+        part = blocks.part(source)
+        if part is not None:
+            masks, bias = blocks.masks(part, mask_block)
+            rows, cols = part.rows, part.cols
+            block_grad_query, block_grad_key, block_grad_value, _ = tile_backward(
+                grad_output[:, rows],
+                query[:, rows],
+                key_block[:, cols].to(compute),
+                value_block[:, cols].to(compute),
+                finite_bias(bias, compute, masks.unit),
+                output[:, rows],
+                lse[:, rows] * masks.unit,  # in the block's base
                 masks,
                 blocks.scale,
                 blocks.block_q(),
                 BLOCK_K,
                 False,
             )
-            grad_query += block_grad_query
-        sums = block_grads  # at step 0, our own block: always visible
-        if sums_in_flight is not None:
-            sums = sums_in_flight.wait()
-            if block_grads is not None:
-                sums = [total + grad for total, grad in zip(sums, block_grads, strict=True)]
+            grad_query[:, rows] += block_grad_query
+            sums[0][:, cols] += block_grad_key
+            sums[1][:, cols] += block_grad_value
         sums_in_flight = blocks.ring.shift(sums)
     grad_key, grad_value = sums_in_flight.wait()  # our own block's, back from the last rank
     return grad_query, grad_key, grad_value
 
 
 class _RingAttention(torch.autograd.Function):
-    """Forward saves (query, key, value, output, lse); backward recomputes the weights."""
+    """Forward saves (query, key, value, key mask, output, lse); backward recomputes the
+    weights."""
 
     @staticmethod
     def forward(
@@ -353,10 +496,11 @@ class _RingAttention(torch.autograd.Function):
         query: Tensor,
         key: Tensor,
         value: Tensor,
+        key_mask: Tensor | None,
         blocks: _Blocks,
     ) -> Tensor:
-        output, lse = _ring_forward(query, key, value, blocks)
-        ctx.save_for_backward(query, key, value, output, lse)
+        output, lse = _ring_forward(query, key, value, key_mask, blocks)
+        ctx.save_for_backward(query, key, value, key_mask, output, lse)
         ctx.blocks = blocks
         return output
 
@@ -364,7 +508,11 @@ class _RingAttention(torch.autograd.Function):
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_output: Tensor
     ) -> tuple[Tensor | None, ...]:
-        query, key, value, output, lse = ctx.saved_tensors
+        query, key, value, key_mask, output, lse = ctx.saved_tensors
         refuse_double_backward("ring", grad_output, query, key, value)
-        grads = _ring_backward(grad_output, query, key, value, output, lse, ctx.blocks)
-        return *(grad.to(x.dtype) for grad, x in zip(grads, (query, key, value), strict=True)), None
+        grads = _ring_backward(grad_output, query, key, value, key_mask, output, lse, ctx.blocks)
+        return (
+            *(grad.to(x.dtype) for grad, x in zip(grads, (query, key, value), strict=True)),
+            None,
+            None,
+        )
