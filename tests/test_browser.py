@@ -34,7 +34,7 @@ def qkv(shape=(L, H, T, D), seed=0):
 
 def write_page(
     tmp_path, similarity="dot", causal=False, tokens=TOKENS, scale=None, names=None, note=None,
-    **selection,
+    windows=(), **selection,
 ) -> tuple[Path, tuple]:  # fmt: skip
     q, k, v = qkv(shape=(L, H, len(tokens), D))
     data = page_payload(
@@ -50,6 +50,7 @@ def write_page(
         head=selection.get("head", 2),
         query_index=selection.get("query_index"),
         causal=causal,
+        windows=windows,
         names=names,
         note=note,
     )
@@ -58,11 +59,12 @@ def write_page(
     return path, (q, k, v)
 
 
-def reference(q, k, v, layer, head, similarity="dot", causal=False):
+def reference(q, k, v, layer, head, similarity="dot", causal=False, mask=None):
     _, trace = attention(
         q[layer, head],
         k[layer, head],
         v[layer, head],
+        mask=mask,
         similarity=similarity,
         causal=causal,
         backend="explicit",
@@ -412,6 +414,57 @@ def test_a_decoders_masked_keys_look_masked_and_say_so(browser, tmp_path):
                   .getImageData(document.querySelector('.thumb').width - 1, 0, 1, 1).data]"""
     )
     assert corner[:3] == [212, 208, 203]  # view.css's --masked
+    watched.check_clean()
+
+
+def test_keys_before_a_sliding_window_are_masked_and_say_so(browser, tmp_path):
+    """Layer 1 has a window of 3 (a query sees itself and the 2 keys before it), layer 0 none:
+    the page's weights are Python's under that mask, and the keys before the window look
+    masked (grey map cells and thumbnail corner, tags, counts) and are named as such."""
+    path, (q, k, v) = write_page(tmp_path, causal=True, windows=[None, 3], query_index=5)
+    watched = OfflinePage(browser, path)
+    page = watched.page
+    allowed = torch.arange(T) > torch.arange(T)[:, None] - 3  # key j > query i - 3
+    trace = reference(q, k, v, 1, 2, causal=True, mask=allowed)
+    for i in (1, 3, 5):
+        page.click(f".token[data-index='{i}']")
+        assert_row_matches(watched, trace, i)
+    tags = page.eval_on_selector_all(
+        "#steps tbody tr .tag", "(tags) => tags.map((e) => [+e.closest('tr').dataset.key, e.title])"
+    )
+    titles = page.eval_on_selector_all(
+        ".token.masked", "(els) => els.map((e) => [+e.dataset.index, e.title])"
+    )
+    window_title = "masked: key {} is outside the sliding window of query 5 (keys 3..5)"
+    assert tags == titles == [[j, window_title.format(j)] for j in range(3)]  # before 3..5
+    assert "3 keys masked" in page.text_content("#leftover")
+    label = page.get_attribute("#heatmap", "aria-label")
+    assert "keys after each query and keys before each query's sliding window of 3" in label
+    assert "keys before the query's sliding window of 3" in page.text_content("#step-note")
+    cells = page.evaluate(
+        """([T, cell, margin]) => {
+            const map = document.getElementById('heatmap');
+            const dpr = map.width / map.getBoundingClientRect().width;
+            const at = (n) => Math.floor((margin + (n + 0.5) * cell) * dpr);
+            const pixel = (i, j) => [...map.getContext('2d').getImageData(at(j), at(i), 1, 1).data];
+            return [...Array(T).keys()].map((i) => [...Array(T).keys()].map((j) => pixel(i, j)));
+        }""",
+        [T, 44, 84],
+    )
+    grey = [212, 208, 203]  # view.css's --masked
+    for i in range(T):
+        for j in range(T):
+            assert (cells[i][j][:3] == grey) == (j > i or j <= i - 3), (i, j)
+    corners = page.evaluate(
+        """() => [0, 1].map((layer) => {
+            const thumb = document.querySelector(`.thumb[data-layer='${layer}']`);
+            return [...thumb.getContext('2d').getImageData(0, thumb.height - 1, 1, 1).data];
+        })"""
+    )  # the last query's first key: outside layer 1's window only
+    assert corners[1][:3] == grey and corners[0][:3] != grey
+    page.select_option("#layer", "0")  # no window: every earlier key is attended again
+    assert page.eval_on_selector_all(".token.masked", "(els) => els.length") == 0
+    assert_row_matches(watched, reference(q, k, v, 0, 2, causal=True), 5)
     watched.check_clean()
 
 

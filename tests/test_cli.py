@@ -105,9 +105,12 @@ def test_model_and_checkpoint_together_are_refused_in_one_line(command, monkeypa
 
 
 def test_without_model_or_checkpoint_minilm_is_loaded(monkeypatch):
-    monkeypatch.setattr("selfattn.models.loading.load", lambda name: f"loaded {name}")
-    assert cli._load(None, None) == "loaded minilm"
-    assert cli._load("folder", None) == "loaded folder"
+    def load(name):
+        return SimpleNamespace(name=name, config=SimpleNamespace(skipped=()))
+
+    monkeypatch.setattr("selfattn.models.loading.load", load)
+    assert cli._load(None, None).name == "minilm"
+    assert cli._load("folder", None).name == "folder"
 
 
 @pytest.mark.parametrize("name", ["", "  "])

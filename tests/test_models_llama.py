@@ -15,9 +15,11 @@ False)``, with and without our key/value cache. The name map is checked key by k
 by shape against each Hugging Face state dict.
 """
 
+import base64
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 from rich.console import Console
@@ -26,11 +28,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from typer.testing import CliRunner
 
 import selfattn
+from conftest import OfflinePage
 from selfattn.cli import app
 from selfattn.errors import SelfAttnError
-from selfattn.explain import explain_text
+from selfattn.explain import explain_query, explain_text
 from selfattn.models.loading import llama_rules
 from selfattn.viz import report
+from selfattn.viz.html import render_page
+from test_generation_view import in_chromium
 from test_models_random import CORPUS, assert_map_fits
 
 transformers = pytest.importorskip("transformers")
@@ -352,3 +357,54 @@ def test_explain_names_keys_outside_mistrals_window_apart_from_later_ones(family
     before = f"masked: keys 0..{8 - window}, before the query's sliding window"
     after = f"masked: keys 9..{len(run.tokens) - 1}, after the query"
     assert before in text and after in text, text
+
+
+def mistral_page_data(family) -> tuple:
+    """(run, page payload) of SENTENCE on the family's model, opened on layer 1, head 3, the
+    last query; skips the families without a sliding window."""
+    _, hf, model = family
+    window = getattr(hf.config, "sliding_window", None)
+    if not window:
+        pytest.skip("no sliding window in this family")
+    run = model.run(SENTENCE)
+    assert len(run.tokens) > window + 2 and run.sliding_windows == (window,) * 3
+    e = explain_query(run, len(run.tokens) - 1, model_name=model.name, layer=1, head=3)
+    return run, report.page_data(run, e)
+
+
+def test_the_page_carries_mistrals_windows_and_masks_its_thumbnails(family):
+    """The offline page recomputes weights from q, k and v, so it needs each layer's window;
+    its thumbnails (T <= 48: one cell per weight) are run.attention scaled per head to 255,
+    within one step, so keys before the window are 0."""
+    run, data = mistral_page_data(family)
+    assert data["windows"] == [6, 6, 6]
+    n = len(run.tokens)
+    grid = np.frombuffer(base64.b64decode(data["thumbnails"]["data"]), dtype=np.uint8)
+    grid = grid.reshape(3, 6, n, n)
+    for layer in range(3):
+        weights = run.attention(layer)  # (H, T, T)
+        peak = weights.amax(dim=(-2, -1), keepdim=True)
+        np.testing.assert_allclose(grid[layer], (weights / peak * 255).round().numpy(), atol=1)
+    assert (grid[:, :, -1, : n - 6] == 0).all()
+
+
+@in_chromium
+def test_the_pages_weights_past_the_window_equal_run_attention(family, browser, tmp_path):
+    """The page's recomputed weights of the last query (past the window of 6) equal
+    run.attention's row to 1e-6 (float64 from the float32 q and k), and the keys before the
+    window are masked, named as outside it."""
+    run, data = mistral_page_data(family)
+    path = tmp_path / "mistral.html"
+    path.write_text(render_page(data), encoding="utf-8")
+    watched = OfflinePage(browser, path)
+    query = len(run.tokens) - 1
+    expected = run.attention(1, 3)[query]
+    rows = sorted(watched.step_rows(), key=lambda row: row["key"])
+    assert [row["weight"] for row in rows] == pytest.approx(expected.tolist(), abs=1e-6)
+    titles = watched.page.eval_on_selector_all(
+        ".token.masked", "(els) => els.map((e) => [+e.dataset.index, e.title])"
+    )
+    first = query - 5  # the query and the 5 keys before it
+    title = f"is outside the sliding window of query {query} (keys {first}..{query})"
+    assert titles == [[j, f"masked: key {j} {title}"] for j in range(first)]
+    watched.check_clean()

@@ -499,7 +499,9 @@ def test_generate_errors(decoder_client, body, status, words):
 
 def test_generate_needs_a_decoder(client):
     message = detail(client.post("/api/generate", json={"prompt": BANK}), 400)
-    assert message.startswith("Generate needs a decoder (GPT family); all-MiniLM-L6-v2 is an")
+    assert message.startswith(
+        "Generate needs a decoder (GPT or Llama family); all-MiniLM-L6-v2 is an"
+    )
 
 
 def test_models_states_the_generation_limit_and_the_decoder(decoder_client):

@@ -1107,7 +1107,7 @@ def test_generate_on_an_encoder_says_it_needs_a_decoder(browser, base_url):
     watched = Watched(browser, base_url, generate_address(prompt=BANK))
     page = watched.page
     assert strips_shown(page)["ready"] == "error"
-    assert page.text_content("#error").startswith("Generate needs a decoder (GPT family);")
+    assert page.text_content("#error").startswith("Generate needs a decoder (GPT or Llama family);")
 
 
 @pytest.mark.parametrize(("scheme", "width"), [("light", 1400), ("dark", 1400), ("light", 320)])

@@ -104,6 +104,25 @@ def test_thumbnails_are_each_heads_weights_scaled_to_255():
     assert (grid.reshape(L * H, -1).max(axis=1) == 255).all()
 
 
+def test_thumbnails_mask_keys_before_each_layers_sliding_window():
+    """A window of 2 in layer 1 (none in layer 0): the thumbnails are the weights of causal
+    attention under that window's mask, within one step of 255 as above."""
+    q, k, v = qkv()
+    data = payload(causal=True, windows=[None, 2])
+    assert data["windows"] == [None, 2] and payload()["windows"] is None
+    grid = np.frombuffer(base64.b64decode(data["thumbnails"]["data"]), dtype=np.uint8)
+    grid = grid.reshape(L, H, T, T)
+    allowed = torch.arange(T) > torch.arange(T)[:, None] - 2  # key j > query i - 2
+    for layer, mask in ((0, None), (1, allowed)):
+        _, trace = attention(
+            q[layer, 0], k[layer, 0], v[layer, 0], mask=mask, causal=True, scale=D**-0.5,
+            return_trace=True,
+        )  # fmt: skip
+        expected = np.round(trace.weights.numpy() / trace.weights.max().item() * 255)
+        np.testing.assert_allclose(grid[layer, 0], expected, atol=1)
+    assert (grid[1, :, 4, :3] == 0).all() and (grid[0, :, 4, :3] > 0).any()
+
+
 def test_thumbnails_pool_long_runs_to_48():
     q, k, v = qkv(shape=(1, 2, 100, 4))
     data = payload(tokens=[f"t{i}" for i in range(100)], query=q, key=k, value=v, layer=0, head=1)
@@ -146,6 +165,8 @@ def test_names_and_the_query_note_travel():
         ({"similarity": "euclid"}, "unknown similarity"),
         ({"words": [0]}, "one word index per token"),
         ({"names": ["a"]}, "one name per token"),
+        ({"windows": [4]}, r"one sliding window \(a positive int, or None\) per layer \(2\)"),
+        ({"windows": [4, 0]}, r"per layer \(2\), got \[4, 0\]"),
         ({"key": torch.zeros(L, H, T, D + 1)}, "same shape"),
         ({"query": torch.zeros(H, T, D)}, r"\(layers, heads, tokens, dim\)"),
     ],

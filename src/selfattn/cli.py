@@ -298,11 +298,12 @@ def generate(
         typer.Option(help="The head the --html page opens on: a number or 'mean' (the default)."),
     ] = None,
 ) -> None:
-    """Continue PROMPT with a decoder: one trained by `selfattn train`, or a GPT-2 folder."""
+    """Continue PROMPT with a decoder: one trained by `selfattn train`, or a GPT-2,
+    Llama, Mistral or Qwen folder."""
     if (checkpoint is None) == (model is None):
         raise _fail(
             "give one model to continue with: --checkpoint DIR (trained by `selfattn train`) "
-            "or --model FOLDER (GPT-2 style)",
+            "or --model FOLDER (GPT-2, Llama, Mistral or Qwen)",
             2,
         )
     for path, option in ((html, "--html"), (json_file, "--json")):

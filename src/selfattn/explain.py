@@ -63,6 +63,7 @@ class RecordedRun(Protocol):
     word_ids: list[int | None]
     offsets: list[tuple[int, int]]  # each token's characters in ``text``; (0, 0) if special
     captures: Recording
+    sliding_windows: tuple[int | None, ...]  # per layer (None: full); () without windows
 
     def token_index(self, word: str, occurrence: int = 0) -> int: ...
 

@@ -268,8 +268,9 @@ def check_generation(model: Model, body: GenerateRequest) -> None:
     or a generation over the limits: before any run."""
     if model.config.kind != "decoder":
         raise SelfAttnError(
-            f"Generate needs a decoder (GPT family); {model.name} is an encoder: serve a model "
-            "trained by `selfattn train` (--checkpoint) or a GPT-2 folder (--model)"
+            f"Generate needs a decoder (GPT or Llama family); {model.name} is an encoder: serve "
+            "a model trained by `selfattn train` (--checkpoint) or a GPT-2, Llama, Mistral or "
+            "Qwen folder (--model)"
         )
     check_size(model, body.prompt, "the prompt")
     if body.max_new_tokens > MAX_NEW_TOKENS:

@@ -136,7 +136,7 @@ class Llama(Decoder):
             padding = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S): keys that exist
         windows = self.config.sliding_windows or (None,) * len(self.blocks)
         masks = {
-            window: _combined(padding, self._window_mask(window, input_ids.shape[1], length))
+            window: _combined(padding, window_mask(window, input_ids.shape[1], length, x.device))
             for window in set(windows)
         }
         hidden_states = [x]
@@ -149,14 +149,17 @@ class Llama(Decoder):
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
         return DecoderOutput(logits, loss, tuple(hidden_states))
 
-    def _window_mask(self, window: int | None, t: int, s: int) -> Tensor | None:
-        """(T, S) True where key j lies within ``window`` of query i (j > i - window, queries
-        aligned bottom-right, as causal masking aligns them); None when no key is that far."""
-        if window is None or s <= window:
-            return None
-        device = self.token_embedding.weight.device
-        queries = torch.arange(s - t, s, device=device).unsqueeze(-1)  # (T, 1) positions
-        return torch.arange(s, device=device) > queries - window  # (T, S)
+
+def window_mask(
+    window: int | None, t: int, s: int, device: torch.device | str | None = None
+) -> Tensor | None:
+    """(T, S) True where key j lies within ``window`` of query i (j > i - window, queries
+    aligned bottom-right, as causal masking aligns them); None when no key is that far.
+    The offline page (:mod:`selfattn.viz.html`) masks its thumbnails with it too."""
+    if window is None or s <= window:
+        return None
+    queries = torch.arange(s - t, s, device=device).unsqueeze(-1)  # (T, 1) positions
+    return torch.arange(s, device=device) > queries - window  # (T, S)
 
 
 def _combined(padding: Tensor | None, window: Tensor | None) -> Tensor | None:

@@ -729,6 +729,7 @@ def build_llama(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
         d_model=config.d_model,
         max_positions=config.max_positions,
         vocab_size=config.vocab_size,
+        sliding_windows=config.sliding_windows,
     )
     network = Llama(config)
     return network, llama_rules(network), info, None

@@ -46,6 +46,7 @@ class ModelConfig:
     max_positions: int
     vocab_size: int
     skipped: tuple[str, ...] = ()  # the checkpoint's task heads left out ("classifier.*")
+    sliding_windows: tuple[int | None, ...] = ()  # per layer (None: full), () for none at all
 
     @classmethod
     def for_decoder(cls, config: GPTConfig, model_type: str) -> ModelConfig:
@@ -135,6 +136,7 @@ class Run:
     captures: Recording  # q, k, v of every attention layer, recorded on the fast path
     logits: Tensor | None  # (T, vocab) next-token scores, decoders only
     model_name: str = "model"
+    sliding_windows: tuple[int | None, ...] = ()  # per layer, as ModelConfig's (Mistral's)
 
     def __repr__(self) -> str:
         return (
@@ -492,7 +494,14 @@ class Model(nn.Module):
         logits = output.logits[0].cpu() if isinstance(output, DecoderOutput) else None
         # A run is read on the CPU, whatever the model's device: what explains it builds its
         # small index tensors there, and pages and JSON want its numbers there anyway.
-        return Run(encoding, hidden_states.cpu(), recording.to("cpu"), logits, self.name)
+        return Run(
+            encoding,
+            hidden_states.cpu(),
+            recording.to("cpu"),
+            logits,
+            self.name,
+            self.config.sliding_windows,
+        )
 
     def encode(
         self,
@@ -616,7 +625,9 @@ class Model(nn.Module):
     def _prompt_encoding(self, prompt: str) -> Encoding:
         """The prompt's tokens; one line for an encoder, or a prompt with no tokens."""
         if self.config.kind != "decoder":
-            raise SelfAttnError(f"generate needs a decoder (GPT family); {self.name} is an encoder")
+            raise SelfAttnError(
+                f"generate needs a decoder (GPT or Llama family); {self.name} is an encoder"
+            )
         encoding = self._require_tokenizer().encode(prompt)
         if not encoding.ids:
             raise SelfAttnError("the prompt is empty; pass some text to continue")

@@ -18,6 +18,8 @@ Payload (a JSON object, the input of the page's ``render(payload)``)::
                    piece of a word), or null
     layers, heads, length        L, H, T
     scale, similarity, causal    how the scores were made: "dot" or "cosine"; bottom-right mask
+    windows        [L] each layer's sliding window w (query i sees keys j with i - w < j <= i;
+                   null: every key the causal mask leaves), or null when no layer has one
     dtype          "float32" or "float16" (little-endian), the encoding of the three tensors
     query, key, value            {"shape": [L, H, T, d], "data": base64}
     thumbnails     {"size": n, "pool": "max", "data": base64 uint8 [L, H, n, n]}, each
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from selfattn.attention import SIMILARITIES, attention
+from selfattn.models.llama import window_mask
 
 FLOAT32_LIMIT_BYTES = 8 * 2**20  # q, k, v together; above this they travel as float16
 FLOAT16_MAX = 65504.0
@@ -88,6 +91,7 @@ def page_payload(
     query_index: int | None = None,
     words: Sequence[int | None] | None = None,
     causal: bool = False,
+    windows: Sequence[int | None] = (),
     names: Sequence[str] | None = None,
     note: str | None = None,
 ) -> dict:
@@ -104,6 +108,8 @@ def page_payload(
         words: per token, the index of the word it belongs to (None for special tokens);
             the page groups the tokens of one word together.
         causal: bottom-right causal masking, as in :func:`selfattn.attention` (decoders).
+        windows: each layer's sliding window (None: full), () for none (Mistral's, Qwen's):
+            masked too, so that the page's weights are the model's.
         names: each token as the lists of keys name it (the tokens when None).
         note: said under the first query, when it is only a part of the word asked for.
     """
@@ -111,7 +117,7 @@ def page_payload(
         _as_tensor(x, name) for x, name in ((query, "query"), (key, "key"), (value, "value"))
     )
     n_layers, n_heads, length, _ = q.shape
-    _check(tokens, q, k, v, similarity, layer, head, query_index, words, names)
+    _check(tokens, q, k, v, similarity, layer, head, query_index, words, names, windows)
     dtype = wire_dtype(q, k, v)
     return {
         "version": PAYLOAD_VERSION,
@@ -127,11 +133,12 @@ def page_payload(
         "scale": float(scale),
         "similarity": similarity,
         "causal": causal,
+        "windows": list(windows) or None,
         "dtype": dtype,
         "query": encode_tensor(q, dtype),
         "key": encode_tensor(k, dtype),
         "value": encode_tensor(v, dtype),
-        "thumbnails": _thumbnails(q, k, v, scale, similarity, causal),
+        "thumbnails": _thumbnails(q, k, v, scale, similarity, causal, windows),
         "selection": {"layer": layer, "head": head, "query": query_index or 0},
     }
 
@@ -176,7 +183,7 @@ def _as_tensor(x: Tensor | np.ndarray, name: str) -> Tensor:
     return tensor
 
 
-def _check(tokens, q, k, v, similarity, layer, head, query_index, words, names) -> None:
+def _check(tokens, q, k, v, similarity, layer, head, query_index, words, names, windows) -> None:
     """One-line errors for inputs that would give a wrong or broken page."""
     if similarity not in SIMILARITIES:
         raise ValueError(f"unknown similarity {similarity!r}; choose 'dot' or 'cosine'")
@@ -192,6 +199,11 @@ def _check(tokens, q, k, v, similarity, layer, head, query_index, words, names) 
         raise ValueError(f"words must give one word index per token ({length}), got {len(words)}")
     if names is not None and len(names) != length:
         raise ValueError(f"names must give one name per token ({length}), got {len(names)}")
+    if windows and (len(windows) != n_layers or any(w is not None and w < 1 for w in windows)):
+        raise ValueError(
+            "windows must give one sliding window (a positive int, or None) per layer "
+            f"({n_layers}), got {list(windows)}"
+        )
     if not 0 <= layer < n_layers:
         raise ValueError(f"layer {layer} out of range: the run has layers 0..{n_layers - 1}")
     if head != "mean" and not (isinstance(head, int) and 0 <= head < n_heads):
@@ -218,9 +230,16 @@ def encode_tensor(tensor: Tensor, dtype: str) -> dict:
 
 
 def _thumbnails(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, similarity: str, causal: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    similarity: str,
+    causal: bool,
+    windows: Sequence[int | None],
 ) -> dict:
-    """Every head's weights, max-pooled to at most 48x48 and scaled to 0..255 per head.
+    """Every head's weights (masked as the page masks them), max-pooled to at most 48x48 and
+    scaled to 0..255 per head.
 
     Max pooling keeps a single strong link visible after downsampling; scaling per head
     shows each head's pattern even where its weights are spread thin.
@@ -232,6 +251,7 @@ def _thumbnails(
             q[layer],
             k[layer],
             v[layer],
+            mask=window_mask(windows[layer] if windows else None, q.shape[2], k.shape[2]),
             causal=causal,
             similarity=similarity,
             scale=scale,

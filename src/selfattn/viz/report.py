@@ -261,7 +261,7 @@ def page_data(run: RecordedRun, e: Explanation) -> dict:
         tokens=e.tokens, query=query, key=key, value=value, scale=scale,
         similarity=capture.similarity, model_name=e.model, text=e.text, layer=e.layer,
         head=head, query_index=e.query, words=run.word_ids, causal=capture.causal,
-        names=e.key_names, note=e.query_note,
+        windows=run.sliding_windows, names=e.key_names, note=e.query_note,
     )  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 // For the layer and head on screen it recomputes the guide's steps in float64:
 //   scores = q · kᵀ (cosine: q and k normalised first), scaled = scores × scale,
 //   weights = softmax(scaled) over each row (rows: queries, columns: keys), output = weights @ v.
+// The keys a row may not attend (after the query in a decoder, before its layer's sliding window) get 0.
 // Every piece of user text reaches the DOM through textContent, never as HTML.
 "use strict";
 
@@ -84,20 +85,21 @@
       const scaledRow = score.map((x) => x * model.scale);
       scores.push(score);
       scaled.push(scaledRow);
-      weights.push(softmax(scaledRow, model.causal ? i + (s - t) : s - 1));
+      const position = i + (s - t); // queries aligned bottom-right, as Python aligns them
+      weights.push(softmax(scaledRow, firstKey(model, layer, position), model.causal ? position : s - 1));
     }
     return { scores, scaled, weights, value: v };
   }
 
-  /** Softmax over keys 0..last (later keys masked to weight 0); an empty row stays 0. */
-  function softmax(row, last) {
+  /** Softmax over keys first..last (the others masked to weight 0); an empty row stays 0. */
+  function softmax(row, first, last) {
     const out = new Float64Array(row.length);
-    if (last < 0) return out;
+    if (last < first) return out;
     let max = -Infinity;
-    for (let j = 0; j <= last; j++) max = Math.max(max, row[j]);
+    for (let j = first; j <= last; j++) max = Math.max(max, row[j]);
     let total = 0;
-    for (let j = 0; j <= last; j++) total += out[j] = Math.exp(row[j] - max);
-    for (let j = 0; j <= last; j++) out[j] /= total;
+    for (let j = first; j <= last; j++) total += out[j] = Math.exp(row[j] - max);
+    for (let j = first; j <= last; j++) out[j] /= total;
     return out;
   }
 
@@ -309,16 +311,16 @@
       const row = current().weights[i];
       const largest = Math.max(...row) || 1;
       tokenEls.forEach((el, j) => {
-        const masked = isMasked(model, i, j);
+        const masked = isMasked(model, state.layer, i, j);
         el.classList.toggle("masked", masked);
         const plain = j === i || masked;
         paintToken(el, plain ? null : shade((row[j] / largest) * 0.85));
-        el.title = masked ? `masked: query ${i} may not look at later tokens` : `weight ${fmt(row[j])} from query ${i}`;
+        el.title = masked ? maskedTitle(model, state.layer, i, j) : `weight ${fmt(row[j])} from query ${i}`;
       });
       const order = [...row.keys()].sort((a, b) => row[b] - row[a]);
       const top = order.slice(0, T <= ALL_LINES ? T : TOP_K).filter((j) => row[j] > 0);
       drawLines(ui.lines, ui.strip, tokenEls, i, top, row);
-      fillRowSummary(ui, model, row, i, top, state.hover !== null);
+      fillRowSummary(ui, model, state.layer, row, i, top, state.hover !== null);
     }
 
     function select(changes) {
@@ -469,8 +471,36 @@
   /** Whether `el` is on screen: an explorer in a hidden view (another tab of the live page) has no boxes. */
   const onScreen = (el) => el.getClientRects().length > 0;
 
-  /** A causal mask hides key j from query i (bottom-right aligned). */
-  const isMasked = (model, i, j) => model.causal && j > i;
+  /** The sliding window of `layer` (a query sees itself and the window's previous tokens), or null: none. */
+  const windowOf = (model, layer) => model.windows?.[layer] ?? null;
+
+  /** The first key the query at `position` sees in `layer`: the start of its sliding window, or 0. */
+  function firstKey(model, layer, position) {
+    const width = windowOf(model, layer);
+    return width === null ? 0 : Math.max(0, position - width + 1);
+  }
+
+  /** Why `layer` hides key j from query i: "later" (a causal mask, bottom-right aligned), "window" (before
+   *  the query's sliding window), or null where the query sees the key. */
+  function maskOf(model, layer, i, j) {
+    if (model.causal && j > i) return "later";
+    return j < firstKey(model, layer, i) ? "window" : null;
+  }
+  const isMasked = (model, layer, i, j) => maskOf(model, layer, i, j) !== null;
+
+  /** What a masked key's title says: why query i may not look at key j. */
+  function maskedTitle(model, layer, i, j) {
+    return maskOf(model, layer, i, j) === "window"
+      ? `masked: key ${j} is outside the sliding window of query ${i} (keys ${firstKey(model, layer, i)}..${i})`
+      : `masked: query ${i} may not look at later tokens`;
+  }
+
+  /** The keys `layer` masks, for `who` ("the query", "each query"); "" where it masks none. */
+  function maskedKeysText(model, layer, who) {
+    const width = windowOf(model, layer);
+    const later = model.causal ? [`keys after ${who}`] : [];
+    return [...later, ...(width === null ? [] : [`keys before ${who}'s sliding window of ${width} tokens`])].join(" and ");
+  }
 
   /** The query a key press on the tokens or the map asks for, or null (not a moving key). */
   function steppedQuery(event, query, T) {
@@ -496,9 +526,10 @@
   function describeMap(model, state, row, headText) {
     const i = state.query;
     const best = row.indexOf(Math.max(...row));
+    const hidden = maskedKeysText(model, state.layer, "each query");
     return (
       `attention map, layer ${state.layer}, ${headText}: ${model.length} queries (rows) × ${model.length} keys (columns)` +
-      `${model.causal ? "; keys after each query are masked" : ""}. Row ${i} “${model.tokens[i]}”: most weight, ` +
+      `${hidden ? `; ${hidden} are masked` : ""}. Row ${i} “${model.tokens[i]}”: most weight, ` +
       `${fmt(row[best])}, on key ${best} “${model.tokens[best]}”. Arrow keys move the row; the step table lists its weights.`
     );
   }
@@ -573,7 +604,7 @@
     const summary = h("div", { id: idOf("row-summary"), class: "row-summary" });
     const map = h("canvas", { id: idOf("heatmap"), class: "heatmap", role: "img", tabindex: "0" });
     const tip = h("div", { id: idOf("map-tip"), class: "tip", hidden: "" });
-    const legend = buildLegend(idOf, "map-legend", model.causal ? "masked" : null);
+    const legend = buildLegend(idOf, "map-legend", model.causal || model.windows ? "masked" : null);
     const stepsBody = h("tbody");
     const stepsFoot = h("tfoot");
     const steps = h(
@@ -669,20 +700,25 @@
     thumbs.forEach((canvas, t) => {
       const image = new ImageData(n, n);
       const offset = t * n * n; // thumbs are in layer-major, head-minor order, as the payload
+      const layer = Math.floor(t / model.heads);
       for (let p = 0; p < n * n; p++) {
-        const colour = maskedPool(model, n, Math.floor(p / n), p % n) ? palette.masked : shade(bytes[offset + p] / 255);
+        const colour = maskedPool(model, layer, n, Math.floor(p / n), p % n) ? palette.masked : shade(bytes[offset + p] / 255);
         image.data.set([...colour, 255], 4 * p);
       }
       canvas.getContext("2d").putImageData(image, 0, 0);
     });
   }
 
-  /** A max-pooled thumbnail cell is masked when every cell it pools is (adaptive pooling's bins). */
-  function maskedPool(model, n, r, c) {
+  /**
+   * A max-pooled thumbnail cell is masked when every cell it pools is (adaptive pooling's bins): when the
+   * bin's corner nearest the keys its queries see is, its last row's first key for keys after the queries,
+   * its first row's last key for keys before their sliding window.
+   */
+  function maskedPool(model, layer, n, r, c) {
     const T = model.length;
-    const lastRow = Math.ceil(((r + 1) * T) / n) - 1;
-    const firstKey = Math.floor((c * T) / n);
-    return isMasked(model, lastRow, firstKey);
+    const [firstRow, lastRow] = [Math.floor((r * T) / n), Math.ceil(((r + 1) * T) / n) - 1];
+    const [firstCol, lastCol] = [Math.floor((c * T) / n), Math.ceil(((c + 1) * T) / n) - 1];
+    return maskOf(model, layer, lastRow, firstCol) === "later" || maskOf(model, layer, firstRow, lastCol) === "window";
   }
 
   // ---------- drawing ----------
@@ -765,7 +801,7 @@
     weights.forEach((row, i) => {
       const top = state.shadeBy === "row" ? Math.max(...row) || 1 : matrixMax;
       row.forEach((w, j) => {
-        const masked = isMasked(model, i, j);
+        const masked = isMasked(model, state.layer, i, j);
         image.data.set([...(masked ? palette.masked : shade(w / top)), 255], 4 * (i * S + j));
       });
     });
@@ -821,13 +857,13 @@
     }
   }
 
-  function fillRowSummary(ui, model, row, i, top, preview) {
+  function fillRowSummary(ui, model, layer, row, i, top, preview) {
     const head = h("p", { class: "summary-head" }, preview ? "preview: " : "", `query ${i} “`, h("b", {}, model.tokens[i]), "” looks at");
     const names = model.names; // as Python's lists name them: '🙂' ([UNK]) by the text it stands for
     const repeated = (name) => names.indexOf(name) !== names.lastIndexOf(name);
     const name = (j) => (repeated(names[j]) ? `${j}:${names[j]}` : names[j]); // "9:river" where the text has it twice
     const rest = row.filter((w, j) => w > 0 && !top.includes(j)).length;
-    const masked = row.filter((w, j) => isMasked(model, i, j)).length;
+    const masked = row.filter((w, j) => isMasked(model, layer, i, j)).length;
     const zero = row.length - top.length - rest - masked; // not masked: exp(scaled) underflowed to 0
     const keys = (n) => `${n} key${n > 1 ? "s" : ""}`;
     const also = (masked > 0 ? ` · ${keys(masked)} masked` : "") + (zero > 0 ? ` · ${keys(zero)} at weight 0 (too far below the largest score)` : "");
@@ -861,9 +897,10 @@
     const weights = result.weights[i];
     const largest = Math.max(...weights) || 1;
     ui.stepTitle.textContent = `query ${tokenName(i)}`;
+    const hidden = maskedKeysText(model, state.layer, "the query");
     const order = [...weights.keys()];
     if (state.sortByWeight) order.sort((a, b) => weights[b] - weights[a]);
-    const masked = (j) => isMasked(model, i, j);
+    const masked = (j) => isMasked(model, state.layer, i, j);
     ui.stepsBody.replaceChildren(
       ...order.map((j) => {
         const bar = h("span", { class: "bar" });
@@ -880,7 +917,7 @@
           h("td", { class: "key" }, h("span", { class: "idx" }, String(j)), " ", h("bdi", {}, model.names[j])),
           ...cells,
           h("td", { class: "num strong", "data-weight": String(weights[j]) }, fmt(weights[j])),
-          h("td", { class: "bar-cell" }, masked(j) ? h("span", { class: "tag" }, "masked") : h("span", { class: "bar-track" }, bar)),
+          h("td", { class: "bar-cell" }, masked(j) ? h("span", { class: "tag", title: maskedTitle(model, state.layer, i, j) }, "masked") : h("span", { class: "bar-track" }, bar)),
         );
         return tr;
       }),
@@ -891,7 +928,7 @@
     ui.stepNote.textContent =
       (mean
         ? `mean of ${model.heads} heads: the weights are averaged; scores and outputs belong to single heads.`
-        : `scaled = score × ${fmtScale(model.scale)}; weight = softmax(scaled) over the row${model.causal ? "; keys after the query are masked (as if scaled were −∞): weight 0" : ""}.`) + rounded;
+        : `scaled = score × ${fmtScale(model.scale)}; weight = softmax(scaled) over the row${hidden ? `; ${hidden} are masked (as if scaled were −∞): weight 0` : ""}.`) + rounded;
 
     if (mean) {
       ui.output.replaceChildren();
