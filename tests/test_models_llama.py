@@ -111,17 +111,28 @@ def vocab_size(tmp_path_factory):
     return metaspace_tokenizer(tmp_path_factory.mktemp("tokenizer") / "tokenizer.json")
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory, vocab_size):
-    """(folder, Hugging Face model on its eager attention, our model) of one family."""
-    model_class, config_class, settings = FAMILIES[request.param]
+def saved_family(name: str, tmp_path_factory, vocab_size: int) -> tuple:
+    """(folder, Hugging Face model on its eager attention, our model) of family ``name``."""
+    model_class, config_class, settings = FAMILIES[name]
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**{**SIZES, **settings, "vocab_size": vocab_size})
-    folder = tmp_path_factory.mktemp(request.param)
+    folder = tmp_path_factory.mktemp(name)
     getattr(transformers, model_class)(config).save_pretrained(folder)
     metaspace_tokenizer(folder / "tokenizer.json")
     hf = getattr(transformers, model_class).from_pretrained(folder, attn_implementation="eager")
     return folder, hf.eval(), selfattn.load(folder)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory, vocab_size):
+    """(folder, Hugging Face model, our model) of each family in turn."""
+    return saved_family(request.param, tmp_path_factory, vocab_size)
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory, vocab_size):
+    """(folder, Hugging Face model, our model) of Mistral, whose sliding window is 6."""
+    return saved_family("mistral", tmp_path_factory, vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -342,13 +353,11 @@ def test_a_text_longer_than_the_positions_is_refused(llama_folder):
         model(torch.zeros(1, 65, dtype=torch.long))
 
 
-def test_explain_names_keys_outside_mistrals_window_apart_from_later_ones(family):
+def test_explain_names_keys_outside_mistrals_window_apart_from_later_ones(mistral):
     """Keys before a sliding window were said to be "after the query (causal mask)"; a query
     in the middle of a text longer than Mistral's window of 6 names both kinds, each once."""
-    _, hf, model = family
-    window = getattr(hf.config, "sliding_window", None)
-    if not window:
-        pytest.skip("no sliding window in this family")
+    _, hf, model = mistral
+    window = hf.config.sliding_window
     run, e = explain_text(model, SENTENCE, index=8, layer=0, head=0)
     assert len(run.tokens) > 9
     console = Console(record=True, width=200, color_system=None)
@@ -359,24 +368,21 @@ def test_explain_names_keys_outside_mistrals_window_apart_from_later_ones(family
     assert before in text and after in text, text
 
 
-def mistral_page_data(family) -> tuple:
-    """(run, page payload) of SENTENCE on the family's model, opened on layer 1, head 3, the
-    last query; skips the families without a sliding window."""
-    _, hf, model = family
-    window = getattr(hf.config, "sliding_window", None)
-    if not window:
-        pytest.skip("no sliding window in this family")
+def mistral_page_data(mistral) -> tuple:
+    """(run, page payload) of SENTENCE on Mistral, opened on layer 1, head 3, the last query."""
+    _, hf, model = mistral
+    window = hf.config.sliding_window
     run = model.run(SENTENCE)
     assert len(run.tokens) > window + 2 and run.sliding_windows == (window,) * 3
     e = explain_query(run, len(run.tokens) - 1, model_name=model.name, layer=1, head=3)
     return run, report.page_data(run, e)
 
 
-def test_the_page_carries_mistrals_windows_and_masks_its_thumbnails(family):
+def test_the_page_carries_mistrals_windows_and_masks_its_thumbnails(mistral):
     """The offline page recomputes weights from q, k and v, so it needs each layer's window;
     its thumbnails (T <= 48: one cell per weight) are run.attention scaled per head to 255,
     within one step, so keys before the window are 0."""
-    run, data = mistral_page_data(family)
+    run, data = mistral_page_data(mistral)
     assert data["windows"] == [6, 6, 6]
     n = len(run.tokens)
     grid = np.frombuffer(base64.b64decode(data["thumbnails"]["data"]), dtype=np.uint8)
@@ -389,11 +395,11 @@ def test_the_page_carries_mistrals_windows_and_masks_its_thumbnails(family):
 
 
 @in_chromium
-def test_the_pages_weights_past_the_window_equal_run_attention(family, browser, tmp_path):
+def test_the_pages_weights_past_the_window_equal_run_attention(mistral, browser, tmp_path):
     """The page's recomputed weights of the last query (past the window of 6) equal
     run.attention's row to 1e-6 (float64 from the float32 q and k), and the keys before the
     window are masked, named as outside it."""
-    run, data = mistral_page_data(family)
+    run, data = mistral_page_data(mistral)
     path = tmp_path / "mistral.html"
     path.write_text(render_page(data), encoding="utf-8")
     watched = OfflinePage(browser, path)
