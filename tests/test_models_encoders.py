@@ -293,7 +293,10 @@ def test_encode_equals_sentence_transformers(saved, tmp_path, family, class_name
     reference.save(str(tmp_path))
     assert (tmp_path / "modules.json").is_file() and (tmp_path / "1_Pooling").is_dir()
     texts = [*CORPUS, "The bank.", "Ciao gioco a giochi " * 10]  # the last one cut to 32
-    theirs = reference.encode(texts, convert_to_tensor=True, normalize_embeddings=True)
+    try:
+        theirs = reference.encode(texts, convert_to_tensor=True, normalize_embeddings=True)
+    except TypeError as error:  # sentence-transformers 3.0 hands DistilBERT token_type_ids
+        pytest.skip(f"this sentence-transformers cannot encode with {class_name}: {error}")
     model = selfattn.load(tmp_path)
     assert model.sentence.max_seq_length == 32
     ours = model.encode(texts, batch_size=3)
@@ -328,14 +331,18 @@ def test_distilbert_refuses_token_types_in_one_line(saved):
 
 
 def test_distilbert_with_sinusoidal_positions_reads_the_stored_table(tmp_path):
-    """sinusoidal_pos_embds: the fixed table is saved like a learned one and loads the same."""
+    """sinusoidal_pos_embds: the fixed table is saved like a learned one and loads the same:
+    sin and cos of the position with transformers 5 (4.37 re-initialises the table randomly
+    before saving it, and computes with that)."""
     torch.manual_seed(0)
     hf = transformers.DistilBertModel(distilbert(sinusoidal_pos_embds=True)).eval()
     hf.save_pretrained(tmp_path)
     model = selfattn.load(tmp_path)
     table = model.network.embeddings.positions.embedding.weight
-    torch.testing.assert_close(table[:, 0], torch.arange(40.0).sin())  # sin(position / 1)
-    torch.testing.assert_close(table[:, 1], torch.arange(40.0).cos())
+    assert torch.equal(table, hf.embeddings.position_embeddings.weight)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        torch.testing.assert_close(table[:, 0], torch.arange(40.0).sin())  # sin(position / 1)
+        torch.testing.assert_close(table[:, 1], torch.arange(40.0).cos())
     input_ids, mask = padded_batch(hf.config)
     with torch.no_grad():
         ours = model(input_ids, mask).last_hidden_state

@@ -16,6 +16,7 @@ by shape against each Hugging Face state dict.
 """
 
 import base64
+import inspect
 import json
 import re
 
@@ -112,8 +113,14 @@ def vocab_size(tmp_path_factory):
 
 
 def saved_family(name: str, tmp_path_factory, vocab_size: int) -> tuple:
-    """(folder, Hugging Face model on its eager attention, our model) of family ``name``."""
+    """(folder, Hugging Face model on its eager attention, our model) of family ``name``;
+    skipped where the installed transformers (the oracle) lacks the family or its settings."""
     model_class, config_class, settings = FAMILIES[name]
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_class}")
+    config_fields = inspect.signature(getattr(transformers, config_class)).parameters
+    if "rope_parameters" in settings and "rope_parameters" not in config_fields:
+        pytest.skip(f"transformers {transformers.__version__} has no rope_parameters")
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**{**SIZES, **settings, "vocab_size": vocab_size})
     folder = tmp_path_factory.mktemp(name)
