@@ -1,17 +1,21 @@
 """Ring attention against the explicit reference on the gathered sequence, and its errors.
 
 The sequence is split over 2 or 3 spawned gloo ranks, in the contiguous or the zig-zag layout,
-with or without a key-padding mask; each rank's output and q/k/v gradient shards, put back
-together (``ring.unshard``), are compared with ``attention(..., backend="explicit")`` on the
-whole sequence with the whole mask. Tolerances (max absolute difference): float64 1e-10;
-float32, float16 and bfloat16 at most twice the error of torch's fused kernel (SDPA) on the
-whole sequence in that dtype against a float64 reference, plus 1e-6 (float32) or 1e-3
+with or without a key-padding mask, on chunked's tiles or (``backend="triton"``) the fused
+Triton blocks, run by Triton's interpreter (the spawned ranks set ``TRITON_INTERPRET=1`` before
+anything imports triton); each rank's output and q/k/v gradient shards, put back together
+(``ring.unshard``), are compared with ``attention(..., backend="explicit")`` on the whole
+sequence with the whole mask. Tolerances (max absolute difference): float64 1e-10; the Triton
+blocks in float32 (exact float32 products) 1e-5, absolute and relative, against float64;
+float32, float16 and bfloat16 otherwise at most twice the error of torch's fused kernel (SDPA)
+on the whole sequence in that dtype against a float64 reference, plus 1e-6 (float32) or 1e-3
 (float16, bfloat16), as in test_chunked.py.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -46,6 +50,7 @@ class Case:
     dtype: torch.dtype = torch.float64
     layout: str = "contiguous"
     mask: str | None = None  # None, "bool" or "float"
+    backend: str = "auto"
 
     def inputs(self, size: int) -> list[torch.Tensor]:
         """Query, key, value and the output's gradient over the whole sequence (seeded)."""
@@ -105,12 +110,46 @@ REDUCED = {  # float32, float16 and bfloat16 against twice SDPA's error
         n=64, d=32, dv=32, causal=True, dtype=torch.float32, layout="zigzag", mask="bool"
     ),
 }
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (run by its interpreter)")
+# The fused Triton blocks, tiny (the interpreter is slow): float32 within TRITON_TOLERANCE of
+# float64 explicit; float16 and bfloat16 against twice SDPA's error, with REDUCED.
+TRITON_FLOAT32 = {
+    f"triton-{layout}-padding{'-causal' * causal}": Case(
+        lead=(2, 2), n=16, d=16, dv=16, causal=causal, dtype=torch.float32, layout=layout,
+        mask="bool", backend="triton",
+    )
+    for layout in ("contiguous", "zigzag")
+    for causal in (False, True)
+} | {
+    "triton-zigzag-cosine-causal": Case(
+        lead=(2,), n=16, d=16, dv=16, causal=True, similarity="cosine", dtype=torch.float32,
+        layout="zigzag", backend="triton",
+    ),
+}  # fmt: skip
+TRITON_REDUCED = {
+    f"triton-{dtype}-zigzag-padding-causal": Case(
+        lead=(2, 2), n=32, d=16, dv=16, causal=True, dtype=getattr(torch, dtype),
+        layout="zigzag", mask="bool", backend="triton",
+    )
+    for dtype in ("float16", "bfloat16")
+}  # fmt: skip
+TRITON_TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-3}
-CASES = EXACT | REDUCED
+CASES = EXACT | REDUCED | (TRITON_FLOAT32 | TRITON_REDUCED if HAS_TRITON else {})
+
+
+def _cases(size: int) -> dict[str, Case]:
+    """The cases run on ``size`` ranks: the reduced-precision ones on 2 only."""
+    if size == 2:
+        return CASES
+    return {name: case for name, case in CASES.items() if name not in REDUCED | TRITON_REDUCED}
 
 
 def _join(rank: int, port: int, size: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # Before anything imports triton (nothing has yet: the Triton blocks import it lazily), so
+    # that backend="triton" runs on CPU tensors; "auto" still picks chunked for them.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRITON_INTERPRET="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=size)
 
@@ -120,29 +159,42 @@ def _shard(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
 
 
 def _logging(function, parts: list[tuple[int, int, bool]], query_at: int):
-    """``function`` (tile_forward, or tile_backward with query at ``query_at`` = 1 after the
-    output's gradient), appending to ``parts`` the query rows, key columns and whether the
-    causal diagonal crosses them, of each block part it computes."""
+    """``function`` (chunked's tile_forward or the Triton block_forward; their backwards with
+    query at ``query_at`` = 1 after the output's gradient), appending to ``parts`` the query
+    rows, key columns and whether the causal diagonal crosses them, of each block part it
+    computes (a tile's Masks say that, a Triton block's ``causal``)."""
 
-    def logged(*args):
+    def logged(*args, **kwargs):
         query, key = args[query_at : query_at + 2]
-        masks = next(arg for arg in args if isinstance(arg, ring.Masks))
-        parts.append((query.shape[1], key.shape[1], masks.causal))
-        return function(*args)
+        masks = next((arg for arg in args if isinstance(arg, ring.Masks)), None)
+        parts.append(
+            (query.shape[1], key.shape[1], kwargs["causal"] if masks is None else masks.causal)
+        )
+        return function(*args, **kwargs)
 
     return logged
 
 
 def _cases_worker(rank: int, port: int, size: int, out: Path) -> None:
     """Every case on this rank: its output and gradient shards, and the block parts it
-    attended to forward and backward, saved to ``out/rank{rank}.pt``."""
+    attended to forward and backward on chunked's tiles and on the Triton blocks, saved to
+    ``out/rank{rank}.pt``."""
     _join(rank, port, size)
-    forwards, backwards = [], []
+    forwards, backwards, fused_forwards, fused_backwards = [], [], [], []
     ring.tile_forward = _logging(ring.tile_forward, forwards, query_at=0)
     ring.tile_backward = _logging(ring.tile_backward, backwards, query_at=1)
+    if HAS_TRITON:
+        from selfattn.kernels import triton_attention
+
+        triton_attention.block_forward = _logging(
+            triton_attention.block_forward, fused_forwards, query_at=0
+        )
+        triton_attention.block_backward = _logging(
+            triton_attention.block_backward, fused_backwards, query_at=1
+        )
     results = {}
     try:
-        for name, case in CASES.items():
+        for name, case in _cases(size).items():
             query, key, value, grad_output = (
                 ring.shard(x, rank, size, layout=case.layout).to(case.dtype)
                 for x in case.inputs(size)
@@ -151,8 +203,8 @@ def _cases_worker(rank: int, port: int, size: int, out: Path) -> None:
             if mask is not None:
                 mask = ring.shard(mask, rank, size, layout=case.layout, dim=-1)
             leaves = [x.requires_grad_() for x in (query, key, value)]
-            forwards.clear()
-            backwards.clear()
+            for log in (forwards, backwards, fused_forwards, fused_backwards):
+                log.clear()
             output = ring_attention(
                 *leaves,
                 causal=case.causal,
@@ -160,18 +212,21 @@ def _cases_worker(rank: int, port: int, size: int, out: Path) -> None:
                 scale=case.scale,
                 mask=mask,
                 layout=case.layout,
+                backend=case.backend,
             )
             output.backward(grad_output)
-            tensors = [output.detach()] + [x.grad for x in leaves]
-            results[name] = {"tensors": tensors, "parts": (list(forwards), list(backwards))}
+            results[name] = {
+                "tensors": [output.detach()] + [x.grad for x in leaves],
+                "parts": (list(forwards), list(backwards)),
+                "fused": (list(fused_forwards), list(fused_backwards)),
+            }
     finally:
         distributed.teardown()
     torch.save(results, out / f"rank{rank}.pt")
 
 
-@functools.cache
 def _ring_results(size: int, out: Path) -> list[dict]:
-    """Every rank's results for every case (the ranks spawned once per size)."""
+    """Every rank's results for every case."""
     spawn_ranks(_cases_worker, size, size, out)
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(size)]
 
@@ -179,10 +234,17 @@ def _ring_results(size: int, out: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory):
     """``ring_results(size)``: per case, output and q/k/v gradients gathered over the ranks
-    (in sequence order), and each rank's block parts attended forward and backward."""
+    (in sequence order), and each rank's block parts attended forward and backward (on
+    chunked's tiles; with ``fused=True``, on the Triton blocks)."""
 
-    def gathered(size: int) -> dict[str, tuple[list[torch.Tensor], list[tuple[list, list]]]]:
-        ranks = _ring_results(size, tmp_path_factory.mktemp(f"ring{size}"))
+    @functools.cache
+    def spawned(size: int) -> list[dict]:  # the ranks spawned once per size
+        return _ring_results(size, tmp_path_factory.mktemp(f"ring{size}"))
+
+    def gathered(
+        size: int, fused: bool = False
+    ) -> dict[str, tuple[list[torch.Tensor], list[tuple[list, list]]]]:
+        ranks = spawned(size)
         return {
             name: (
                 [
@@ -191,9 +253,9 @@ def ring_results(tmp_path_factory):
                     ).double()
                     for i in range(4)
                 ],
-                [r[name]["parts"] for r in ranks],
+                [r[name]["fused" if fused else "parts"] for r in ranks],
             )
-            for name, case in CASES.items()
+            for name, case in _cases(size).items()
         }
 
     return functools.cache(gathered)
@@ -225,10 +287,28 @@ def test_ring_matches_explicit_on_the_whole_sequence(ring_results, size, name):
         torch.testing.assert_close(actual, expected, atol=1e-10, rtol=0, msg=what)
 
 
-@pytest.mark.parametrize("name", list(REDUCED))
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=needs_triton) for name in TRITON_FLOAT32]
+)
+def test_triton_blocks_match_explicit_on_the_whole_sequence(ring_results, size, name):
+    """backend="triton", float32 (exact float32 products), contiguous and zig-zag, causal or
+    not, key padding with fully masked rows: output, dq, dk, dv gathered over the ranks =
+    float64 explicit within TRITON_TOLERANCE."""
+    got, _ = ring_results(size)[name]
+    want = _outputs_and_grads(TRITON_FLOAT32[name], size, "explicit", torch.float64)
+    for what, actual, expected in zip(["output", "dq", "dk", "dv"], got, want, strict=True):
+        torch.testing.assert_close(actual, expected, **TRITON_TOLERANCE, msg=what)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [*REDUCED, *(pytest.param(name, marks=needs_triton) for name in TRITON_REDUCED)],
+)
 def test_reduced_precision_no_worse_than_twice_sdpa(ring_results, name):
-    """float32, float16, bfloat16 on 2 ranks: error vs float64 explicit <= 2x SDPA's + a floor."""
-    case = REDUCED[name]
+    """float32, float16, bfloat16 on 2 ranks, on chunked's tiles, and float16 and bfloat16 on
+    the Triton blocks: error vs float64 explicit <= 2x SDPA's + a floor."""
+    case = CASES[name]
     got, _ = ring_results(2)[name]
     reference = _outputs_and_grads(case, 2, "explicit", torch.float64)
     sdpa = _outputs_and_grads(case, 2, "sdpa", case.dtype)
@@ -278,13 +358,40 @@ def test_zigzag_gives_every_rank_the_same_causal_work(ring_results, size):
     assert sum(contiguous_work) == pytest.approx(sum(zigzag_work))
 
 
+@needs_triton
 @pytest.mark.parametrize("size", [2, 3])
-@pytest.mark.parametrize("name", [name for name, case in EXACT.items() if case.mask])
+def test_the_triton_backend_attends_every_part_on_the_fused_blocks(ring_results, size):
+    """backend="triton", causal zig-zag: every part of the zig-zag schedule (as on chunked's
+    tiles) goes to block_forward and block_backward, none to chunked's tiles; backend="auto"
+    on CPU tensors, under the interpreter too, runs chunked's tiles only (every other case)."""
+    n = TRITON_FLOAT32["triton-zigzag-padding-causal"].n
+    _, fused_parts = ring_results(size, fused=True)["triton-zigzag-padding-causal"]
+    _, tile_parts = ring_results(size)["triton-zigzag-padding-causal"]
+    for rank, (forward, backward) in enumerate(fused_parts):
+        earlier, later = [(n, n // 2, False)] * rank, [(n // 2, n, False)] * (size - 1 - rank)
+        assert forward == backward == [(n, n, True), *earlier, *later]
+    assert tile_parts == [([], [])] * size
+    _, auto_fused_parts = ring_results(size, fused=True)["zigzag-padding-causal"]
+    assert auto_fused_parts == [([], [])] * size
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize(
+    "name",
+    [
+        *(name for name, case in EXACT.items() if case.mask),
+        *(
+            pytest.param(name, marks=needs_triton)
+            for name, case in TRITON_FLOAT32.items()
+            if case.mask
+        ),
+    ],
+)
 def test_a_query_with_no_key_to_see_gets_zero_and_finite_gradients(ring_results, size, name):
-    """Masked cases: the queries of batch 1 (every key padded) and, with causal, query 0 (key 0
-    padded) see no key: output exactly 0 there; no NaN or inf in any output or gradient (the
-    last rank's keys are all padded, too)."""
-    case = EXACT[name]
+    """Masked cases, on chunked's tiles and on the Triton blocks: the queries of batch 1
+    (every key padded) and, with causal, query 0 (key 0 padded) see no key: output exactly 0
+    there; no NaN or inf in any output or gradient (the last rank's keys are all padded, too)."""
+    case = CASES[name]
     (output, *grads), _ = ring_results(size)[name]
     empty = torch.zeros(output.shape[:-1], dtype=torch.bool)
     if case.lead:
@@ -297,9 +404,10 @@ def test_a_query_with_no_key_to_see_gets_zero_and_finite_gradients(ring_results,
 
 
 def _bad_shards_worker(rank: int, port: int, size: int, out: Path) -> None:
-    """Calls that rank 1 alone gets wrong (its shards, its options, its layout or mask, or no
-    gradients recorded), and one both get wrong (an odd zig-zag split); every rank writes the
-    error each one raised, then the result of a good call (the group still works)."""
+    """Calls that rank 1 alone gets wrong (its shards, its options, its layout, mask or
+    backend, or no gradients recorded), and one both get wrong (an odd zig-zag split); every
+    rank writes the error each one raised, then the result of a good call (the group still
+    works)."""
     _join(rank, port, size)
     good = dict(lead=(2,), n=4, d=3)
     wrong_on_rank_1 = {
@@ -313,12 +421,15 @@ def _bad_shards_worker(rank: int, port: int, size: int, out: Path) -> None:
         "gradients": {},
         "layout": dict(layout="zigzag"),
         "mask": dict(mask="bool"),
+        "backend": dict(dtype=torch.float32, backend="triton"),
     }
+    on_rank_0 = {"backend": dict(dtype=torch.float32)}  # "auto" on CPU tensors: chunked
     wrong_on_both = {"zigzag-odd": dict(n=5, layout="zigzag")}
     errors = {}
     try:
         for name, change in (wrong_on_rank_1 | wrong_on_both).items():
-            case = Case(**(good | (change if rank == 1 or name in wrong_on_both else {})))
+            mine = change if rank == 1 or name in wrong_on_both else on_rank_0.get(name, {})
+            case = Case(**(good | mine))
             leaves = [x.to(case.dtype).requires_grad_() for x in case.inputs(1)[:3]]
             try:
                 with torch.set_grad_enabled(not (name == "gradients" and rank == 1)):
@@ -329,6 +440,7 @@ def _bad_shards_worker(rank: int, port: int, size: int, out: Path) -> None:
                         scale=case.scale,
                         mask=case.key_mask(1),
                         layout=case.layout,
+                        backend=case.backend,
                     )
                 errors[name] = "no error"
             except ValueError as error:
@@ -346,23 +458,24 @@ def _options(
     mask="None",
     similarity="dot",
     scale=1 / math.sqrt(3),
+    backend="chunked",
     recording="recording",
 ):
     """A call's options as the error shows them (default scale of D = 3, dot)."""
     return (
         f"causal={causal}, layout={layout!r}, mask={mask}, similarity={similarity!r}, "
-        f"scale={scale!r}, {recording} gradients"
+        f"scale={scale!r}, backend={backend!r}, {recording} gradients"
     )
 
 
 def test_shards_or_options_that_differ_across_ranks_are_refused_on_every_rank(tmp_path):
     """2 ranks, rank 1 wrong: length, leading dims, dtype, an unknown similarity, causal, scale,
-    similarity, gradients not recorded, layout, a mask where rank 0 has none: a one-line error
-    on both ranks naming both (a rank that computed with other options would silently return
-    another attention; one that records no gradients would leave the other's backward waiting;
-    a mask on one rank only would travel to a rank that expects none); both with an odd zig-zag
-    split: rank 0's error, with the fix, on both. None hangs, and the group still serves a good
-    call."""
+    similarity, gradients not recorded, layout, a mask where rank 0 has none, backend="triton"
+    where rank 0's "auto" chose chunked (float32 on CPU): a one-line error on both ranks naming
+    both (a rank that computed with other options would silently return another attention; one
+    that records no gradients would leave the other's backward waiting; a mask on one rank only
+    would travel to a rank that expects none); both with an odd zig-zag split: rank 0's error,
+    with the fix, on both. None hangs, and the group still serves a good call."""
     spawn_ranks(_bad_shards_worker, 2, 2, tmp_path)
     errors = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     shard = "query ({lead}, 4, 3), key ({lead}, 4, 3), value ({lead}, 4, 4) in torch.float64"
@@ -381,8 +494,9 @@ def test_shards_or_options_that_differ_across_ranks_are_refused_on_every_rank(tm
     assert errors[0]["similarity"] == errors[1]["similarity"] == unknown
     start = "ring_attention needs one call on every rank"
     fix = (
-        "pass the same causal, layout, mask (or none), similarity and scale on every rank, and "
-        "record gradients on all or none (their backwards run together)"
+        "pass the same causal, layout, mask (or none), similarity, scale and backend on every "
+        "rank ('auto' chooses on each: name one), and record gradients on all or none (their "
+        "backwards run together)"
     )
     on_rank_1 = {
         "causal": _options(causal=True),
@@ -392,6 +506,8 @@ def test_shards_or_options_that_differ_across_ranks_are_refused_on_every_rank(tm
         "layout": _options(layout="zigzag"),
         "mask": _options(mask="torch.bool (2, 1, 4)"),
     }
+    if HAS_TRITON:
+        on_rank_1["backend"] = _options(backend="triton")
     for name, options in on_rank_1.items():
         assert errors[0][name] == f"{start}: rank 0 has {_options()}, rank 1 has {options}; {fix}"
         assert errors[1][name] == f"{start}: rank 1 has {options}, rank 0 has {_options()}; {fix}"
@@ -528,6 +644,12 @@ def test_without_a_process_group_it_says_how_to_start_one():
             "at its end to a multiple of 2 x 1 ranks = 2 and mask the padding (mask=...)",
         ),
         ({"similarity": "euclid"}, "unknown similarity 'euclid'; choose 'dot' or 'cosine'"),
+        ({"backend": "flash"}, "unknown backend 'flash'; choose 'auto', 'chunked' or 'triton'"),
+        (
+            {"mask": torch.zeros(2, 1, 1, 5, dtype=torch.float64), "backend": "triton"},
+            "backend 'triton' takes boolean key masks only (True = may attend), got "
+            "torch.float64; use backend='chunked' (or 'auto') for a float mask",
+        ),
         (
             {"key": torch.zeros(2, 3, 5, 7, dtype=torch.float32)},
             "query, key and value must share a dtype, got torch.float64, torch.float32, "
@@ -554,6 +676,31 @@ def test_local_errors_name_the_rank(one_rank_group, change, message):
     with pytest.raises(ValueError) as error:
         ring_attention(**arguments)
     assert str(error.value) == "ring_attention, rank 0: " + message
+
+
+def test_auto_runs_chunked_on_cpu_tensors(one_rank_group, monkeypatch):
+    """backend="auto" on CPU tensors, without the interpreter: chunked's tiles attend (float32,
+    which the Triton blocks would take)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    parts = []
+    monkeypatch.setattr(ring, "tile_forward", _logging(ring.tile_forward, parts, query_at=0))
+    query, key, value, _ = (x.float() for x in Case().inputs(1))
+    want = attention(query, key, value, causal=True, backend="explicit")
+    torch.testing.assert_close(ring_attention(query, key, value, causal=True), want)
+    assert parts == [(5, 5, True)]
+
+
+@needs_triton
+def test_triton_on_cpu_needs_the_interpreter(one_rank_group, monkeypatch):
+    """backend="triton" on CPU tensors without TRITON_INTERPRET=1: one line saying so."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    query, key, value, _ = (x.float() for x in Case().inputs(1))
+    with pytest.raises(ValueError) as error:
+        ring_attention(query, key, value, backend="triton")
+    assert str(error.value) == (
+        "ring_attention, rank 0: backend 'triton' runs on CUDA tensors, got cpu (on CPU it "
+        "runs only under Triton's interpreter: set TRITON_INTERPRET=1 before importing triton)"
+    )
 
 
 def test_a_nccl_group_needs_cuda_tensors(one_rank_group, monkeypatch):

@@ -17,10 +17,15 @@ gathered shards back in order, :func:`positions` gives their global positions):
   the earlier chunk of a rank before it (source < r), its later chunk's queries against all
   of a rank after it (source > r); the rest lies in the future and is not computed.
 
-Each block is attended with the chunked kernel's tiles (kernels/chunked.py), which return a
-block output normalised over that block alone and its log-sum-exp (``lse``). Two such partial
-results merge exactly as the online softmax merges tiles: with ``lse = log(sum(exp(scaled)))``
-over the keys seen so far (-inf while none is),
+Each block is attended by one of two kernels (``backend``), chosen once per call: the fused
+Triton kernels' ``block_forward``/``block_backward`` (kernels/triton_attention.py; on CUDA, or
+on CPU under ``TRITON_INTERPRET=1``; boolean key masks only), or the chunked kernel's torch
+tiles (kernels/chunked.py; any device, float masks too). Both return a block output normalised
+over that block alone and its log-sum-exp (``lse``), each in its own base (the Triton lse is
+in base 2, chunked's in its ``Masks``' base): the ring converts it to base e as it merges
+(``_Block.unit``), and back for the backward. Two such partial results merge exactly as the
+online softmax merges tiles: with ``lse = log(sum(exp(scaled)))`` over the keys seen so far
+(-inf while none is),
 
     merged_lse = logaddexp(lse, block_lse)
     output     = output + (block_output - output) * sigmoid(block_lse - lse)
@@ -37,7 +42,9 @@ blocks, and tiles within them, entirely in the future are not computed, only pas
 broadcastable to the scores: boolean (True = may attend) or float (added to the scaled scores,
 no gradient). It travels with its key/value block. A query with no key to attend gets output
 0 and zero gradients, as in :func:`selfattn.attention`. Inputs in float16/bfloat16 travel as
-they are and are computed in float32, as the dK/dV accumulators travel.
+they are; each block's output is merged in float32 (the Triton kernels multiply in the input
+dtype and accumulate in float32, chunked's tiles compute in float32), and the dK/dV
+accumulators travel in float32.
 
 Every send has a matching receive only if all ranks make the same calls in the same order:
 each forward, and each backward, runs on every rank of the group together.
@@ -49,7 +56,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -57,6 +64,7 @@ from torch import Tensor
 
 from selfattn.kernels.chunked import (
     BLOCK_K,
+    LOG2E,
     REDUCED_PRECISION,
     Masks,
     default_block_q,
@@ -82,6 +90,7 @@ def ring_attention(
     scale: float | None = None,
     mask: Tensor | None = None,
     layout: str = "contiguous",
+    backend: str = "auto",
     group: dist.ProcessGroup | None = None,
 ) -> Tensor:
     """This rank's shard of ``attention(query, key, value)`` over the sequence of all ranks.
@@ -98,6 +107,11 @@ def ring_attention(
             to the scaled scores, without gradient). Cut it with :func:`shard` as the keys.
         layout: which tokens each rank holds: ``"contiguous"`` or ``"zigzag"`` (even work
             per rank under ``causal``; n must be even); see :func:`shard`.
+        backend: what attends each block: ``"triton"``, the fused kernels (CUDA tensors, or
+            CPU ones under ``TRITON_INTERPRET=1``; float16/bfloat16/float32; boolean masks
+            only), ``"chunked"``, chunked's torch tiles (any device and dtype, float masks
+            too), or ``"auto"``: Triton for CUDA tensors where it applies (as
+            :func:`selfattn.attention` decides for ``backend="triton"``), chunked otherwise.
         group: the process group the sequence is split over; None for the default one.
 
     Returns:
@@ -105,8 +119,8 @@ def ring_attention(
 
     Every rank checks its arguments, then all agree: an error on one rank, shards of another
     shape, or other options (``causal``, ``layout``, the mask's presence, shape and dtype,
-    ``similarity``, ``scale``, whether gradients are recorded) are raised, in one line naming
-    the ranks, on every rank (none is left waiting).
+    ``similarity``, ``scale``, the backend ``auto`` chose, whether gradients are recorded) are
+    raised, in one line naming the ranks, on every rank (none is left waiting).
 
     The backward runs on every rank together: each rank must backpropagate through its output
     (a loss that depends on it). One that does not leaves the others waiting for blocks, until
@@ -117,7 +131,7 @@ def ring_attention(
 
     ring = _Ring.of(group)
 
-    def checked_call() -> AttentionCall:
+    def checked_call() -> tuple[AttentionCall, str]:
         _check_layout(layout)
         call = make_call(query, key, value, mask, causal, similarity, scale, 0.0)
         if query.shape[-2] != key.shape[-2]:
@@ -138,14 +152,14 @@ def ring_attention(
                 f"a NCCL group sends CUDA tensors, got {query.device}; move the shards with "
                 ".to('cuda') or use a gloo group for CPU tensors"
             )
-        return call
+        return call, _chosen_backend(call, backend)
 
-    call = ring.agree_on(checked_call, layout)
+    call, chosen = ring.agree_on(checked_call, layout)
     query, key = normalize_for_similarity(call)
     lead, n, dv = query.shape[:-2], query.shape[-2], value.shape[-1]
     flat = [x.reshape(math.prod(lead), n, x.shape[-1]) for x in (query, key, value)]
     key_mask = None if call.mask is None else call.mask.expand(*call.mask.shape[:-1], n)
-    blocks = _Blocks(lead, n, causal, layout, call.scale, ring)
+    blocks = _Blocks(lead, n, causal, layout, call.scale, ring, _KERNELS[chosen])
     output = _RingAttention.apply(*flat, key_mask, blocks)
     return output.reshape(*lead, n, dv).to(query.dtype)
 
@@ -202,6 +216,32 @@ def _chunks(rank: int, size: int, length: int, layout: str) -> tuple[int, list[i
     return count, [rank] if layout == "contiguous" else [rank, count - 1 - rank]
 
 
+def _chosen_backend(call: AttentionCall, backend: str) -> str:
+    """The kernel this rank's blocks run on for ``backend`` (module docstring), or a one-line
+    ValueError: an unknown name, or ``"triton"`` where it does not apply."""
+    if backend not in ("auto", *_KERNELS):
+        raise ValueError(f"unknown backend {backend!r}; choose 'auto', 'chunked' or 'triton'")
+    if backend == "auto":
+        return "triton" if call.query.is_cuda and _triton_why_not(call) is None else "chunked"
+    reason = _triton_why_not(call) if backend == "triton" else None
+    if reason is not None:
+        raise ValueError(reason)
+    return backend
+
+
+def _triton_why_not(call: AttentionCall) -> str | None:
+    """Why the Triton blocks cannot attend this call, or None: a float key mask (they read
+    boolean ones only), or what makes ``selfattn.attention`` refuse ``backend="triton"``."""
+    from selfattn.attention import BACKENDS
+
+    if call.mask is not None and call.mask.dtype != torch.bool:
+        return (
+            f"backend 'triton' takes boolean key masks only (True = may attend), got "
+            f"{call.mask.dtype}; use backend='chunked' (or 'auto') for a float mask"
+        )
+    return BACKENDS["triton"].why_not(call)
+
+
 def _check_key_mask(mask: Tensor | None) -> None:
     """Refuse masks other than key padding (one row for every query) and float masks that
     need a gradient (it would have to travel back around the ring)."""
@@ -249,15 +289,19 @@ class _Ring:
         peer = functools.partial(dist.get_global_rank, group)
         return cls(group, rank, size, peer((rank + 1) % size), peer((rank - 1) % size))
 
-    def agree_on(self, checked_call: Callable[[], AttentionCall], layout: str) -> AttentionCall:
-        """``checked_call()`` on this rank, once every rank's call passed its checks and all
-        hold shards of one shape, dtype and device type, with the same options and
-        ``layout``; otherwise a ValueError on every rank."""
+    def agree_on(
+        self, checked_call: Callable[[], tuple[AttentionCall, str]], layout: str
+    ) -> tuple[AttentionCall, str]:
+        """``checked_call()`` on this rank (the call and its chosen backend), once every rank's
+        call passed its checks and all hold shards of one shape, dtype and device type, with
+        the same options, backend and ``layout``; otherwise a ValueError on every rank."""
         try:
-            call, problem = checked_call(), None
+            (call, backend), problem = checked_call(), None
         except ValueError as error:
-            call, problem = None, str(error)
-        shard, options = (None, None) if call is None else (_shard(call), _options(call, layout))
+            call, backend, problem = None, None, str(error)
+        shard, options = (
+            (None, None) if call is None else (_shard(call), _options(call, layout, backend))
+        )
         reports: list[tuple[str | None, ...]] = [(None, None, None)] * self.size
         dist.all_gather_object(reports, (problem, shard, options), group=self.group)
         for rank, (other_problem, _, _) in enumerate(reports):
@@ -274,10 +318,11 @@ class _Ring:
                 raise ValueError(
                     f"ring_attention needs one call on every rank: rank {self.rank} has "
                     f"{options}, rank {rank} has {other_options}; pass the same causal, layout, "
-                    "mask (or none), similarity and scale on every rank, and record gradients "
-                    "on all or none (their backwards run together)"
+                    "mask (or none), similarity, scale and backend on every rank ('auto' "
+                    "chooses on each: name one), and record gradients on all or none (their "
+                    "backwards run together)"
                 )
-        return call
+        return call, backend
 
     def shift(self, blocks: list[Tensor], into: list[Tensor] | None = None) -> _Transfer:
         """Send ``blocks`` to the next rank and receive the previous rank's (into ``into``);
@@ -297,7 +342,7 @@ def _shard(call: AttentionCall) -> str:
     return f"{shapes} in {call.query.dtype} on {call.query.device.type}"
 
 
-def _options(call: AttentionCall, layout: str) -> str:
+def _options(call: AttentionCall, layout: str, backend: str) -> str:
     """The options that must match across ranks, and whether this one records gradients."""
     records = torch.is_grad_enabled() and any(
         x.requires_grad for x in (call.query, call.key, call.value)
@@ -306,7 +351,7 @@ def _options(call: AttentionCall, layout: str) -> str:
     mask = "None" if call.mask is None else f"{call.mask.dtype} {tuple(call.mask.shape)}"
     return (
         f"causal={call.causal}, layout={layout!r}, mask={mask}, similarity={call.similarity!r}, "
-        f"scale={call.scale!r}, {recording}"
+        f"scale={call.scale!r}, backend={backend!r}, {recording}"
     )
 
 
@@ -334,8 +379,134 @@ class _Part:
 
 
 @dataclass(frozen=True)
+class _ChunkedBlock:
+    """One block part on chunked's torch tiles (kernels/chunked.py), computed in float32 for
+    float16/bfloat16 inputs; its lse is in the ``Masks``' base."""
+
+    masks: Masks
+    bias: Tensor | None  # a float key mask's columns, as given
+    scale: float
+    block_q: int  # query rows per tile, by chunked_attention's rule (a tile of all heads)
+
+    @classmethod
+    def of(
+        cls, lead: torch.Size, key_mask: Tensor | None, causal: bool, scale: float
+    ) -> _ChunkedBlock:
+        """The part whose columns ``key_mask`` (boolean or float, ``(..., 1, cols)``) masks;
+        ``causal``: the causal diagonal crosses it."""
+        is_bias = key_mask is not None and key_mask.dtype != torch.bool
+        masks = Masks(lead, None if is_bias else key_mask, causal, has_bias=is_bias)
+        return cls(masks, key_mask if is_bias else None, scale, default_block_q(lead, BLOCK_K))
+
+    @property
+    def unit(self) -> float:
+        """log_base(e) of the lse's base: it is the natural lse times this."""
+        return self.masks.unit
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """The output normalised over this part's keys and its lse (+inf: no visible key)."""
+        query, key, value = (x.to(_compute_dtype(x.dtype)) for x in (query, key, value))
+        bias = finite_bias(self.bias, query.dtype, self.unit)
+        return tile_forward(query, key, value, bias, self.masks, self.scale, self.block_q, BLOCK_K)
+
+    def backward(
+        self,
+        grad_output: Tensor,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        output: Tensor,
+        lse: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """dQ, dK, dV of this part, from the merged ``output`` and ``lse`` (in ``unit``'s
+        base), in ``output``'s dtype."""
+        query, key, value = (x.to(output.dtype) for x in (query, key, value))
+        bias = finite_bias(self.bias, output.dtype, self.unit)
+        grads = tile_backward(
+            grad_output.to(output.dtype),
+            query,
+            key,
+            value,
+            bias,
+            output,
+            lse,
+            self.masks,
+            self.scale,
+            self.block_q,
+            BLOCK_K,
+            False,
+        )
+        return grads[:3]
+
+
+@dataclass(frozen=True)
+class _TritonBlock:
+    """One block part on the fused Triton kernels (kernels/triton_attention.py), given the
+    inputs in their own dtype; its output is float32 and its lse in base 2."""
+
+    key_allowed: Tensor | None  # (N, cols) boolean
+    causal: bool
+    scale: float
+    unit: ClassVar[float] = LOG2E  # as _ChunkedBlock.unit: block_forward's lse is in base 2
+
+    @classmethod
+    def of(
+        cls, lead: torch.Size, key_mask: Tensor | None, causal: bool, scale: float
+    ) -> _TritonBlock:
+        """As :meth:`_ChunkedBlock.of`, for a boolean ``key_mask``: folded to the kernels'
+        ``(N, cols)`` rows (a copy of N·cols booleans where it broadcasts over heads)."""
+        if key_mask is None:
+            return cls(None, causal, scale)
+        cols = key_mask.shape[-1]
+        allowed = key_mask[..., 0, :].expand(*lead, cols).reshape(math.prod(lead), cols)
+        return cls(allowed, causal, scale)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """As :meth:`_ChunkedBlock.forward`; triton is imported only here and below."""
+        from selfattn.kernels.triton_attention import block_forward
+
+        return block_forward(
+            query, key, value, causal=self.causal, scale=self.scale, key_allowed=self.key_allowed
+        )
+
+    def backward(
+        self,
+        grad_output: Tensor,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        output: Tensor,
+        lse: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """As :meth:`_ChunkedBlock.backward`, in float32."""
+        from selfattn.kernels.triton_attention import block_backward
+
+        return block_backward(
+            grad_output,
+            query,
+            key,
+            value,
+            output,
+            lse,
+            causal=self.causal,
+            scale=self.scale,
+            key_allowed=self.key_allowed,
+        )
+
+
+_Block = _ChunkedBlock | _TritonBlock
+_KERNELS: dict[str, type[_Block]] = {"chunked": _ChunkedBlock, "triton": _TritonBlock}
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What outputs merge and gradients sum in: float32 for float16/bfloat16 inputs."""
+    return torch.float32 if dtype in REDUCED_PRECISION else dtype
+
+
+@dataclass(frozen=True)
 class _Blocks:
-    """How this rank attends to one block of keys: which part it sees, masked how, in tiles."""
+    """How this rank attends to one block of keys: which part it sees, masked how, by which
+    kernel."""
 
     lead: torch.Size
     n: int  # tokens per rank
@@ -343,10 +514,13 @@ class _Blocks:
     layout: str
     scale: float
     ring: _Ring
+    kernel: type[_Block]
 
     def part(self, source: int) -> _Part | None:
         """The part of rank ``source``'s block this rank's queries see (None: all in the
-        future), from the global positions of both (module docstring)."""
+        future, or an empty shard), from the global positions of both (module docstring)."""
+        if self.n == 0 or math.prod(self.lead) == 0:
+            return None
         whole, first, second = slice(0, self.n), slice(0, self.n // 2), slice(self.n // 2, self.n)
         zigzag = self.layout == "zigzag"
         if not self.causal:
@@ -357,17 +531,10 @@ class _Blocks:
             return _Part(whole, first if zigzag else whole, diagonal=False)
         return _Part(second, whole, diagonal=False) if zigzag else None
 
-    def masks(self, part: _Part, key_mask: Tensor | None) -> tuple[Masks, Tensor | None]:
-        """The tiles' masking of ``part`` (the causal triangle, the key mask's columns) and,
-        for a float key mask, the bias to add."""
+    def block(self, part: _Part, key_mask: Tensor | None) -> _Block:
+        """The kernel's view of ``part`` of a block whose keys ``key_mask`` masks (or None)."""
         cols_mask = None if key_mask is None else key_mask[..., part.cols]
-        if cols_mask is None or cols_mask.dtype == torch.bool:
-            return Masks(self.lead, cols_mask, part.diagonal, has_bias=False), None
-        return Masks(self.lead, None, part.diagonal, has_bias=True), cols_mask
-
-    def block_q(self) -> int:
-        """Query rows per tile, by chunked_attention's default rule (a tile of all heads)."""
-        return default_block_q(self.lead, BLOCK_K)
+        return self.kernel.of(self.lead, cols_mask, part.diagonal, self.scale)
 
 
 def _around_the_ring(blocks: list[Tensor], ring: _Ring) -> Iterator[tuple[int, list[Tensor]]]:
@@ -400,29 +567,20 @@ def _ring_forward(
     query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None, blocks: _Blocks
 ) -> tuple[Tensor, Tensor]:
     """Output (N, n, Dv) and natural log-sum-exp (N, n, 1), in the compute dtype; +inf where
-    a query sees no key (the chunked backward's convention: its weights are all 0)."""
-    compute = torch.float32 if query.dtype in REDUCED_PRECISION else query.dtype
-    query = query.to(compute)
-    output = query.new_zeros(*query.shape[:-1], value.shape[-1])
-    lse = query.new_full((*query.shape[:-1], 1), -math.inf)
+    a query sees no key (both kernels' backward convention: its weights are all 0)."""
+    output = query.new_zeros(*query.shape[:-1], value.shape[-1], dtype=_compute_dtype(query.dtype))
+    lse = output.new_full((*query.shape[:-1], 1), -math.inf)
     for source, key_block, value_block, mask_block in _key_blocks(
         key, value, key_mask, blocks.ring
     ):
         part = blocks.part(source)
         if part is None:
             continue
-        masks, bias = blocks.masks(part, mask_block)
-        block_output, block_lse = tile_forward(
-            query[:, part.rows],
-            key_block[:, part.cols].to(compute),
-            value_block[:, part.cols].to(compute),
-            finite_bias(bias, compute, masks.unit),
-            masks,
-            blocks.scale,
-            blocks.block_q(),
-            BLOCK_K,
+        block = blocks.block(part, mask_block)
+        block_output, block_lse = block.forward(
+            query[:, part.rows], key_block[:, part.cols], value_block[:, part.cols]
         )
-        block_lse = (block_lse / masks.unit).masked_fill_(block_lse == math.inf, -math.inf)
+        block_lse = (block_lse / block.unit).masked_fill_(block_lse == math.inf, -math.inf)
         _merge(output[:, part.rows], lse[:, part.rows], block_output, block_lse)
     return output, lse.masked_fill_(lse == -math.inf, math.inf)
 
@@ -450,8 +608,7 @@ def _ring_backward(
     The dK, dV of the block in hand are added to the sums that arrive with it (sent by the
     rank that had it before) and sent on; the last step sends them home."""
     compute = output.dtype
-    query, grad_output = query.to(compute), grad_output.to(compute)
-    grad_query = torch.zeros_like(query)
+    grad_query = torch.zeros_like(query, dtype=compute)
     sums_in_flight = None
     for source, key_block, value_block, mask_block in _key_blocks(
         key, value, key_mask, blocks.ring
@@ -462,21 +619,15 @@ def _ring_backward(
             sums = sums_in_flight.wait()
         part = blocks.part(source)
         if part is not None:
-            masks, bias = blocks.masks(part, mask_block)
             rows, cols = part.rows, part.cols
-            block_grad_query, block_grad_key, block_grad_value, _ = tile_backward(
+            block = blocks.block(part, mask_block)
+            block_grad_query, block_grad_key, block_grad_value = block.backward(
                 grad_output[:, rows],
                 query[:, rows],
-                key_block[:, cols].to(compute),
-                value_block[:, cols].to(compute),
-                finite_bias(bias, compute, masks.unit),
+                key_block[:, cols],
+                value_block[:, cols],
                 output[:, rows],
-                lse[:, rows] * masks.unit,  # in the block's base
-                masks,
-                blocks.scale,
-                blocks.block_q(),
-                BLOCK_K,
-                False,
+                lse[:, rows] * block.unit,  # in the block's base
             )
             grad_query[:, rows] += block_grad_query
             sums[0][:, cols] += block_grad_key
