@@ -34,7 +34,7 @@ def qkv(shape=(L, H, T, D), seed=0):
 
 def write_page(
     tmp_path, similarity="dot", causal=False, tokens=TOKENS, scale=None, names=None, note=None,
-    windows=(), **selection,
+    windows=(), bias=None, **selection,
 ) -> tuple[Path, tuple]:  # fmt: skip
     q, k, v = qkv(shape=(L, H, len(tokens), D))
     data = page_payload(
@@ -53,6 +53,7 @@ def write_page(
         windows=windows,
         names=names,
         note=note,
+        bias=bias,
     )
     path = tmp_path / f"page-{similarity}-{causal}.html"
     path.write_text(render_page(data), encoding="utf-8")
@@ -71,6 +72,21 @@ def reference(q, k, v, layer, head, similarity="dot", causal=False, mask=None):
         return_trace=True,
     )
     return trace
+
+
+def step_headers(watched) -> list[str]:
+    return watched.page.eval_on_selector_all(
+        "#steps th", "(ths) => ths.map((th) => th.textContent)"
+    )
+
+
+def step_biases(watched) -> list[float]:
+    """The "+ bias" column of the step panel, by key."""
+    return watched.page.evaluate(
+        """() => [...document.querySelectorAll('#steps tbody tr')]
+            .sort((a, b) => a.dataset.key - b.dataset.key)
+            .map((tr) => +tr.querySelector('[data-bias]').dataset.bias)"""
+    )
 
 
 def assert_row_matches(watched, trace, i):
@@ -98,6 +114,41 @@ def test_clicking_a_token_shows_its_row_as_python_computes_it(
         watched.page.click(f".token[data-index='{i}']")
         assert watched.page.get_attribute(f".token[data-index='{i}']", "class") == "token selected"
         assert_row_matches(watched, trace, i)
+    assert step_headers(watched) == ["key", "score", "scaled", "weight", ""]  # no bias, no column
+    assert "bias" not in watched.page.text_content("#app")
+    watched.check_clean()
+
+
+def random_bias(shape) -> torch.Tensor:
+    """A float bias to add to the scaled scores, large enough to move the weights."""
+    return 3 * torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_a_bias_is_added_to_the_scaled_scores_of_each_head_and_the_mean(
+    browser, tmp_path, per_layer
+):
+    """A bias (MPNet's position bias: one (H, T, T) for every layer, or one per layer), with
+    a causal mask: each head's row is attention() with the bias as its float mask, the step
+    panel shows it in a "+ bias" column, and the mean of heads averages the biased heads."""
+    added = random_bias((L, H, T, T) if per_layer else (H, T, T))
+    path, (q, k, v) = write_page(tmp_path, causal=True, bias=added)
+    watched = OfflinePage(browser, path)
+    assert step_headers(watched) == ["key", "score", "scaled", "+ bias", "weight", ""]
+    for layer, head in ((1, 2), (0, 1)):
+        watched.page.select_option("#layer", str(layer))
+        watched.page.select_option("#head", str(head))
+        layer_bias = added[layer] if per_layer else added
+        trace = reference(q, k, v, layer, head, causal=True, mask=layer_bias[head])
+        for i in (0, 3, 5):
+            watched.page.click(f".token[data-index='{i}']")
+            assert_row_matches(watched, trace, i)
+            assert step_biases(watched) == pytest.approx(layer_bias[head, i].tolist(), abs=TOL)
+    watched.page.select_option("#head", "mean")
+    layer_bias = added[0] if per_layer else added
+    mean = reference(q, k, v, 0, slice(None), causal=True, mask=layer_bias).weights.mean(0)
+    rows = sorted(watched.step_rows(), key=lambda row: row["key"])
+    assert [row["weight"] for row in rows] == pytest.approx(mean[5].tolist(), abs=TOL)
     watched.check_clean()
 
 
@@ -296,6 +347,18 @@ def test_float16_payloads_decode_to_the_same_numbers(browser, tmp_path, monkeypa
     halves = [x.half().float() for x in (q, k, v)]  # what float16 on the wire carries exactly
     assert_row_matches(watched, reference(*halves, 1, 2), 1)
     assert "came as float16" in watched.page.text_content("#step-note")  # not Python's digits
+    watched.check_clean()
+
+
+def test_a_float16_bias_decodes_to_the_same_numbers(browser, tmp_path, monkeypatch):
+    monkeypatch.setattr(html, "FLOAT32_LIMIT_BYTES", 0)
+    added = random_bias((H, T, T))
+    path, (q, k, v) = write_page(tmp_path, query_index=1, bias=added)
+    watched = OfflinePage(browser, path)
+    halves = [x.half().float() for x in (q, k, v, added)]  # what float16 on the wire carries
+    assert_row_matches(watched, reference(*halves[:3], 1, 2, mask=halves[3][2]), 1)
+    assert step_biases(watched) == halves[3][2, 1].tolist()
+    assert "q, k, v and the bias came as float16" in watched.page.text_content("#step-note")
     watched.check_clean()
 
 

@@ -144,7 +144,7 @@ def test_generate_takes_exactly_one_model(models):
     assert result.exit_code == 2
     assert result.stderr.strip() == (
         "Error: give one model to continue with: --checkpoint DIR (trained by `selfattn "
-        "train`) or --model FOLDER (GPT-2, Llama, Mistral or Qwen)"
+        "train`) or --model FOLDER (a GPT-2, GPT-NeoX, Llama, Mistral, Qwen, Phi-3 or Gemma one)"
     )
 
 

@@ -660,3 +660,47 @@ def test_rms_norm_and_swiglu_by_hand():
     x = torch.randn(2, 3)
     expected = mlp.down(torch.nn.functional.silu(mlp.gate(x)) * mlp.up(x))
     torch.testing.assert_close(mlp(x), expected)
+
+
+def test_partial_rope_passes_the_unturned_dims_and_scores_by_position_difference():
+    """GPT-NeoX's partial RoPE (rotary_dim 4 of head_dim 10): dims 4.. pass through unchanged
+    at every position; the turned dims keep their pairs' lengths and score q·k by the
+    position difference alone (1e-5, float32 angles); the frequencies are those of a
+    4-dim RoPE."""
+    torch.manual_seed(14)
+    rope = RotaryPositions(head_dim=10, rotary_dim=4)
+    query, key = torch.randn(2, 3, 10, dtype=torch.float64)
+    for offset in (0, 3, 50):
+        assert torch.equal(rope(query, offset)[..., 4:], query[..., 4:])
+    turned, unturned = rope(query, 7)[..., :4], query[..., :4]
+    pairs = (
+        turned[..., :2] ** 2 + turned[..., 2:] ** 2,
+        unturned[..., :2] ** 2 + unturned[..., 2:] ** 2,
+    )
+    torch.testing.assert_close(*pairs)  # each pair (i, i + 2) keeps its length
+    torch.testing.assert_close(rope.frequencies(), RotaryPositions(4).frequencies())
+
+    def score(p: int, p_key: int) -> Tensor:
+        return (rope(query[:1], p) * rope(key[:1], p_key)).sum()
+
+    for p, p_key in [(0, 0), (5, 2), (3, 9)]:
+        for shift in (1, 7, 100):
+            shifted = score(p + shift, p_key + shift)
+            torch.testing.assert_close(shifted, score(p, p_key), atol=1e-5, rtol=0)
+    assert not torch.isclose(score(5, 2), score(5, 3))
+    with pytest.raises(ValueError, match="rotary_dim must be even, got 3"):
+        RotaryPositions(10, rotary_dim=3)
+    with pytest.raises(ValueError, match=r"rotary_dim \(12\) cannot exceed head_dim \(10\)"):
+        RotaryPositions(10, rotary_dim=12)
+
+
+def test_gemma_rms_norm_scales_by_one_plus_its_weight():
+    """Gemma's weights are offsets from 1 (a new layer's are 0: the plain norm); the product
+    is taken in float32 before the cast back."""
+    norm = RMSNorm(4, eps=0.0, unit_offset=True)
+    x = torch.tensor([3.0, 4.0, 0.0, 0.0])
+    torch.testing.assert_close(norm(x), x / 2.5)
+    with torch.no_grad():
+        norm.weight.fill_(0.5)
+    torch.testing.assert_close(norm(x), x / 2.5 * 1.5)
+    assert norm.half()(torch.ones(2, 4, dtype=torch.float16)).dtype == torch.float16

@@ -112,15 +112,21 @@ def vocab_size(tmp_path_factory):
     return metaspace_tokenizer(tmp_path_factory.mktemp("tokenizer") / "tokenizer.json")
 
 
-def saved_family(name: str, tmp_path_factory, vocab_size: int) -> tuple:
-    """(folder, Hugging Face model on its eager attention, our model) of family ``name``;
-    skipped where the installed transformers (the oracle) lacks the family or its settings."""
-    model_class, config_class, settings = FAMILIES[name]
+def skip_without_oracle(config_class: str, settings: dict) -> None:
+    """Skip where the installed transformers (the oracle; 4.37 on the lowest versions) has no
+    ``config_class`` or does not read ``rope_parameters``, which transformers 5 introduced."""
     if not hasattr(transformers, config_class):
         pytest.skip(f"transformers {transformers.__version__} has no {config_class}")
     config_fields = inspect.signature(getattr(transformers, config_class)).parameters
     if "rope_parameters" in settings and "rope_parameters" not in config_fields:
         pytest.skip(f"transformers {transformers.__version__} has no rope_parameters")
+
+
+def saved_family(name: str, tmp_path_factory, vocab_size: int) -> tuple:
+    """(folder, Hugging Face model on its eager attention, our model) of family ``name``;
+    skipped where the installed transformers (the oracle) lacks the family or its settings."""
+    model_class, config_class, settings = FAMILIES[name]
+    skip_without_oracle(config_class, settings)
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**{**SIZES, **settings, "vocab_size": vocab_size})
     folder = tmp_path_factory.mktemp(name)

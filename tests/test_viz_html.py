@@ -123,6 +123,51 @@ def test_thumbnails_mask_keys_before_each_layers_sliding_window():
     assert (grid[1, :, 4, :3] == 0).all() and (grid[0, :, 4, :3] > 0).any()
 
 
+def bias(shape=(H, T, T)) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+
+
+def test_a_bias_travels_once_or_per_layer_and_round_trips():
+    """(H, T, T): every layer's, stored once; (L, H, T, T): one per layer; float32 exactly."""
+    assert payload()["bias"] is None
+    for added in (bias(), bias((L, H, T, T))):
+        data = payload(bias=added)
+        assert data["bias"]["shape"] == list(added.shape) and data["dtype"] == "float32"
+        np.testing.assert_array_equal(decode(data["bias"], "float32"), added.numpy())
+
+
+def test_a_bias_travels_as_float16_with_q_k_v(monkeypatch):
+    monkeypatch.setattr(html, "FLOAT32_LIMIT_BYTES", 100)
+    data = payload(bias=bias())
+    assert data["dtype"] == "float16"
+    np.testing.assert_array_equal(decode(data["bias"], "float16"), bias().half().numpy())
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_thumbnails_add_the_bias_before_the_softmax(per_layer):
+    """Each layer's thumbnails are the weights of softmax(scaled + that layer's bias), within
+    one step of 255 as above; with a window too, keys outside it stay 0."""
+    q, k, v = qkv()
+    added = bias((L, H, T, T)) * 3 if per_layer else bias() * 3
+    data = payload(bias=added, causal=True, windows=[None, 2])
+    grid = np.frombuffer(base64.b64decode(data["thumbnails"]["data"]), dtype=np.uint8)
+    grid = grid.reshape(L, H, T, T)
+    allowed = torch.arange(T) > torch.arange(T)[:, None] - 2  # key j > query i - 2
+    for layer, window in ((0, None), (1, allowed)):
+        layer_bias = added[layer, 0] if per_layer else added[0]
+        mask = layer_bias if window is None else layer_bias.masked_fill(~window, float("-inf"))
+        _, trace = attention(
+            q[layer, 0], k[layer, 0], v[layer, 0], mask=mask, causal=True, scale=D**-0.5,
+            return_trace=True,
+        )  # fmt: skip
+        expected = np.round(trace.weights.numpy() / trace.weights.max().item() * 255)
+        np.testing.assert_allclose(grid[layer, 0], expected, atol=1)
+    assert (grid[1, :, 4, :3] == 0).all()
+    unbiased = payload(causal=True, windows=[None, 2])["thumbnails"]["data"]
+    unbiased = np.frombuffer(base64.b64decode(unbiased), dtype=np.uint8).reshape(L, H, T, T)
+    assert np.abs(grid.astype(int) - unbiased).max() > 20
+
+
 def test_thumbnails_pool_long_runs_to_48():
     q, k, v = qkv(shape=(1, 2, 100, 4))
     data = payload(tokens=[f"t{i}" for i in range(100)], query=q, key=k, value=v, layer=0, head=1)
@@ -169,6 +214,8 @@ def test_names_and_the_query_note_travel():
         ({"windows": [4, 0]}, r"per layer \(2\), got \[4, 0\]"),
         ({"key": torch.zeros(L, H, T, D + 1)}, "same shape"),
         ({"query": torch.zeros(H, T, D)}, r"\(layers, heads, tokens, dim\)"),
+        ({"bias": torch.zeros(H, T, T + 1)}, r"bias must have shape \(heads, tokens, tokens\)"),
+        ({"bias": torch.zeros(L + 1, H, T, T)}, r"= \(3, 5, 5\) or \(layers, heads, tokens"),
     ],
 )
 def test_bad_inputs_get_one_line_errors(overrides, message):

@@ -299,11 +299,11 @@ def generate(
     ] = None,
 ) -> None:
     """Continue PROMPT with a decoder: one trained by `selfattn train`, or a GPT-2,
-    Llama, Mistral or Qwen folder."""
+    GPT-NeoX (Pythia), Llama, Mistral, Qwen, Phi-3 or Gemma folder."""
     if (checkpoint is None) == (model is None):
         raise _fail(
             "give one model to continue with: --checkpoint DIR (trained by `selfattn train`) "
-            "or --model FOLDER (GPT-2, Llama, Mistral or Qwen)",
+            "or --model FOLDER (a GPT-2, GPT-NeoX, Llama, Mistral, Qwen, Phi-3 or Gemma one)",
             2,
         )
     for path, option in ((html, "--html"), (json_file, "--json")):

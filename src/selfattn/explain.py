@@ -23,6 +23,10 @@ Masked keys (a decoder's causal mask: query i sees keys 0..i only) get weight ex
 :attr:`Explanation.masked` says which they are, so that no view mistakes them for keys the
 model weighed and found unimportant.
 
+A model that adds a bias to the scaled scores before the softmax (MPNet's relative position
+bias, recorded as a float mask: :func:`adds_bias`) has it in :attr:`Steps.bias`; its weights
+are softmax(scaled + bias), and every view says so.
+
 Merging word pieces (``words=True``): a word's weight as a key is the **sum** over its pieces
 (so rows still sum to 1); a word's row as a query is the **mean** over its pieces' rows.
 """
@@ -39,7 +43,7 @@ from torch import Tensor
 
 from selfattn.attention import AttentionTrace
 from selfattn.errors import Message, Options, SelfAttnError, message_of, parts_of
-from selfattn.recording import Recording
+from selfattn.recording import Capture, Recording
 from selfattn.text import check_word, is_mark, join_pieces
 
 STOPWORDS = frozenset(
@@ -84,12 +88,13 @@ class Steps:
 
     scores: Tensor  # (S,) similarity of the query with every key
     scaled: Tensor  # (S,) scores * scale
-    weights: Tensor  # (S,) softmax(scaled): sums to 1
+    weights: Tensor  # (S,) softmax(scaled), or softmax(scaled + bias) with a bias: sums to 1
     values: Tensor  # (S, Dv) the value vectors of the keys
     output: Tensor  # (Dv,) weights @ values
     scale: float
     similarity: str
     key_width: int  # d_k: the width of the query and key vectors
+    bias: Tensor | None = None  # (S,) added to scaled before the softmax (MPNet); None: none
 
     @property
     def entropy(self) -> float:
@@ -206,7 +211,8 @@ class Explanation:
         return query
 
     def to_json(self) -> dict:
-        """One JSON object: ``weights`` = softmax(``scaled``), ``output`` = weights @ values."""
+        """One JSON object: ``weights`` = softmax(``scaled``), ``output`` = weights @ values;
+        with a position bias (MPNet) also ``bias``, and ``weights`` = softmax(scaled + bias)."""
         steps = self.steps
         result = {
             "model": self.model,
@@ -229,6 +235,8 @@ class Explanation:
             "causal": self.causal,
             "masked_keys": None if self.query is None else self.masked_keys,
         }
+        if steps is not None and steps.bias is not None:
+            result["bias"] = _list(steps.bias)
         if self.alternative is not None:
             alt = self.alternative
             result["alternative"] = {
@@ -293,17 +301,18 @@ def explain(
     if layer is None or head is None:
         layer, head_index, choice = choose_head(run, query, layer, head)
     capture = captures.layer(layer)[0]
+    biased = adds_bias(capture)
     trace = capture.trace()  # every head: (H, T, T)
     all_weights = trace.weights
     attention_map = all_weights.mean(0) if head_index is None else all_weights[head_index]
 
     steps = recorded = alternative = None
     if query is not None and head_index is not None:
-        steps = query_steps(capture.trace(head_index), query)
+        steps = query_steps(capture.trace(head_index), query, biased)
         recorded = capture.output[0, head_index, query]
         if similarity is not None or scale is not None:
             alternative = query_steps(
-                capture.trace(head_index, similarity=similarity, scale=scale), query
+                capture.trace(head_index, similarity=similarity, scale=scale), query, biased
             )
             if not torch.isfinite(alternative.scaled).all():
                 overflow = f"scale {alternative.scale:g} makes the scaled scores overflow"
@@ -467,8 +476,14 @@ def _by_text(
     return f"'{stands_for.strip()}' ({name})"
 
 
-def query_steps(trace: AttentionTrace, query: int) -> Steps:
-    """Row ``query`` of a one-head trace."""
+def adds_bias(capture: Capture) -> bool:
+    """Whether the call added a float mask to its scaled scores (MPNet's position bias)."""
+    return capture.mask is not None and capture.mask.is_floating_point()
+
+
+def query_steps(trace: AttentionTrace, query: int, biased: bool = False) -> Steps:
+    """Row ``query`` of a one-head trace; ``biased``: with the bias its call added (see
+    :func:`adds_bias`), -inf where a key is masked."""
     return Steps(
         scores=trace.scores[query],
         scaled=trace.scaled[query],
@@ -478,6 +493,7 @@ def query_steps(trace: AttentionTrace, query: int) -> Steps:
         scale=trace.scale,
         similarity=trace.similarity,
         key_width=trace.key.shape[-1],
+        bias=trace.masked[query] - trace.scaled[query] if biased else None,
     )
 
 

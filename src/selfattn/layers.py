@@ -1,8 +1,9 @@
 """Layers built on the core: the single head of the guide, multi-head attention, positions, blocks.
 
-The Llama family's pieces live here too: :class:`RotaryPositions` (RoPE), :class:`RMSNorm`,
-:class:`GatedFeedForward` (SwiGLU) and :class:`GroupedQueryAttention`, whose query heads share
-fewer key/value heads.
+The rotary decoders' pieces (Llama family, GPT-NeoX, Phi-3, Gemma) live here too:
+:class:`RotaryPositions` (RoPE, whole or partial), :class:`RMSNorm` (Gemma's 1 + weight too),
+:class:`GatedFeedForward` (SwiGLU, GeGLU) and :class:`GroupedQueryAttention`, whose query heads
+share fewer key/value heads.
 
 Every attention module calls :func:`selfattn.attention` through :meth:`AttentionModule.attend`,
 which also reports the call to an active :func:`selfattn.record` block (eager calls only: under
@@ -473,38 +474,54 @@ class RopeScaling:
 class RotaryPositions(nn.Module):
     """Rotary position embeddings (RoPE, Su et al. 2021), in Hugging Face's rotate-half layout.
 
-    Dims i and i + D/2 of a query or key at position p turn together by the angle p * f_i,
-    f_i = theta^(-2i/D): a query at p and a key at p' then score by p - p' only. The angles
-    are computed on the fly in float32, as Llama's reference computes them (no table to
-    allocate for long contexts, none to lose precision when the model is cast to float16).
+    Dims i and i + R/2 of a query or key at position p turn together by the angle p * f_i,
+    f_i = theta^(-2i/R): a query at p and a key at p' then score by p - p' only. R, the
+    ``rotary_dim``, is the head's size unless only a part turns (GPT-NeoX and Pythia turn the
+    first quarter, ``rotary_pct``): dims from R on pass through unchanged. The angles are
+    computed on the fly in float32, as Llama's reference computes them (no table to allocate
+    for long contexts, none to lose precision when the model is cast to float16).
     """
 
     def __init__(
-        self, head_dim: int, theta: float = 10000.0, scaling: RopeScaling | None = None
+        self,
+        head_dim: int,
+        theta: float = 10000.0,
+        scaling: RopeScaling | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
-        _check_sizes(head_dim=head_dim)
-        if head_dim % 2:
-            raise ValueError(f"RoPE turns pairs of dims: head_dim must be even, got {head_dim}")
-        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        _check_sizes(head_dim=head_dim, rotary_dim=rotary_dim)
+        if rotary_dim > head_dim:
+            raise ValueError(f"rotary_dim ({rotary_dim}) cannot exceed head_dim ({head_dim})")
+        if rotary_dim % 2:
+            name = "head_dim" if rotary_dim == head_dim else "rotary_dim"
+            raise ValueError(f"RoPE turns pairs of dims: {name} must be even, got {rotary_dim}")
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim
+        self.theta, self.scaling = theta, scaling
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, theta={self.theta}, scaling={self.scaling}"
+        return (
+            f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, theta={self.theta}, "
+            f"scaling={self.scaling}"
+        )
 
     def frequencies(self, device: torch.device | None = None) -> Tensor:
-        """f_i for i < D/2, float32 (D/2,)."""
-        exponents = torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim
+        """f_i for i < R/2, float32 (R/2,)."""
+        exponents = torch.arange(0, self.rotary_dim, 2, device=device).float() / self.rotary_dim
         frequencies = 1.0 / self.theta**exponents
         return frequencies if self.scaling is None else self.scaling.apply(frequencies)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """x (..., T, D) rotated as the tokens at positions offset .. offset+T-1."""
         positions = torch.arange(offset, offset + x.shape[-2], device=x.device).float()
-        angles = torch.outer(positions, self.frequencies(x.device))  # (T, D/2)
-        angles = torch.cat([angles, angles], dim=-1)  # (T, D): dims i and i + D/2 share one
-        first, second = x.chunk(2, dim=-1)
+        angles = torch.outer(positions, self.frequencies(x.device))  # (T, R/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (T, R): dims i and i + R/2 share one
+        turning, passing = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        first, second = turning.chunk(2, dim=-1)
         half_turned = torch.cat([-second, first], dim=-1)  # each pair (a, b) -> (-b, a)
-        return x * angles.cos().to(x.dtype) + half_turned * angles.sin().to(x.dtype)
+        turned = turning * angles.cos().to(x.dtype) + half_turned * angles.sin().to(x.dtype)
+        return turned if passing.shape[-1] == 0 else torch.cat([turned, passing], dim=-1)
 
 
 ACTIVATIONS = {
@@ -554,20 +571,24 @@ class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) * weight: no mean subtracted, no bias (Llama's norm).
 
     Computed in float32 (float64 stays float64) and cast back before the weight, as Hugging
-    Face's Llama does, so half-precision runs round as theirs do.
+    Face's Llama does, so half-precision runs round as theirs do. ``unit_offset`` is Gemma's
+    form: the weight is stored as its difference from 1 (starting at 0), x̂ * (1 + weight),
+    multiplied before the cast back, as Hugging Face's Gemma does.
     """
 
-    def __init__(self, d_model: int, eps: float = 1e-6) -> None:
+    def __init__(self, d_model: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d_model))
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(d_model) if unit_offset else torch.ones(d_model))
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}, unit_offset={self.unit_offset}"
 
     def forward(self, x: Tensor) -> Tensor:
         wide = x.to(torch.promote_types(x.dtype, torch.float32))
         normed = wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.to(normed.dtype))).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
 

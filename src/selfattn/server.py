@@ -269,8 +269,8 @@ def check_generation(model: Model, body: GenerateRequest) -> None:
     if model.config.kind != "decoder":
         raise SelfAttnError(
             f"Generate needs a decoder (GPT or Llama family); {model.name} is an encoder: serve "
-            "a model trained by `selfattn train` (--checkpoint) or a GPT-2, Llama, Mistral or "
-            "Qwen folder (--model)"
+            "a model trained by `selfattn train` (--checkpoint) or a GPT-2, GPT-NeoX, Llama, "
+            "Mistral, Qwen, Phi-3 or Gemma folder (--model)"
         )
     check_size(model, body.prompt, "the prompt")
     if body.max_new_tokens > MAX_NEW_TOKENS:

@@ -9,17 +9,25 @@ The same network serves BERT's relatives, through two options of :class:`BertCon
 ``padding_idx`` numbers positions as RoBERTa (and XLM-RoBERTa) do, from ``padding_idx + 1``
 over the tokens that are not padding (a padding token gets ``padding_idx``), so the table's
 first ``padding_idx + 1`` rows are never a real token's; ``type_vocab_size=0`` drops the
-token-type table, which DistilBERT does not have.
+token-type table, which DistilBERT does not have; ``relative_attention_buckets`` adds MPNet's
+relative position bias (:class:`RelativePositionBias`): one learned number per head and bucket
+of key-minus-query distance, shared by every layer and added to the scaled scores. It reaches
+the attention core as a float mask (padded keys at -inf), so ``record`` keeps it with q, k, v
+and the weights recomputed from a recording are the ones the model used.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from selfattn.layers import ACTIVATIONS, LearnedPositions, TransformerBlock
+
+RELATIVE_BUCKETS = 32  # MPNet buckets distances into 32, whatever its config's table holds
+RELATIVE_MAX_DISTANCE = 128  # distances beyond share the farthest bucket of their direction
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class BertConfig:
     activation: str = "gelu"
     pooler: bool = False
     padding_idx: int | None = None  # RoBERTa: positions count from padding_idx + 1
+    relative_attention_buckets: int = 0  # MPNet: rows of the position bias table (0: none)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "intermediate_size"):
@@ -57,6 +66,11 @@ class BertConfig:
             )
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r}; one of {list(ACTIVATIONS)}")
+        if 0 < self.relative_attention_buckets < RELATIVE_BUCKETS:
+            raise ValueError(
+                f"BertConfig.relative_attention_buckets must be 0 (no position bias) or at "
+                f"least {RELATIVE_BUCKETS}, got {self.relative_attention_buckets}"
+            )
 
     @property
     def usable_positions(self) -> int:
@@ -114,6 +128,35 @@ class BertEmbeddings(nn.Module):
         return real.cumsum(dim=1) * real + self.padding_idx
 
 
+def relative_buckets(length: int, device: torch.device | None = None) -> Tensor:
+    """(T, T) long: the bucket of each (query i, key j) pair, as MPNet (after T5) buckets
+    their distance: keys before the query in buckets 0..15, after it in 16..31; distances
+    below 8 exactly, farther ones logarithmically up to ``RELATIVE_MAX_DISTANCE``."""
+    position = torch.arange(length, device=device)
+    before = position[:, None] - position[None, :]  # i - j: > 0 where the key comes first
+    half = RELATIVE_BUCKETS // 2
+    exact = half // 2
+    distance = before.abs()
+    log_distance = torch.log(distance.clamp(min=exact).float() / exact)  # 0 up to ``exact``
+    far = exact + (log_distance / math.log(RELATIVE_MAX_DISTANCE / exact) * (half - exact)).long()
+    bucket = torch.where(distance < exact, distance, far.clamp(max=half - 1))
+    return bucket + before.lt(0).long() * half
+
+
+class RelativePositionBias(nn.Module):
+    """MPNet's relative position bias: a learned number per bucket (:func:`relative_buckets`)
+    and head, added to the scaled scores of every layer."""
+
+    def __init__(self, buckets: int, n_heads: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(buckets, n_heads)
+
+    def forward(self, length: int) -> Tensor:
+        """(1, H, T, T): the bias of key j for query i in each head."""
+        buckets = relative_buckets(length, self.embedding.weight.device)
+        return self.embedding(buckets).permute(2, 0, 1).unsqueeze(0)
+
+
 class Bert(nn.Module):
     """Encoder: ``forward(input_ids, attention_mask, token_type_ids)`` -> every layer's states."""
 
@@ -133,6 +176,11 @@ class Bert(nn.Module):
             for _ in range(config.n_layers)
         )
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if config.pooler else None
+        self.position_bias = (
+            RelativePositionBias(config.relative_attention_buckets, config.n_heads)
+            if config.relative_attention_buckets
+            else None
+        )
 
     def forward(
         self,
@@ -145,6 +193,9 @@ class Bert(nn.Module):
         mask = None
         if attention_mask is not None:
             mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T): keys that exist
+        if self.position_bias is not None:  # one float mask: the bias, -inf on padded keys
+            bias = self.position_bias(input_ids.shape[1])  # (1, H, T, T)
+            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
         hidden_states = [x]
         for block in self.blocks:
             x = block(x, mask=mask)

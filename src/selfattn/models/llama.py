@@ -1,4 +1,4 @@
-"""The Llama family of decoders (Llama, Mistral, Qwen2, Qwen3) built from our layers.
+"""The rotary decoders (Llama, Mistral, Qwen2, Qwen3, GPT-NeoX/Pythia, Phi-3, Gemma) on one network.
 
 Token embedding without positions; pre-norm blocks of :class:`~selfattn.layers.RMSNorm`,
 :class:`~selfattn.layers.GroupedQueryAttention` (rotary positions on q and k, query heads
@@ -6,6 +6,12 @@ sharing key/value heads) and :class:`~selfattn.layers.GatedFeedForward` (SwiGLU)
 RMSNorm and an output head, tied to the embedding or not. Mistral's (and Qwen's, where
 enabled) sliding window is a mask: a query sees itself and the ``sliding_window - 1`` tokens
 before it. Generation is :class:`~selfattn.models.gpt.Decoder`'s, shared with GPT.
+
+The other families are switches of :class:`LlamaConfig`: GPT-NeoX (Pythia) has LayerNorms
+with biases, an ungated MLP, a partial rotation (``rotary_dim``) and, unless its config says
+otherwise, a parallel residual (x + attention(norm1(x)) + mlp(norm2(x))); Gemma's norms scale
+by 1 + weight and its embeddings are multiplied by sqrt(d_model). Phi-3 differs only in its
+checkpoint's fused tensors, which loading splits.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from torch import Tensor, nn
 from selfattn.errors import SelfAttnError
 from selfattn.layers import (
     ACTIVATIONS,
+    FeedForward,
     GatedFeedForward,
     GroupedQueryAttention,
     KVCache,
@@ -41,14 +48,19 @@ class LlamaConfig:
     head_dim: int
     d_ff: int
     max_positions: int
-    rms_norm_eps: float = 1e-6
+    norm_eps: float = 1e-6
+    norm: str = "rms"  # "rms"; "rms_unit_offset": Gemma's 1 + weight; "layer": NeoX's LayerNorm
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    rotary_dim: int | None = None  # dims of each head that turn (NeoX: a quarter); None: all
     activation: str = "silu"
     qkv_bias: bool = False  # Qwen2: True
     out_bias: bool = False
     mlp_bias: bool = False
+    gated: bool = True  # False: NeoX's up, activation, down
+    parallel_residual: bool = False  # NeoX: attention and MLP both read the block's input
     qk_norm: bool = False  # Qwen3: RMSNorm of each query and key head
+    embedding_scale: float | None = None  # Gemma: sqrt(d_model), in the model's dtype
     tie_word_embeddings: bool = False
     sliding_windows: tuple[int | None, ...] = ()  # per layer (None: full), () for none at all
 
@@ -62,6 +74,8 @@ class LlamaConfig:
             )
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r}; one of {list(ACTIVATIONS)}")
+        if self.norm not in NORMS:
+            raise ValueError(f"unknown norm {self.norm!r}; one of {list(NORMS)}")
         if self.sliding_windows and len(self.sliding_windows) != self.n_layers:
             raise ValueError(
                 f"sliding_windows has {len(self.sliding_windows)} entries, one per layer of "
@@ -69,12 +83,24 @@ class LlamaConfig:
             )
 
 
+NORMS = {
+    "rms": lambda size, eps: RMSNorm(size, eps),
+    "rms_unit_offset": lambda size, eps: RMSNorm(size, eps, unit_offset=True),  # Gemma
+    "layer": lambda size, eps: nn.LayerNorm(size, eps),  # GPT-NeoX: mean removed, a bias
+}
+
+
 class LlamaBlock(nn.Module):
-    """x + attention(norm1(x)), then + feed_forward(norm2(x)); no biases unless configured."""
+    """x + attention(norm1(x)), then + feed_forward(norm2(x)); no biases unless configured.
+
+    With ``parallel_residual`` (GPT-NeoX) both read the block's input:
+    x + attention(norm1(x)) + feed_forward(norm2(x)).
+    """
 
     def __init__(self, config: LlamaConfig, rotary: RotaryPositions) -> None:
         super().__init__()
-        self.norm1 = RMSNorm(config.d_model, config.rms_norm_eps)
+        self.parallel_residual = config.parallel_residual
+        self.norm1 = NORMS[config.norm](config.d_model, config.norm_eps)
         self.attention = GroupedQueryAttention(
             config.d_model,
             config.n_heads,
@@ -83,16 +109,18 @@ class LlamaBlock(nn.Module):
             rotary=rotary,
             qkv_bias=config.qkv_bias,
             out_bias=config.out_bias,
-            qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
+            qk_norm_eps=config.norm_eps if config.qk_norm else None,
         )
-        self.norm2 = RMSNorm(config.d_model, config.rms_norm_eps)
-        self.feed_forward = GatedFeedForward(
-            config.d_model, config.d_ff, config.activation, config.mlp_bias
-        )
+        self.norm2 = NORMS[config.norm](config.d_model, config.norm_eps)
+        mlp = GatedFeedForward if config.gated else FeedForward
+        self.feed_forward = mlp(config.d_model, config.d_ff, config.activation, config.mlp_bias)
 
     def forward(self, x: Tensor, *, mask: Tensor | None, cache: KVCache | None) -> Tensor:
         """x: (B, T, D) -> (B, T, D), causal; ``mask`` broadcasts to (B, H, T, S)."""
-        x = x + self.attention(self.norm1(x), mask=mask, causal=True, cache=cache)
+        attended = self.attention(self.norm1(x), mask=mask, causal=True, cache=cache)
+        if self.parallel_residual:
+            return x + attended + self.feed_forward(self.norm2(x))
+        x = x + attended
         return x + self.feed_forward(self.norm2(x))
 
 
@@ -103,9 +131,11 @@ class Llama(Decoder):
         super().__init__()
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
-        rotary = RotaryPositions(config.head_dim, config.rope_theta, config.rope_scaling)
+        rotary = RotaryPositions(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.rotary_dim
+        )
         self.blocks = nn.ModuleList(LlamaBlock(config, rotary) for _ in range(config.n_layers))
-        self.final_norm = RMSNorm(config.d_model, config.rms_norm_eps)
+        self.final_norm = NORMS[config.norm](config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.token_embedding.weight
@@ -131,6 +161,8 @@ class Llama(Decoder):
                 "positions (max_position_embeddings); shorten the text"
             )
         x = self.token_embedding(input_ids)  # (B, T, D)
+        if self.config.embedding_scale is not None:  # rounded to the dtype first, as Gemma's
+            x = x * torch.tensor(self.config.embedding_scale).to(x.dtype)
         padding = None
         if attention_mask is not None:
             padding = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S): keys that exist

@@ -25,12 +25,20 @@ is BERT with positions numbered from ``pad_token_id + 1``: its table's first row
 real token's, so it reads ``max_position_embeddings - pad_token_id - 1`` tokens at most
 (514 rows, 512 tokens). DistilBERT is BERT without token types or pooler under other names
 (``q_lin``, ``sa_layer_norm``, ``ffn.lin1``); a ``sinusoidal_pos_embds`` checkpoint stores its
-fixed table like a learned one, so it loads the same way.
+fixed table like a learned one, so it loads the same way. MPNet is RoBERTa's positions (from
+its padding id 1, fixed in transformers' code) without token types, under its own names
+(``attention.attn.q``), plus a relative position bias table (``encoder.relative_attention_bias``,
+shared by every layer) that :class:`Bert` adds to the scaled scores.
 
 The Llama family (Llama, Mistral, Qwen2, Qwen3) loads onto :class:`Llama`, one map for all
 four: the rules list exactly the parameters the config builds (biases, Qwen3's q/k norms, an
 untied head). A tied head's ``lm_head.weight``, when saved, must equal the embedding and is
-dropped; older checkpoints' ``rotary_emb.inv_freq`` buffers are skipped.
+dropped; older checkpoints' ``rotary_emb.inv_freq`` buffers are skipped. GPT-NeoX (Pythia),
+Phi-3 and Gemma load onto the same :class:`Llama`, switched by their configs. Their fused
+tensors are split by rows: Phi-3's ``qkv_proj`` (q | k | v) and ``gate_up_proj`` (gate | up),
+GPT-NeoX's ``query_key_value``, whose rows run head by head, each head's q, k and v in turn
+(an (H, 3, head_dim) layout). GPT-NeoX's output head is ``embed_out`` (``lm_head`` in a
+state dict of transformers 5, read under the checkpoint's name).
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ from torch import Tensor, nn
 
 from selfattn.errors import SelfAttnError
 from selfattn.layers import RopeScaling
-from selfattn.models.bert import Bert, BertConfig
+from selfattn.models.bert import RELATIVE_BUCKETS, Bert, BertConfig
 from selfattn.models.gpt import GPT, GPTConfig
 from selfattn.models.llama import Llama, LlamaConfig
 from selfattn.models.model import Model, ModelConfig, SentenceConfig, set_backend
@@ -165,6 +173,22 @@ def roberta_config(raw: dict, pooler: bool) -> BertConfig:
     return bert_config(raw, pooler, padding_idx)
 
 
+MPNET_PADDING_IDX = 1  # fixed in transformers' MPNetEmbeddings, whatever pad_token_id says
+
+
+def mpnet_config(raw: dict, pooler: bool) -> BertConfig:
+    """Our encoder config from an MPNet ``config.json``: RoBERTa's positions, no token types,
+    and the relative position bias table (``relative_attention_num_buckets`` rows)."""
+    buckets = raw.get("relative_attention_num_buckets", RELATIVE_BUCKETS)  # MPNetConfig's
+    if buckets < RELATIVE_BUCKETS:
+        raise SelfAttnError(
+            f"unsupported relative_attention_num_buckets {buckets} in config.json; MPNet sorts "
+            f"relative positions into {RELATIVE_BUCKETS} buckets, so its table needs as many rows"
+        )
+    config = roberta_config(raw | {"pad_token_id": MPNET_PADDING_IDX}, pooler)
+    return replace(config, type_vocab_size=0, relative_attention_buckets=buckets)
+
+
 def distilbert_config(raw: dict) -> BertConfig:
     """Our encoder config from a DistilBERT ``config.json`` (its own names: dim, n_layers)."""
     return BertConfig(
@@ -202,42 +226,98 @@ def gpt2_config(raw: dict) -> GPTConfig:
     )
 
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # model_types built as Llama
 ROPE_TYPES = ("default", *RopeScaling.KINDS)
 
 
 def llama_config(raw: dict) -> LlamaConfig:
-    """Our decoder config from a Llama, Mistral, Qwen2 or Qwen3 ``config.json``; defaults as
-    their transformers config classes have them."""
+    """Our decoder config from a Llama, Mistral, Qwen2, Qwen3, Phi-3 or Gemma ``config.json``;
+    defaults as their transformers config classes have them."""
     model_type = raw["model_type"]
+    gemma = model_type == "gemma"
+    if gemma and raw.get("use_bidirectional_attention"):
+        raise SelfAttnError(
+            "unsupported use_bidirectional_attention true in config.json (an encoder Gemma); "
+            "only causal Gemma decoders are built here"
+        )
     n_heads = raw["num_attention_heads"]
-    theta, scaling = rope_of(raw)
-    attention_bias = raw.get("attention_bias", False) if model_type in ("llama", "qwen3") else False
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // n_heads
+    theta, scaling, rotary_dim = rope_of(raw, head_dim, partial=model_type == "phi3")
+    biased = model_type in ("llama", "qwen3", "gemma")
+    attention_bias = raw.get("attention_bias", False) if biased else False
     return LlamaConfig(
         vocab_size=raw["vocab_size"],
         d_model=raw["hidden_size"],
         n_layers=raw["num_hidden_layers"],
         n_heads=n_heads,
         n_kv_heads=raw.get("num_key_value_heads") or n_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // n_heads,
+        head_dim=head_dim,
         d_ff=raw["intermediate_size"],
         max_positions=raw["max_position_embeddings"],
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        norm_eps=raw.get("rms_norm_eps", 1e-5 if model_type == "phi3" else 1e-6),
+        norm="rms_unit_offset" if gemma else "rms",
         rope_theta=theta,
         rope_scaling=scaling,
-        activation=activation_of(raw, "hidden_act", "silu"),
+        rotary_dim=rotary_dim,
+        activation=gemma_activation(raw) if gemma else activation_of(raw, "hidden_act", "silu"),
         qkv_bias=model_type == "qwen2" or attention_bias,
         out_bias=attention_bias,
         mlp_bias=raw.get("mlp_bias", False) if model_type == "llama" else False,
         qk_norm=model_type == "qwen3",
-        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        embedding_scale=raw["hidden_size"] ** 0.5 if gemma else None,
+        tie_word_embeddings=raw.get("tie_word_embeddings", gemma),
         sliding_windows=sliding_windows_of(raw),
     )
 
 
-def rope_of(raw: dict) -> tuple[float, RopeScaling | None]:
-    """RoPE's theta and scaling: transformers 5's ``rope_parameters``, or the older top-level
-    ``rope_theta`` and ``rope_scaling``."""
+def gemma_activation(raw: dict) -> str:
+    """Gemma's GeGLU activation: ``hidden_activation`` where older configs give it, else
+    ``hidden_act``; a plain "gelu" means the tanh approximation, as transformers reads it."""
+    key = "hidden_activation" if raw.get("hidden_activation") else "hidden_act"
+    if raw.get(key, "gelu") == "gelu":
+        return "gelu_tanh"
+    return activation_of(raw, key, "gelu_pytorch_tanh")
+
+
+def neox_config(raw: dict) -> LlamaConfig:
+    """Our decoder config from a GPT-NeoX (Pythia) ``config.json``: LayerNorms, an ungated MLP
+    with biases, a partial rotation (``rotary_pct``, 0.25 if unsaid, as GPTNeoXConfig has it)
+    and, unless ``use_parallel_residual`` is false, the parallel residual."""
+    n_heads = raw["num_attention_heads"]
+    head_dim = raw["hidden_size"] // n_heads
+    older = {"rope_theta": raw.get("rotary_emb_base", 10000.0)}  # before rope_parameters
+    older["partial_rotary_factor"] = raw.get("rotary_pct", 0.25)
+    rope = older | (raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta, scaling, rotary_dim = rope_of(raw | {"rope_parameters": rope}, head_dim, partial=True)
+    attention_bias = raw.get("attention_bias", True)
+    return LlamaConfig(
+        vocab_size=raw["vocab_size"],
+        d_model=raw["hidden_size"],
+        n_layers=raw["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=n_heads,
+        head_dim=head_dim,
+        d_ff=raw["intermediate_size"],
+        max_positions=raw["max_position_embeddings"],
+        norm_eps=raw.get("layer_norm_eps", 1e-5),
+        norm="layer",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rotary_dim=rotary_dim,
+        activation=activation_of(raw, "hidden_act", "gelu"),
+        qkv_bias=attention_bias,
+        out_bias=attention_bias,
+        mlp_bias=True,
+        gated=False,
+        parallel_residual=raw.get("use_parallel_residual", True),
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+    )
+
+
+def rope_of(raw: dict, head_dim: int, partial: bool) -> tuple[float, RopeScaling | None, int]:
+    """RoPE's theta, scaling and the dims of a head that turn (``partial_rotary_factor`` of
+    ``head_dim``, rounded down as transformers does, for the families whose transformers code
+    reads it: ``partial``): transformers 5's ``rope_parameters``, or the older top-level
+    ``rope_theta``, ``rope_scaling`` and ``partial_rotary_factor``."""
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_TYPES or any(isinstance(value, dict) for value in rope.values()):
@@ -245,15 +325,21 @@ def rope_of(raw: dict) -> tuple[float, RopeScaling | None]:
             f"unsupported RoPE type {kind!r} (rope_parameters in config.json); supported: "
             f"{', '.join(ROPE_TYPES)}, one for every layer"
         )
-    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * factor)
+    if factor != 1.0 and not partial:
         raise SelfAttnError(
-            f"unsupported partial_rotary_factor {partial} in config.json; RoPE turns every "
-            "dim of a head here (1.0)"
+            f"unsupported partial_rotary_factor {factor} in config.json; {raw['model_type']} "
+            "turns every dim of a head (1.0)"
+        )
+    if not 0 < factor <= 1 or rotary_dim % 2 or rotary_dim == 0:
+        raise SelfAttnError(
+            f"unsupported partial_rotary_factor {factor} in config.json: it turns "
+            f"{rotary_dim} of {head_dim} dims per head; RoPE needs an even number, at least 2"
         )
     theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
     if kind == "default":
-        return theta, None
+        return theta, None, rotary_dim
     scaling = RopeScaling(
         kind,
         factor=rope["factor"],
@@ -263,16 +349,17 @@ def rope_of(raw: dict) -> tuple[float, RopeScaling | None]:
             "original_max_position_embeddings", raw["max_position_embeddings"]
         ),
     )
-    return theta, scaling
+    return theta, scaling, rotary_dim
 
 
 def sliding_windows_of(raw: dict) -> tuple[int | None, ...]:
-    """Each layer's sliding window, () if none has one: Mistral's ``sliding_window`` for every
-    layer; Qwen's only with ``use_sliding_window``, for the layers ``layer_types`` (or, without
-    it, ``max_window_layers``) makes sliding."""
+    """Each layer's sliding window, () if none has one: Mistral's and Phi-3's
+    ``sliding_window`` for every layer; Qwen's only with ``use_sliding_window``, for the
+    layers ``layer_types`` (or, without it, ``max_window_layers``) makes sliding."""
     n_layers = raw["num_hidden_layers"]
-    if raw["model_type"] == "mistral":
-        window = raw.get("sliding_window", 4096)  # MistralConfig's default; null for none
+    if raw["model_type"] in ("mistral", "phi3"):
+        default = 4096 if raw["model_type"] == "mistral" else None  # their config classes'
+        window = raw.get("sliding_window", default)  # null for none
         return (window,) * n_layers if window else ()
     if not raw["model_type"].startswith("qwen") or not raw.get("use_sliding_window"):
         return ()
@@ -369,6 +456,33 @@ CONVERSIONS = {
 }
 
 
+def split_rows(sizes: tuple[int, ...]) -> str:
+    """The kind of a fused Linear tensor stacking parameters of ``sizes`` rows (Phi-3's
+    q | k | v and gate | up), registered in :data:`CONVERSIONS` on first use."""
+    kind = "split_rows_" + "_".join(map(str, sizes))
+    CONVERSIONS.setdefault(kind, Conversion(lambda t: t.split(sizes), _stacked_rows))
+    return kind
+
+
+def split_heads_qkv(n_heads: int) -> str:
+    """The kind of GPT-NeoX's fused ``query_key_value`` of ``n_heads`` heads, whose rows run
+    head by head, each head's q, k and v in turn ((H, 3, head_dim) rows); registered in
+    :data:`CONVERSIONS` on first use."""
+
+    def convert(fused: Tensor) -> tuple[Tensor, ...]:
+        by_head = fused.unflatten(0, (n_heads, 3, -1))  # (H, 3, hd, ...)
+        return tuple(part.flatten(0, 1) for part in by_head.unbind(1))  # 3 x (H * hd, ...)
+
+    kind = f"split_heads_qkv_{n_heads}"
+    CONVERSIONS.setdefault(kind, Conversion(convert, _stacked_rows))
+    return kind
+
+
+def _stacked_rows(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape of the targets' rows stacked: (sum of rows, *the rest)."""
+    return (sum(shape[0] for shape in shapes), *shapes[0][1:])
+
+
 @dataclass(frozen=True)
 class Rule:
     """Checkpoint tensor ``source`` fills our parameters ``targets`` by ``kind``."""
@@ -406,6 +520,16 @@ ENCODER_EMBEDDINGS = {
     "position_embeddings": "positions.embedding",
     "token_type_embeddings": "token_type",
 }
+MPNET_BLOCK = {
+    "attention.attn.q": "attention.W_q",
+    "attention.attn.k": "attention.W_k",
+    "attention.attn.v": "attention.W_v",
+    "attention.attn.o": "attention.W_o",
+    "attention.LayerNorm": "norm1",
+    "intermediate.dense": "feed_forward.up",
+    "output.dense": "feed_forward.down",
+    "output.LayerNorm": "norm2",
+}
 DISTILBERT_BLOCK = {
     "attention.q_lin": "attention.W_q",
     "attention.k_lin": "attention.W_k",
@@ -422,9 +546,24 @@ def bert_rules(n_layers: int, pooler: bool) -> list[Rule]:
     """BERT's and RoBERTa's names (``encoder.layer.3.attention.self.query.weight``) onto
     :class:`Bert`."""
     rules = encoder_rules(n_layers, "encoder.layer", BERT_BLOCK, token_types=True)
-    if pooler:
-        rules += [Rule(f"pooler.dense.{p}", (f"pooler.{p}",)) for p in ("weight", "bias")]
-    return rules
+    return rules + pooler_rules(pooler)
+
+
+def mpnet_rules(n_layers: int, pooler: bool) -> list[Rule]:
+    """MPNet's names (``encoder.layer.3.attention.attn.q.weight``) onto :class:`Bert`, without
+    token types, with the relative position bias table all layers share."""
+    rules = encoder_rules(n_layers, "encoder.layer", MPNET_BLOCK, token_types=False)
+    rules.append(
+        Rule("encoder.relative_attention_bias.weight", ("position_bias.embedding.weight",))
+    )
+    return rules + pooler_rules(pooler)
+
+
+def pooler_rules(pooler: bool) -> list[Rule]:
+    """The pooler's names (BERT, RoBERTa, MPNet), when the checkpoint has one."""
+    if not pooler:
+        return []
+    return [Rule(f"pooler.dense.{p}", (f"pooler.{p}",)) for p in ("weight", "bias")]
 
 
 def distilbert_rules(n_layers: int) -> list[Rule]:
@@ -495,7 +634,20 @@ LLAMA_BLOCK = {
 }
 
 
-def llama_rules(network: Llama) -> list[Rule]:
+PHI3_FUSED = {  # Phi-3's fused tensors -> the parameters whose rows they stack, in order
+    "self_attn.qkv_proj": ("attention.W_q", "attention.W_k", "attention.W_v"),
+    "mlp.gate_up_proj": ("feed_forward.gate", "feed_forward.up"),
+}
+NEOX_BLOCK = {
+    "attention.dense": "attention.W_o",
+    "mlp.dense_h_to_4h": "feed_forward.up",
+    "mlp.dense_4h_to_h": "feed_forward.down",
+    "input_layernorm": "norm1",
+    "post_attention_layernorm": "norm2",
+}
+
+
+def llama_rules(network: Llama, block: dict[str, str] = LLAMA_BLOCK) -> list[Rule]:
     """The Llama family's names (``layers.3.self_attn.q_proj.weight``, ``model.`` stripped)
     onto :class:`Llama`: a tensor for every parameter it has (its biases and q/k norms are
     those its config asks for; ``lm_head.weight`` when the head is not tied)."""
@@ -506,8 +658,47 @@ def llama_rules(network: Llama) -> list[Rule]:
     ]
     if "lm_head.weight" in ours:
         rules.append(Rule("lm_head.weight", ("lm_head.weight",)))
+    return rules + block_rules(ours, network.config.n_layers, block)
+
+
+def phi3_rules(network: Llama) -> list[Rule]:
+    """Phi-3's names: the Llama family's, with q, k and v fused in ``qkv_proj`` and gate and
+    up in ``gate_up_proj``, each split by rows into the parameters it stacks."""
+    fused = {mine for stacked in PHI3_FUSED.values() for mine in stacked}
+    rules = llama_rules(network, {k: v for k, v in LLAMA_BLOCK.items() if v not in fused})
+    ours = dict(network.named_parameters())
     for i in range(network.config.n_layers):
-        for theirs, mine in LLAMA_BLOCK.items():
+        for theirs, stacked in PHI3_FUSED.items():
+            targets = tuple(f"blocks.{i}.{mine}.weight" for mine in stacked)
+            sizes = tuple(ours[target].shape[0] for target in targets)
+            rules.append(Rule(f"layers.{i}.{theirs}.weight", targets, split_rows(sizes)))
+    return rules
+
+
+def neox_rules(network: Llama) -> list[Rule]:
+    """GPT-NeoX's names (``layers.3.attention.query_key_value.weight``, ``gpt_neox.``
+    stripped) onto :class:`Llama`: the fused q, k, v split head by head, LayerNorm biases,
+    ``embed_out.weight`` when the head is not tied."""
+    ours = dict(network.named_parameters())
+    rules = [Rule("embed_in.weight", ("token_embedding.weight",))]
+    rules += [Rule(f"final_layer_norm.{p}", (f"final_norm.{p}",)) for p in ("weight", "bias")]
+    if "lm_head.weight" in ours:
+        rules.append(Rule("embed_out.weight", ("lm_head.weight",)))
+    split = split_heads_qkv(network.config.n_heads)
+    for i in range(network.config.n_layers):
+        for part in ("weight", "bias"):
+            qkv = tuple(f"blocks.{i}.attention.W_{x}.{part}" for x in "qkv")
+            if qkv[0] in ours:
+                rules.append(Rule(f"layers.{i}.attention.query_key_value.{part}", qkv, split))
+    return rules + block_rules(ours, network.config.n_layers, NEOX_BLOCK)
+
+
+def block_rules(ours: dict[str, Tensor], n_layers: int, block: dict[str, str]) -> list[Rule]:
+    """``layers.{i}.{theirs}`` weights and biases onto ``blocks.{i}.{ours}``, for each
+    parameter the network has."""
+    rules = []
+    for i in range(n_layers):
+        for theirs, mine in block.items():
             for part in ("weight", "bias"):
                 target = f"blocks.{i}.{mine}.{part}"
                 if target in ours:
@@ -533,13 +724,26 @@ ROBERTA = Architecture(  # XLM-RoBERTa saves the same network under the same nam
     tied={},
     legacy_suffixes={},
 )
-LLAMA = Architecture(  # Mistral, Qwen2 and Qwen3 save the same names (Qwen3 adds q/k norms)
-    prefix="model.",
+MPNET = replace(ROBERTA, prefix="mpnet.")  # the same buffers and task heads
+LLAMA = Architecture(  # Mistral, Qwen2, Qwen3, Phi-3 and Gemma save the same names but for
+    prefix="model.",  # Qwen3's q/k norms and Phi-3's fused tensors
     ignored_suffixes=("rotary_emb.inv_freq",),  # a buffer older checkpoints saved
     ignored_prefixes=(),
     tied={},  # lm_head.weight is tied or not by config.json: see build_llama
     legacy_suffixes={},
 )
+GPT_NEOX = Architecture(
+    prefix="gpt_neox.",
+    # Buffers older checkpoints saved: the causal mask and its fill value, RoPE's frequencies.
+    ignored_suffixes=(".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq"),
+    ignored_prefixes=(),
+    tied={},  # embed_out.weight is tied or not by config.json: see build_gpt_neox
+    legacy_suffixes={"lm_head.weight": "embed_out.weight"},  # a transformers 5 state dict's
+)
+NOT_BUILT = {  # model_types refused with the reason, where the reason helps
+    "gemma2": "it soft-caps attention scores (tanh), which the attention core does not compute; "
+    "Gemma 1 folders (model_type gemma) load",
+}
 
 ARCHITECTURES = {
     "bert": Architecture(
@@ -552,6 +756,7 @@ ARCHITECTURES = {
     ),
     "roberta": ROBERTA,
     "xlm-roberta": ROBERTA,
+    "mpnet": MPNET,
     "distilbert": Architecture(
         prefix="distilbert.",
         ignored_suffixes=ENCODER_BUFFERS,
@@ -577,6 +782,9 @@ ARCHITECTURES = {
     "mistral": LLAMA,
     "qwen2": LLAMA,
     "qwen3": LLAMA,
+    "phi3": LLAMA,
+    "gemma": LLAMA,
+    "gpt_neox": GPT_NEOX,
 }
 
 
@@ -682,6 +890,12 @@ def build_roberta(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
     return encoder(config, raw, bert_rules(config.n_layers, config.pooler), folder)
 
 
+def build_mpnet(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
+    """An empty :class:`Bert` with MPNet's relative position bias and RoBERTa's positions."""
+    config = mpnet_config(raw, pooler="pooler.dense.weight" in tensors)
+    return encoder(config, raw, mpnet_rules(config.n_layers, config.pooler), folder)
+
+
 def build_distilbert(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
     """An empty :class:`Bert` without token types or pooler, for DistilBERT's names."""
     config = distilbert_config(raw)
@@ -711,17 +925,37 @@ def build_gpt2(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
 
 
 def build_llama(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
-    """An empty :class:`Llama` for a Llama, Mistral, Qwen2 or Qwen3 config; a tied head's
-    copy in the checkpoint, if saved, must equal the embedding (and is dropped)."""
+    """An empty :class:`Llama` for a Llama, Mistral, Qwen2, Qwen3, Phi-3 or Gemma config."""
     config = llama_config(raw)
-    head = tensors.pop("lm_head.weight", None) if config.tie_word_embeddings else None
-    embedding = tensors.get("embed_tokens.weight")
-    if head is not None and embedding is not None and not torch.equal(head, embedding):
+    drop_tied_head(tensors, "lm_head.weight", "embed_tokens.weight", config, folder)
+    network = Llama(config)
+    rules = phi3_rules(network) if raw["model_type"] == "phi3" else llama_rules(network)
+    return network, rules, rotary_info(config, raw), None
+
+
+def build_gpt_neox(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
+    """An empty :class:`Llama` switched to GPT-NeoX's (Pythia's) structure."""
+    config = neox_config(raw)
+    drop_tied_head(tensors, "embed_out.weight", "embed_in.weight", config, folder)
+    network = Llama(config)
+    return network, neox_rules(network), rotary_info(config, raw), None
+
+
+def drop_tied_head(
+    tensors: dict[str, Tensor], head: str, embedding: str, config: LlamaConfig, folder: Path
+) -> None:
+    """A tied head's copy in the checkpoint, if saved, must equal the embedding; dropped."""
+    saved = tensors.pop(head, None) if config.tie_word_embeddings else None
+    if saved is not None and embedding in tensors and not torch.equal(saved, tensors[embedding]):
         raise SelfAttnError(
-            f"{folder / 'model.safetensors'}: lm_head.weight differs from embed_tokens.weight "
-            "but config.json says tie_word_embeddings true; restore the original config.json"
+            f"{folder / 'model.safetensors'}: {head} differs from {embedding} but config.json "
+            "says tie_word_embeddings true; restore the original config.json"
         )
-    info = ModelConfig(
+
+
+def rotary_info(config: LlamaConfig, raw: dict) -> ModelConfig:
+    """The description of a :class:`Llama` of any of the families it serves."""
+    return ModelConfig(
         kind="decoder",
         model_type=raw["model_type"],
         n_layers=config.n_layers,
@@ -731,20 +965,22 @@ def build_llama(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
         vocab_size=config.vocab_size,
         sliding_windows=config.sliding_windows,
     )
-    network = Llama(config)
-    return network, llama_rules(network), info, None
 
 
 BUILDERS = {
     "bert": build_bert,
     "roberta": build_roberta,
     "xlm-roberta": build_roberta,
+    "mpnet": build_mpnet,
     "distilbert": build_distilbert,
     "gpt2": build_gpt2,
     "llama": build_llama,
     "mistral": build_llama,
     "qwen2": build_llama,
     "qwen3": build_llama,
+    "phi3": build_llama,
+    "gemma": build_llama,
+    "gpt_neox": build_gpt_neox,
 }
 
 
@@ -805,9 +1041,9 @@ def load(
         raise SelfAttnError(trained_here)
     model_type = raw.get("model_type")
     if model_type not in ARCHITECTURES:
+        why = NOT_BUILT.get(model_type, f"supported: {', '.join(ARCHITECTURES)}")
         raise SelfAttnError(
-            f"unsupported model_type {model_type!r} in {folder / 'config.json'}; "
-            f"supported: {', '.join(ARCHITECTURES)}"
+            f"unsupported model_type {model_type!r} in {folder / 'config.json'}; {why}"
         )
     weights_path = folder / "model.safetensors"
     tensors, skipped = read_checkpoint(weights_path, ARCHITECTURES[model_type])

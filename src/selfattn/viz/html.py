@@ -2,7 +2,8 @@
 
 The page ships the captured query, key and value of every layer and head, not the weights:
 its script recomputes scores, scaled scores, weights and outputs for the layer and head on
-screen (the same four steps as :func:`selfattn.attention`, in float64), so a 512-token,
+screen (the same four steps as :func:`selfattn.attention`, in float64, adding a model's
+position bias to the scaled scores before the softmax as MPNet does), so a 512-token,
 6-layer, 12-head run stays a few megabytes instead of the ~0.9 GB that embedding every weight
 as JSON would take. Small per-head thumbnails of the weights are precomputed for the model view.
 
@@ -20,8 +21,11 @@ Payload (a JSON object, the input of the page's ``render(payload)``)::
     scale, similarity, causal    how the scores were made: "dot" or "cosine"; bottom-right mask
     windows        [L] each layer's sliding window w (query i sees keys j with i - w < j <= i;
                    null: every key the causal mask leaves), or null when no layer has one
-    dtype          "float32" or "float16" (little-endian), the encoding of the three tensors
+    dtype          "float32" or "float16" (little-endian), the encoding of the tensors
     query, key, value            {"shape": [L, H, T, d], "data": base64}
+    bias           added to the scaled scores before the softmax (MPNet's relative position
+                   bias), {"shape": [H, T, T], "data": base64} when every layer adds the same
+                   (stored once), [L, H, T, T] when layers differ; null for models without one
     thumbnails     {"size": n, "pool": "max", "data": base64 uint8 [L, H, n, n]}, each
                    head's weights max-pooled to n <= 48 and scaled by that head's largest weight
     selection      {"layer": l, "head": h or "mean", "query": i}: what the page shows first
@@ -94,6 +98,7 @@ def page_payload(
     windows: Sequence[int | None] = (),
     names: Sequence[str] | None = None,
     note: str | None = None,
+    bias: Tensor | np.ndarray | None = None,
 ) -> dict:
     """The page's data: q, k, v of every layer and head ``(L, H, T, d)``, encoded compactly.
 
@@ -112,13 +117,16 @@ def page_payload(
             masked too, so that the page's weights are the model's.
         names: each token as the lists of keys name it (the tokens when None).
         note: said under the first query, when it is only a part of the word asked for.
+        bias: added to the scaled scores before the softmax (MPNet's position bias): ``(H, T,
+            T)`` for every layer, or ``(L, H, T, T)`` per layer; None for none.
     """
     q, k, v = (
         _as_tensor(x, name) for x, name in ((query, "query"), (key, "key"), (value, "value"))
     )
     n_layers, n_heads, length, _ = q.shape
     _check(tokens, q, k, v, similarity, layer, head, query_index, words, names, windows)
-    dtype = wire_dtype(q, k, v)
+    bias = None if bias is None else _as_bias(bias, q.shape)
+    dtype = wire_dtype(*(x for x in (q, k, v, bias) if x is not None))
     return {
         "version": PAYLOAD_VERSION,
         "model": model_name,
@@ -138,7 +146,8 @@ def page_payload(
         "query": encode_tensor(q, dtype),
         "key": encode_tensor(k, dtype),
         "value": encode_tensor(v, dtype),
-        "thumbnails": _thumbnails(q, k, v, scale, similarity, causal, windows),
+        "bias": None if bias is None else encode_tensor(bias, dtype),
+        "thumbnails": _thumbnails(q, k, v, scale, similarity, causal, windows, bias),
         "selection": {"layer": layer, "head": head, "query": query_index or 0},
     }
 
@@ -183,6 +192,18 @@ def _as_tensor(x: Tensor | np.ndarray, name: str) -> Tensor:
     return tensor
 
 
+def _as_bias(bias: Tensor | np.ndarray, shape: torch.Size) -> Tensor:
+    """The bias as a float tensor, checked against q's ``(L, H, T, d)``."""
+    tensor = torch.as_tensor(bias).detach().cpu().float()
+    n_layers, n_heads, length, _ = shape
+    if tuple(tensor.shape) not in ((n_heads, length, length), (n_layers, n_heads, length, length)):
+        raise ValueError(
+            f"bias must have shape (heads, tokens, tokens) = {(n_heads, length, length)} or "
+            f"(layers, heads, tokens, tokens), got {tuple(tensor.shape)}"
+        )
+    return tensor
+
+
 def _check(tokens, q, k, v, similarity, layer, head, query_index, words, names, windows) -> None:
     """One-line errors for inputs that would give a wrong or broken page."""
     if similarity not in SIMILARITIES:
@@ -215,7 +236,7 @@ def _check(tokens, q, k, v, similarity, layer, head, query_index, words, names, 
 
 
 def wire_dtype(*tensors: Tensor) -> str:
-    """float32 while the three tensors fit the budget, float16 beyond (if no value overflows)."""
+    """float32 while the tensors fit the budget, float16 beyond (if no value overflows)."""
     nbytes = sum(t.numel() * 4 for t in tensors)
     if nbytes <= FLOAT32_LIMIT_BYTES:
         return "float32"
@@ -237,9 +258,10 @@ def _thumbnails(
     similarity: str,
     causal: bool,
     windows: Sequence[int | None],
+    bias: Tensor | None,
 ) -> dict:
-    """Every head's weights (masked as the page masks them), max-pooled to at most 48x48 and
-    scaled to 0..255 per head.
+    """Every head's weights (masked and biased as the page masks and biases them), max-pooled
+    to at most 48x48 and scaled to 0..255 per head.
 
     Max pooling keeps a single strong link visible after downsampling; scaling per head
     shows each head's pattern even where its weights are spread thin.
@@ -247,11 +269,15 @@ def _thumbnails(
     size = min(THUMBNAIL_SIZE, q.shape[2])
     pooled = []
     for layer in range(q.shape[0]):  # one layer at a time: (H, T, T) at most in memory
+        mask = window_mask(windows[layer] if windows else None, q.shape[2], k.shape[2])
+        if bias is not None:  # a float mask is added; keys outside a window go to -inf
+            added = bias if bias.dim() == 3 else bias[layer]
+            mask = added if mask is None else added.masked_fill(~mask, float("-inf"))
         _, trace = attention(
             q[layer],
             k[layer],
             v[layer],
-            mask=window_mask(windows[layer] if windows else None, q.shape[2], k.shape[2]),
+            mask=mask,
             causal=causal,
             similarity=similarity,
             scale=scale,

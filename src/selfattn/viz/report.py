@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 from functools import partial
 from itertools import combinations
 from pathlib import Path
 
+import torch
 from rich.console import Console, Group
 from rich.measure import Measurement
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
+from torch import Tensor
 
 from selfattn.attention import default_scale
 from selfattn.explain import (
@@ -20,15 +23,25 @@ from selfattn.explain import (
     Explanation,
     RecordedRun,
     Steps,
+    adds_bias,
     key_labels,
     merge_words,
     stacked_qkv,
     top_keys,
 )
+from selfattn.recording import Capture
 from selfattn.text import is_mark
 from selfattn.viz.figures import heatmap_figure, save_figure
 from selfattn.viz.html import page_payload, render_page
-from selfattn.viz.terminal import heatmap, scale_formula, step_table, weights_bars, written_scale
+from selfattn.viz.terminal import (
+    RowTable,
+    as_numpy,
+    heatmap,
+    scale_formula,
+    step_table,
+    weights_bars,
+    written_scale,
+)
 
 OUTPUT_DIMS = 8  # how many output dimensions to print
 
@@ -91,14 +104,14 @@ def print_explanation(console: Console, e: Explanation) -> None:
         console.print(
             Text(
                 f"\nquery {e.query} {_query_name(e, labels)}{_query_note(e)}: similarity "
-                f"({steps.similarity}) with every key, scaled by {_scaled_by(steps)}, softmax "
-                "to weights",
+                f"({steps.similarity}) with every key, scaled by {_scaled_by(steps)}, "
+                f"{'plus the position bias, ' if steps.bias is not None else ''}softmax to weights",
                 style="bold",
             )
         )
         scaled = steps.scaled.masked_fill(e.masked[e.query], float("-inf"))
         scale = written_scale(steps.scale, steps.similarity, steps.key_width)
-        console.print(step_table(keys, steps.scores, scaled, steps.weights, scale))
+        console.print(_step_table(keys, steps, scaled, scale))
         _print_masked_note(console, e)
         console.print(
             Text.assemble(
@@ -131,6 +144,21 @@ def print_explanation(console: Console, e: Explanation) -> None:
         words = key_labels(shown(e.word_names), [members[0] for _, members in e.groups])
         console.print(weights_bars(words, matrix[row], f"{named} by word (pieces merged)"))
     console.print(heatmap(labels, labels, matrix, f"attention, {_where(e)}{_causal_note(e)}"))
+
+
+def _step_table(keys: list[str], steps: Steps, scaled: Tensor, scale: str) -> RowTable:
+    """The query's steps per key; with a position bias (MPNet), a "+ bias" column before the
+    weights, which are softmax(scaled + bias)."""
+    table = step_table(keys, steps.scores, scaled, steps.weights, scale)
+    if steps.bias is None:
+        return table
+    *before, weights = table.columns.items()
+    columns = dict([*before, ("+ bias", as_numpy(steps.bias)), weights])
+    caption = (
+        f"scaled = score × scale, scale = {scale}\nweight = softmax(scaled + bias) over the row"
+        "\nbias: the model's relative position bias, learned per head and distance"
+    )
+    return RowTable(keys, columns, "score → scaled → + bias → weight", caption)
 
 
 def _scaled_by(steps: Steps) -> str:
@@ -257,12 +285,35 @@ def page_data(run: RecordedRun, e: Explanation) -> dict:
     capture = run.captures[0]
     scale = capture.scale or default_scale(capture.similarity, query.shape[-1])
     head = "mean" if e.head is None else e.head
+    calls = [run.captures.layer(index)[0] for index in range(run.captures.n_layers)]
     return page_payload(
         tokens=e.tokens, query=query, key=key, value=value, scale=scale,
         similarity=capture.similarity, model_name=e.model, text=e.text, layer=e.layer,
         head=head, query_index=e.query, words=run.word_ids, causal=capture.causal,
         windows=run.sliding_windows, names=e.key_names, note=e.query_note,
+        bias=page_bias(calls),
     )  # fmt: skip
+
+
+def page_bias(calls: Sequence[Capture]) -> Tensor | None:
+    """What each layer's call (first item of the batch) added to its scaled scores, for the
+    page: ``(H, T, S)`` once where every layer added an equal one (MPNet's position bias, one
+    tensor shared by all layers; each capture holds its own detached view of it, so equality
+    is what tells), ``(L, H, T, S)`` where they differ, None where none did."""
+    if not any(adds_bias(capture) for capture in calls):
+        return None
+    biases = [_added_bias(capture) for capture in calls]
+    if all(torch.equal(bias, biases[0]) for bias in biases[1:]):
+        return biases[0]
+    return torch.stack(biases)
+
+
+def _added_bias(capture: Capture) -> Tensor:
+    """(H, T, S): the float mask a call added to its scaled scores, zeros if it added none."""
+    query, key = capture.query, capture.key
+    if not adds_bias(capture):
+        return query.new_zeros(*query.shape[1:3], key.shape[2])
+    return capture.mask.expand(*query.shape[:2], *capture.mask.shape[-2:])[0]
 
 
 def _similarity_table(c: Comparison, layers_as_rows: bool) -> Table:

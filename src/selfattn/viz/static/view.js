@@ -3,6 +3,8 @@
 // For the layer and head on screen it recomputes the guide's steps in float64:
 //   scores = q · kᵀ (cosine: q and k normalised first), scaled = scores × scale,
 //   weights = softmax(scaled) over each row (rows: queries, columns: keys), output = weights @ v.
+// A model that adds a bias to the scaled scores (MPNet's relative position bias: payload.bias) gets
+//   weights = softmax(scaled + bias), and its step panel shows the bias.
 // The keys a row may not attend (after the query in a decoder, before its layer's sliding window) get 0.
 // Every piece of user text reaches the DOM through textContent, never as HTML.
 "use strict";
@@ -64,7 +66,16 @@
     return out;
   }
 
-  /** The four steps for one head: scores, scaled and weights as T×T row arrays, plus v. */
+  /** Row i of the bias that `layer` adds to the scaled scores of `head`, as float64; null: the model adds none. */
+  function biasRow(model, layer, head, i) {
+    if (!model.bias) return null;
+    const shape = model.bias.shape; // [H, T, S]: every layer's, or [L, H, T, S]: one per layer
+    const [heads, length, keys] = shape.slice(-3);
+    const start = ((shape.length === 4 ? layer * heads : 0) + head) * length * keys + i * keys;
+    return Float64Array.from(model.bias.data.subarray(start, start + keys));
+  }
+
+  /** The four steps for one head: scores, scaled, bias (rows of null without one) and weights as T×T row arrays, plus v. */
   function computeHead(model, layer, head) {
     const cosine = model.similarity === "cosine";
     const q = rows(model.query, layer, head, cosine);
@@ -74,6 +85,7 @@
     const s = k.length;
     const scores = [];
     const scaled = [];
+    const bias = [];
     const weights = [];
     for (let i = 0; i < t; i++) {
       const score = new Float64Array(s);
@@ -83,12 +95,15 @@
         score[j] = dot;
       }
       const scaledRow = score.map((x) => x * model.scale);
+      const added = biasRow(model, layer, head, i);
       scores.push(score);
       scaled.push(scaledRow);
+      bias.push(added);
       const position = i + (s - t); // queries aligned bottom-right, as Python aligns them
-      weights.push(softmax(scaledRow, firstKey(model, layer, position), model.causal ? position : s - 1));
+      const logits = added ? scaledRow.map((x, j) => x + added[j]) : scaledRow;
+      weights.push(softmax(logits, firstKey(model, layer, position), model.causal ? position : s - 1));
     }
-    return { scores, scaled, weights, value: v };
+    return { scores, scaled, bias, weights, value: v };
   }
 
   /** Softmax over keys first..last (the others masked to weight 0); an empty row stays 0. */
@@ -254,6 +269,7 @@
       query: decodeTensor(payload.query, payload.dtype),
       key: decodeTensor(payload.key, payload.dtype),
       value: decodeTensor(payload.value, payload.dtype),
+      bias: payload.bias && decodeTensor(payload.bias, payload.dtype),
     };
     const T = model.length;
     const cache = new Map();
@@ -565,7 +581,8 @@
     const stepText = [
       ["score", model.similarity === "cosine" ? "cos(q, k): how alike query and key are" : "q · k: how alike query and key are"],
       ["scaled", `score × ${fmt(model.scale)} so no single score swamps the rest`],
-      ["weight", "softmax over the row: between 0 and 1, each row sums to 1"],
+      ...(model.bias ? [["+ bias", "the model's position bias, learned per head and distance, added to scaled"]] : []),
+      ["weight", `softmax${model.bias ? " of scaled + bias" : ""} over the row: between 0 and 1, each row sums to 1`],
       ["output", "Σ weight × v: the weight-averaged values, the token in context"],
     ];
 
@@ -584,7 +601,7 @@
         "p",
         { class: "meta" },
         `${model.layers} layers × ${model.heads} heads · ${model.length} tokens · ${similarity}` +
-          `${model.causal ? " · causal" : ""} · scale ${fmtScale(model.scale)}`,
+          `${model.causal ? " · causal" : ""} · scale ${fmtScale(model.scale)}${model.bias ? " · position bias" : ""}`,
         h("span", { class: "badge" }, "rows: queries, columns: keys"),
       ),
       h("div", { class: "controls" }, layer, head, shadeBy),
@@ -593,7 +610,7 @@
       hashNotice,
       h(
         "ol",
-        { class: "steps" },
+        { class: model.bias ? "steps biased" : "steps" },
         ...stepText.map(([name, text]) => h("li", {}, h("b", {}, name), " ", text)),
       ),
     );
@@ -610,7 +627,7 @@
     const steps = h(
       "table",
       { id: idOf("steps"), class: "step-table" },
-      h("thead", {}, h("tr", {}, ...["key", "score", "scaled", "weight", ""].map((x) => h("th", {}, x)))),
+      h("thead", {}, h("tr", {}, ...["key", "score", "scaled", ...(model.bias ? ["+ bias"] : []), "weight", ""].map((x) => h("th", {}, x)))),
       stepsBody,
       stepsFoot,
     );
@@ -901,15 +918,17 @@
     const order = [...weights.keys()];
     if (state.sortByWeight) order.sort((a, b) => weights[b] - weights[a]);
     const masked = (j) => isMasked(model, state.layer, i, j);
+    const perHead = model.bias ? 3 : 2; // the columns of single heads: score, scaled and, with a bias, + bias
     ui.stepsBody.replaceChildren(
       ...order.map((j) => {
         const bar = h("span", { class: "bar" });
         bar.style.width = `${(weights[j] / largest) * 100}%`;
         const cells = mean
-          ? [h("td", { class: "num na" }, "—"), h("td", { class: "num na" }, "—")]
+          ? Array.from({ length: perHead }, () => h("td", { class: "num na" }, "—"))
           : [
               h("td", { class: "num", "data-score": String(result.scores[i][j]) }, fmt(result.scores[i][j])),
               h("td", { class: "num", "data-scaled": String(result.scaled[i][j]) }, fmt(result.scaled[i][j])),
+              ...(model.bias ? [h("td", { class: "num", "data-bias": String(result.bias[i][j]) }, fmt(result.bias[i][j]))] : []),
             ];
         const tr = h(
           "tr",
@@ -923,12 +942,16 @@
       }),
     );
     const total = weights.reduce((a, b) => a + b, 0);
-    ui.stepsFoot.replaceChildren(h("tr", {}, h("td", {}, "total"), h("td"), h("td"), h("td", { class: "num strong" }, fmt(total)), h("td")));
-    const rounded = model.dtype === "float16" ? " q, k and v came as float16 to keep this long text's page small: the numbers agree with Python's to about 3 significant digits." : "";
+    const blanks = Array.from({ length: perHead }, () => h("td"));
+    ui.stepsFoot.replaceChildren(h("tr", {}, h("td", {}, "total"), ...blanks, h("td", { class: "num strong" }, fmt(total)), h("td")));
+    const tensors = model.bias ? "q, k, v and the bias" : "q, k and v";
+    const rounded = model.dtype === "float16" ? ` ${tensors} came as float16 to keep this long text's page small: the numbers agree with Python's to about 3 significant digits.` : "";
+    const biased = model.bias ? " + bias" : "";
+    const bias = model.bias ? "; bias: the model's position bias for this query and key (it depends on their distance)" : "";
     ui.stepNote.textContent =
       (mean
-        ? `mean of ${model.heads} heads: the weights are averaged; scores and outputs belong to single heads.`
-        : `scaled = score × ${fmtScale(model.scale)}; weight = softmax(scaled) over the row${hidden ? `; ${hidden} are masked (as if scaled were −∞): weight 0` : ""}.`) + rounded;
+        ? `mean of ${model.heads} heads: the weights are averaged; scores${model.bias ? ", biases" : ""} and outputs belong to single heads.`
+        : `scaled = score × ${fmtScale(model.scale)}; weight = softmax(scaled${biased}) over the row${bias}${hidden ? `; ${hidden} are masked (as if scaled were −∞): weight 0` : ""}.`) + rounded;
 
     if (mean) {
       ui.output.replaceChildren();
