@@ -7,7 +7,9 @@ model width of 2,048 (H = 2048 / D), causal and not. All timings come from CUDA 
 the same run. On an sm_90 GPU it also checks the Gluon forward (``hopper_forward``) in a
 child process first; the tilings that pass are timed against the Triton forward
 (``forward_kernel = "auto"``) and "ours" is whichever wins. A last, short table repeats the
-shortest and longest T with the heads in a layer's layout (transposed views).
+shortest and longest T with the heads in a layer's layout (transposed views). Last, ring
+attention's Triton blocks (``block_forward``/``block_backward``, one configuration each) are
+checked against the explicit path: one GPU cannot run the ring itself over NCCL.
 
 FLOPs counted: forward 4·B·H·T²·D (two matmuls), backward 2.5× that; both halved when causal.
 
@@ -180,6 +182,65 @@ def check_correctness(setting: Setting) -> bool:
             all_ok = all_ok and ok
             row = [batch, heads, t, s, d, causal, padded, plan, *cells, "yes" if ok else "**NO**"]
             print("| " + " | ".join(str(cell) for cell in row) + " |")
+    print()
+    return all_ok
+
+
+def check_ring_blocks(setting: Setting) -> bool:
+    """Ring attention's Triton blocks: queries against an earlier key block and the diagonal
+    one, each by ``block_forward``, merged by log-sum-exp as ring.py merges them, then
+    ``block_backward`` of each from the merged output, against attention over all the keys
+    (float64); within twice SDPA's error, output and gradients."""
+    from selfattn.kernels.chunked import LOG2E
+    from selfattn.kernels.ring import _merge
+    from selfattn.kernels.triton_attention import block_backward, block_forward
+
+    n, t, d = (8, 1024, 128) if not setting.smoke else (2, 16, 16)
+    print("## Ring attention's blocks (max abs error against float64; ours / torch SDPA)\n")
+    print("| N | T | S | D | causal | output | dQ | dK | dV | ok |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    all_ok = True
+    for causal in (False, True):
+        generator = torch.Generator(device="cpu").manual_seed(7)
+        q, k, v, grad = (
+            torch.randn(n, length, d, generator=generator, dtype=torch.float64)
+            for length in (t, 2 * t, 2 * t, t)
+        )
+        want = output_and_grads(
+            "explicit", torch.float64, q, k, v, grad, None, causal, setting.device
+        )
+        base = output_and_grads("sdpa", setting.dtype, q, k, v, grad, None, causal, setting.device)
+        query, key, value, grad_out = (x.to(setting.device, setting.dtype) for x in (q, k, v, grad))
+        blocks = [(slice(0, t), False), (slice(t, 2 * t), causal)]  # earlier keys, diagonal
+        output, lse = None, None
+        for cols, block_causal in blocks:
+            block_out, block_lse = block_forward(
+                query, key[:, cols], value[:, cols], causal=block_causal, scale=d**-0.5
+            )
+            block_lse = (block_lse / LOG2E).masked_fill_(block_lse == math.inf, -math.inf)
+            if output is None:
+                output, lse = block_out, block_lse
+            else:
+                _merge(output, lse, block_out, block_lse)
+        grads = [
+            block_backward(
+                grad_out, query, key[:, cols], value[:, cols], output, lse * LOG2E,
+                causal=block_causal, scale=d**-0.5,
+            )
+            for cols, block_causal in blocks
+        ]  # fmt: skip
+        got = [
+            output.double(),
+            sum(dq for dq, _, _ in grads).double(),
+            torch.cat([dk for _, dk, _ in grads], dim=1).double(),
+            torch.cat([dv for _, _, dv in grads], dim=1).double(),
+        ]
+        measured = errors(got, base, want)
+        ok = all(within for _, _, within in measured)
+        all_ok = all_ok and ok
+        cells = [f"{error:.1e} / {base_error:.1e}" for error, base_error, _ in measured]
+        row = [n, t, 2 * t, d, causal, *cells, "yes" if ok else "**NO**"]
+        print("| " + " | ".join(str(cell) for cell in row) + " |")
     print()
     return all_ok
 
@@ -776,6 +837,8 @@ def main() -> int:
     check_hopper_kernels(setting)
     throughput_table(setting, lengths, head_dims)
     layout_table(setting, lengths, head_dims[-1])
+    pin_plain_configs()  # last: a right kernel for the blocks' float32 outputs, not a fast one
+    correct = check_ring_blocks(setting) and correct
     print(f"Total time: {time.perf_counter() - started:.0f} s")
     if not correct:
         print("Correctness check FAILED: the throughput above is for a wrong kernel.")
