@@ -1011,7 +1011,7 @@ def test_backward_plans_agree_and_deterministic_mode_takes_split(monkeypatch):
 def test_gpu_benchmark_script_dry_run():
     """benchmarks/gpu_attention.py --interpret-smoke: the device script's own logic (launches
     recorded for precompiling, every configuration checked under both backward plans, then the
-    table) runs clean on the CPU, so a GPU session does not spend its time on a broken script."""
+    tables, then ring attention's blocks) runs clean on the CPU, so a GPU session does not spend its time on a broken script."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_attention.py"
     report = subprocess.run([sys.executable, str(script), "--interpret-smoke"],
@@ -1028,6 +1028,7 @@ def test_gpu_benchmark_script_dry_run():
     )
     assert checks and all(line.endswith("| yes |") for line in checks), report.stdout
     assert "## Throughput" in report.stdout and "## Layer layout" in report.stdout
+    assert "## Ring attention's blocks" in report.stdout
 
 
 # Ring attention's blocks: block_forward and block_backward. Tolerance in float32: 1e-5
