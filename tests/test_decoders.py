@@ -10,17 +10,20 @@ import json
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 from rich.console import Console
 from typer.testing import CliRunner
 
 import selfattn
 from selfattn import explain as explaining
+from selfattn import server
 from selfattn.cli import app
 from selfattn.models.gpt import GPT, GPTConfig
 from selfattn.models.model import Model, ModelConfig
 from selfattn.text import Tokenizer
 from selfattn.train.data import CharTokenizer
 from selfattn.viz import report
+from test_models_llama import mistral, vocab_size  # noqa: F401 (fixtures)
 from test_models_random import VOCAB, byte_level_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -167,3 +170,43 @@ def test_a_first_word_of_a_decoder_is_said_to_have_no_content_word_in_reach(char
     assert e.choice.startswith("chosen: no head puts any weight on other content words")
     _, later = explaining.explain_text(char_model, "is bank", word="bank")
     assert "puts the most weight here" in later.choice
+
+
+def test_generation_pages_of_mistral_carry_its_sliding_windows(mistral, tmp_path):  # noqa: F811
+    """The explorer's Generate view and `generate --html` get Mistral's window of 6 per layer,
+    so that their strips mask the keys before it instead of showing them at weight 0 as keys
+    weighed and found unimportant (the page itself: test_generation_view)."""
+    folder, _, model = mistral
+    prompt = "I went to the bank to deposit money"  # 9 tokens: past the window
+    with TestClient(server.create_app(model), base_url="http://127.0.0.1:8000") as client:
+        body = {"prompt": prompt, "max_new_tokens": 3, "temperature": 0}
+        assert client.post("/api/generate", json=body).json()["windows"] == [6, 6, 6]
+    page = tmp_path / "generation.html"
+    args = ["generate", "--model", str(folder), prompt, "--max-new-tokens", "3"]
+    result = CliRunner().invoke(app, [*args, "--temperature", "0", "--html", str(page)])
+    assert result.exit_code == 0, result.output
+    assert '"windows":[6,6,6]' in page.read_text(encoding="utf-8")
+
+
+def test_terminal_heatmap_names_the_keys_before_mistrals_window(mistral, gpt2):  # noqa: F811
+    """The heatmap's note said only the later keys were masked; Mistral's lower corner (keys
+    before each query's window of 6) is empty too, and named, a GPT-2's is not."""
+    texts = []
+    for model in (mistral[2], gpt2):
+        _, e = explaining.explain_text(model, "I went to the bank to deposit money.", head=0)
+        console = Console(record=True, width=200, color_system=None)
+        report.print_explanation(console, e)
+        texts.append(console.export_text())
+    window = "later ones masked, and those before its sliding window"
+    assert window in texts[0] and window not in texts[1]
+    assert "later ones masked" in texts[1]
+
+
+def test_another_scale_keeps_mistrals_window(mistral):  # noqa: F811
+    """The recomputed head (Similarity & scale, --scale) masks the keys before the window as
+    the model does: scale 0 spreads the weight evenly over the 6 keys in it, none before."""
+    _, e = explaining.explain_text(mistral[2], SENTENCE * 3, index=9, layer=1, head=2, scale=0.0)
+    keys = torch.arange(len(e.tokens))
+    expected = ((keys > 3) & (keys <= 9)).double() / 6  # the query and the 5 keys before it
+    torch.testing.assert_close(e.alternative.weights, expected, check_dtype=False)
+    assert e.alternative.entropy == pytest.approx(torch.log2(torch.tensor(6.0)).item())

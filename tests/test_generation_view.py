@@ -320,15 +320,16 @@ def test_page_follows_dark_mode(browser, gpt2_page):
     assert images["light"] != images["dark"]  # the canvas is drawn in the scheme's colours
 
 
-def handmade_generation(tokens: list[str], n_prompt: int) -> Generation:
-    """A generation of ``tokens`` (one layer, one head) with made-up weights, for the page."""
+def handmade_generation(tokens: list[str], n_prompt: int, window: int | None = None) -> Generation:
+    """A generation of ``tokens`` (one layer, one head) with made-up weights, for the page;
+    with a sliding ``window``, the keys before it at weight 0 (masked)."""
     generator = torch.Generator().manual_seed(0)
-    steps = [
-        GenerationStep(
-            query, 0, torch.softmax(torch.randn(1, 1, query + 1, generator=generator), -1)
-        )
-        for query in range(n_prompt - 1, len(tokens) - 1)
-    ]
+    steps = []
+    for query in range(n_prompt - 1, len(tokens) - 1):
+        scores = torch.randn(1, 1, query + 1, generator=generator)
+        if window is not None:
+            scores[..., : max(0, query - window + 1)] = float("-inf")
+        steps.append(GenerationStep(query, 0, torch.softmax(scores, -1)))
     return Generation(
         prompt="".join(tokens[:n_prompt]),
         text="".join(tokens[n_prompt:]),
@@ -345,6 +346,59 @@ def write_page(generation: Generation, folder, **selection) -> Path:
     path = folder / "generation.html"
     path.write_text(generation_page(generation, **selection), encoding="utf-8")
     return path
+
+
+def test_payload_carries_the_sliding_windows_it_is_given():
+    generation = handmade_generation(list("abcdefgh"), 3, window=3)
+    assert generation_payload(generation)["windows"] is None
+    assert generation_payload(generation, windows=[3])["windows"] == [3]
+    for windows in ([3, None], [0]):
+        with pytest.raises(ValueError, match=r"one sliding window \(a positive int, or None\)"):
+            generation_payload(generation, windows=windows)
+
+
+@in_chromium
+def test_keys_before_a_sliding_window_are_masked_and_say_so(browser, tmp_path):
+    """Keys before a layer's sliding window (Mistral's) were drawn and listed as keys of
+    weight 0, weighed and found unimportant; they are grey and named as masked, as on the
+    offline page of one text, and the count of other keys leaves them out."""
+    tokens = list("abcdefgh")
+    generation = handmade_generation(tokens, 3, window=3)
+    path = tmp_path / "generation.html"
+    path.write_text(generation_page(generation, windows=[3], layer=0, head=0), encoding="utf-8")
+    watched = Watched(browser, path)
+    page = watched.page
+    page.click(".token.generated[data-step='4']")  # query 6 sees keys 4..6
+    titles = page.eval_on_selector_all(
+        "#flow .token.masked",
+        "(els) => els.map((e) => [[...e.parentNode.children].indexOf(e), e.title])",
+    )
+    window_title = "masked: key {} is outside the sliding window of query 6 (keys 4..6)"
+    assert titles == [[j, window_title.format(j)] for j in range(4)]
+    leftover = page.text_content("#leftover")
+    assert "keys 0..3 masked, before the layer's sliding window of 3 tokens" in leftover
+    assert re.match(r"(every key shown|\+ [0-9.]+ on [12] other keys?) · keys 0\.\.3", leftover)
+    assert "before the layer's sliding window (masked)" in page.text_content("#strip-legend")
+    assert "sliding window" in page.text_content("#strips-hint")
+    cells = page.evaluate(
+        """([steps, columns]) => {
+            const map = document.getElementById('strips');
+            const dpr = map.width / map.getBoundingClientRect().width;
+            // the geometry of generation.js for 7 columns: cells 24 wide, strips 22 high
+            const px = (x, y) => map.getContext('2d').getImageData(x * dpr, y * dpr, 1, 1).data;
+            const at = (j, s) => [...px(112 + (j + 0.5) * 24, 84 + (s + 0.5) * 22)].slice(0, 3);
+            const keys = [...Array(columns).keys()];
+            return [...Array(steps).keys()].map((s) => keys.map((j) => at(j, s)));
+        }""",
+        [len(generation.steps), len(tokens) - 1],
+    )
+    grey = [212, 208, 203]  # view.css's --masked
+    for s, step in enumerate(generation.steps):
+        first = step.query - 2
+        assert [cells[s][j] == grey for j in range(step.query + 1)] == [
+            j < first for j in range(step.query + 1)
+        ], s
+    watched.check_clean()
 
 
 @in_chromium

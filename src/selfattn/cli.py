@@ -325,7 +325,7 @@ def generate(
         _check_view(network, view)
         generation = network.generate_recorded(prompt, max_new_tokens, **sampling)
         typer.echo(prompt + generation.text)
-        _write_generation(generation, html, json_file, view)
+        _write_generation(generation, html, json_file, view, network.config.sliding_windows)
 
 
 def _check_view(network, view: dict) -> None:
@@ -335,13 +335,19 @@ def _check_view(network, view: dict) -> None:
     opening_view(network.config.n_layers, network.config.n_heads, **view)
 
 
-def _write_generation(generation, html: Path | None, json_file: Path | None, view: dict) -> None:
-    """Write the page (opened on ``view``'s layer and head) and the JSON of a recorded
-    generation, where asked."""
+def _write_generation(
+    generation,
+    html: Path | None,
+    json_file: Path | None,
+    view: dict,
+    windows: tuple[int | None, ...],
+) -> None:
+    """Write the page (opened on ``view``'s layer and head, the keys before each layer's
+    sliding window ``windows`` masked) and the JSON of a recorded generation, where asked."""
     from selfattn.viz.generation import generation_page
 
     if html is not None:
-        _write(html, partial(_save_text, generation_page(generation, **view)))
+        _write(html, partial(_save_text, generation_page(generation, windows=windows, **view)))
     if json_file is not None:
         _write(json_file, partial(_save_text, json.dumps(generation.to_json())))
 

@@ -19,7 +19,8 @@ in prose and in the lists of attended keys. A ``word`` that
 the model reads as several words (a phrase, ``well-known``, ``银行``) is explained on its
 first token, and :attr:`Explanation.phrase_note` says so.
 
-Masked keys (a decoder's causal mask: query i sees keys 0..i only) get weight exactly 0;
+Masked keys (a decoder's causal mask: query i sees keys 0..i only; a sliding window of w,
+Mistral's: keys i-w+1..i only) get weight exactly 0;
 :attr:`Explanation.masked` says which they are, so that no view mistakes them for keys the
 model weighed and found unimportant.
 
@@ -192,7 +193,8 @@ class Explanation:
 
     @property
     def masked_keys(self) -> list[int]:
-        """The keys the query may not attend (after it, in a decoder); [] without a query."""
+        """The keys the query may not attend (in a decoder, those after it and those before
+        its sliding window); [] without a query."""
         return [] if self.query is None else self.masked[self.query].nonzero()[:, 0].tolist()
 
     @property

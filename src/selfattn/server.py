@@ -482,7 +482,10 @@ def _compare(model: Model, body: CompareRequest) -> Response:
 def _generate(model: Model, body: GenerateRequest) -> Response:
     sampling = body.model_dump(include={"temperature", "top_k", "seed"})
     generation = model.generate_recorded(body.prompt, body.max_new_tokens, **sampling)
-    payload = generation_payload(generation, layer=body.layer, head=body.head, step=body.step)
+    payload = generation_payload(
+        generation, windows=model.config.sliding_windows, layer=body.layer, head=body.head,
+        step=body.step,
+    )  # fmt: skip
     return as_json(payload | {"text": generation.text})
 
 

@@ -13,6 +13,9 @@ Payload (a JSON object, the input of the page's script)::
     layers, heads   L, H
     queries         [M] per step, the position of its query (its new token is the next one)
     starts          [M] per step, the position of its first key (> 0 once the window slid)
+    windows         [L] each layer's sliding window w (a step's query q sees keys from
+                    q - w + 1 on: the earlier ones, at weight 0, are masked; null: all of
+                    its keys), or null when no layer has one (Mistral's, Qwen's)
     dtype           "float32" or "float16" (little-endian)
     weights         {"shape": [L, H, K], "data": base64}: the steps' weights one after the
                     other along the last axis, step s's queries[s] - starts[s] + 1 of them
@@ -25,25 +28,35 @@ User text is escaped as in :mod:`selfattn.viz.html` and reaches the page as text
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from selfattn.models.model import Generation
 from selfattn.recording import in_range
-from selfattn.viz.html import encode_tensor, inline_page, wire_dtype
+from selfattn.viz.html import check_windows, encode_tensor, inline_page, wire_dtype
 
 PAYLOAD_VERSION = 1
 
 
 def generation_payload(
-    generation: Generation, *, layer: int = -1, head: int | str = "mean", step: int = 0
+    generation: Generation,
+    *,
+    windows: Sequence[int | None] = (),
+    layer: int = -1,
+    head: int | str = "mean",
+    step: int = 0,
 ) -> dict:
     """The page's data: every step's weights for every layer and head, encoded compactly.
 
-    ``layer`` (negative counts from the end), ``head`` (or ``"mean"``) and ``step`` are what
-    the page shows first.
+    ``windows``: the model's sliding window per layer (None: full), () for none
+    (``model.config.sliding_windows``), so that the page shows the keys before a window as
+    masked, not as weighed and found unimportant. ``layer`` (negative counts from the end),
+    ``head`` (or ``"mean"``) and ``step`` are what the page shows first.
     """
     if not generation.steps:
         raise ValueError("nothing was generated: a page of attention needs at least one new token")
+    check_windows(windows, generation.n_layers)
     layer, head = opening_view(generation.n_layers, generation.n_heads, layer, head)
     weights = torch.cat([s.weights for s in generation.steps], dim=-1).float()  # (L, H, K)
     dtype = wire_dtype(weights)
@@ -57,6 +70,7 @@ def generation_payload(
         "heads": generation.n_heads,
         "queries": [s.query for s in generation.steps],
         "starts": [s.start for s in generation.steps],
+        "windows": list(windows) or None,
         "dtype": dtype,
         "weights": encode_tensor(weights, dtype),
         "selection": {
@@ -78,10 +92,13 @@ def opening_view(
     return layer, head
 
 
-def generation_page(generation: Generation, **selection: int | str) -> str:
-    """The whole page as one HTML string, nothing fetched; ``selection`` as for the payload."""
+def generation_page(
+    generation: Generation, *, windows: Sequence[int | None] = (), **selection: int | str
+) -> str:
+    """The whole page as one HTML string, nothing fetched; ``windows`` and ``selection`` as
+    for the payload."""
     return inline_page(
-        generation_payload(generation, **selection),
+        generation_payload(generation, windows=windows, **selection),
         title="selfattn: attention during generation",
         styles=("view.css", "generation.css"),
         scripts=("view.js", "generation.js"),

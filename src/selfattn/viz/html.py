@@ -50,7 +50,7 @@ from torch import Tensor
 from selfattn.attention import SIMILARITIES, attention
 from selfattn.models.llama import window_mask
 
-FLOAT32_LIMIT_BYTES = 8 * 2**20  # q, k, v together; above this they travel as float16
+FLOAT32_LIMIT_BYTES = 8 * 2**20  # q, k, v (and a bias) together; above this, float16
 FLOAT16_MAX = 65504.0
 THUMBNAIL_SIZE = 48
 PAYLOAD_VERSION = 1
@@ -220,11 +220,7 @@ def _check(tokens, q, k, v, similarity, layer, head, query_index, words, names, 
         raise ValueError(f"words must give one word index per token ({length}), got {len(words)}")
     if names is not None and len(names) != length:
         raise ValueError(f"names must give one name per token ({length}), got {len(names)}")
-    if windows and (len(windows) != n_layers or any(w is not None and w < 1 for w in windows)):
-        raise ValueError(
-            "windows must give one sliding window (a positive int, or None) per layer "
-            f"({n_layers}), got {list(windows)}"
-        )
+    check_windows(windows, n_layers)
     if not 0 <= layer < n_layers:
         raise ValueError(f"layer {layer} out of range: the run has layers 0..{n_layers - 1}")
     if head != "mean" and not (isinstance(head, int) and 0 <= head < n_heads):
@@ -233,6 +229,16 @@ def _check(tokens, q, k, v, similarity, layer, head, query_index, words, names, 
         )
     if query_index is not None and not 0 <= query_index < length:
         raise ValueError(f"query_index {query_index} out of range: tokens are 0..{length - 1}")
+
+
+def check_windows(windows: Sequence[int | None], n_layers: int) -> None:
+    """A one-line ValueError unless ``windows`` is () or one sliding window (a positive int,
+    or None for none) per layer."""
+    if windows and (len(windows) != n_layers or any(w is not None and w < 1 for w in windows)):
+        raise ValueError(
+            "windows must give one sliding window (a positive int, or None) per layer "
+            f"({n_layers}), got {list(windows)}"
+        )
 
 
 def wire_dtype(*tensors: Tensor) -> str:

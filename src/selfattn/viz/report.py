@@ -199,8 +199,12 @@ def _key_range(keys: list[int]) -> str:
 
 
 def _causal_note(e: Explanation) -> str:
-    """The heatmap title's note for a decoder: what its empty upper triangle means."""
-    return "; causal: each query sees keys up to itself, later ones masked" if e.causal else ""
+    """The heatmap title's note for a decoder: what its empty upper triangle means, and its
+    empty lower corner where a sliding window (Mistral's) masks the keys before it."""
+    if not e.causal:
+        return ""
+    window = ", and those before its sliding window" if e.masked.tril(-1).any() else ""
+    return f"; causal: each query sees keys up to itself, later ones masked{window}"
 
 
 def _listed(attended: list[Attended]) -> str:

@@ -1,6 +1,7 @@
 // selfattn: attention during generation. One strip (row) per generated token: the query row of
 // the step that chose it (its query is the token before it) over its keys, the prompt and the
-// tokens generated so far. Rows are queries, columns are keys. Loads after view.js and uses its
+// tokens generated so far. Rows are queries, columns are keys; the keys before a layer's sliding window
+// (Mistral's, Qwen's: payload.windows) are masked, grey. Loads after view.js and uses its
 // helpers; every piece of user text reaches the DOM through textContent, never as HTML. The
 // offline page renders its embedded payload; the live explorer's Generate view calls
 // window.selfattn.generation.render(payload, element, options) with the API's.
@@ -10,7 +11,7 @@
   const {
     h, fmt, decodeTensor, readPalette, channels, clip, paintToken, headName, readHash, noteHash, renderEmbedded, renders, applySelection,
     markChosen, onPixelRatioChange, onColourChange, keepBandInView, buildControls, buildLegend, topKeys, drawLegend, sizedContext,
-    drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents,
+    drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents, windowOf, outsideWindow,
   } = window.selfattn;
   const TOP_KEYS = 6; // keys listed for the chosen strip; the rest is one line of left-over weight
 
@@ -39,8 +40,17 @@
     return out.map((w) => w / heads.length);
   }
 
-  /** Key j's weight in step s, or null where the step has no such key (not yet written, or out of its window). */
-  const weightAt = (model, row, s, j) => (j < model.starts[s] || j > model.queries[s] ? null : row[j - model.starts[s]]);
+  /** The first key step s sees in `layer`: its first key (> 0 once the context slid), or its sliding window's first. */
+  function firstKey(model, layer, s) {
+    const width = windowOf(model, layer);
+    return width === null ? model.starts[s] : Math.max(model.starts[s], model.queries[s] - width + 1);
+  }
+
+  /** Key j's weight in step s of `layer`, or null where the step sees no such key (not yet written, out of its context, or before the layer's sliding window). */
+  const weightAt = (model, layer, row, s, j) => (j < firstKey(model, layer, s) || j > model.queries[s] ? null : row[j - model.starts[s]]);
+
+  /** Whether some step of some layer masks keys before a sliding window. */
+  const windowMasks = (model) => model.queries.some((_, s) => model.windows?.some((_, layer) => firstKey(model, layer, s) > model.starts[s]));
 
   // ---------- helpers ----------
 
@@ -119,15 +129,17 @@
       const row = strips()[s];
       const largest = Math.max(...row) || 1;
       const query = model.queries[s];
+      const first = firstKey(model, state.layer, s);
       tokenEls.forEach((el, j) => {
-        const w = weightAt(model, row, s, j);
+        const w = weightAt(model, state.layer, row, s, j);
         el.classList.toggle("query", j === query);
         el.classList.toggle("pending", j > query + 1);
-        el.classList.toggle("masked", j < model.starts[s]);
+        el.classList.toggle("masked", j < first);
         paintToken(el, w === null ? null : palette.ramp[Math.round((w / largest) * 0.85 * 255)]);
-        el.title = w === null ? "" : `weight ${fmt(w)} in the step that chose token ${query + 1}`;
+        const outside = j >= model.starts[s] && j < first ? outsideWindow(query, j, first) : "";
+        el.title = w === null ? outside : `weight ${fmt(w)} in the step that chose token ${query + 1}`;
       });
-      fillDetail(ui, model, row, s, state.hover !== null);
+      fillDetail(ui, model, state.layer, row, s, state.hover !== null);
     }
 
     function select(changes) {
@@ -205,6 +217,7 @@
   function buildLayout(model, idOf) {
     const { layer, head, shadeBy } = buildControls(model, idOf, [["row", "each strip's largest"], ["all", "largest weight"]]);
     const slid = model.starts.some((start) => start > 0);
+    const windowed = windowMasks(model);
     const generatedCount = model.queries.length;
     const selection = h("p", { id: idOf("selection"), class: "selection", "aria-live": "polite" });
     const hashNotice = h("p", { id: idOf("hash-notice"), class: "notice", role: "status", hidden: "" });
@@ -227,7 +240,8 @@
     const detail = h("div", { id: idOf("detail"), class: "row-summary", "aria-live": "polite" });
     const map = h("canvas", { id: idOf("strips"), class: "strips", role: "img", tabindex: "0" });
     const tip = h("div", { id: idOf("strip-tip"), class: "tip", hidden: "" });
-    const legend = buildLegend(idOf, "strip-legend", slid ? "outside the model's window" : null);
+    const greyKeys = [...(slid ? ["outside the model's window"] : []), ...(windowed ? ["before the layer's sliding window (masked)"] : [])];
+    const legend = buildLegend(idOf, "strip-legend", greyKeys.join(" or ") || null);
     const page = h(
       "div",
       { class: "page generation" },
@@ -255,7 +269,8 @@
           "Rows are queries: one per generation step, named by the token it chose; the query is the token before it. " +
             "Columns are keys: the prompt, then the tokens generated so far (right of the dashed line). " +
             "Each strip sums to 1; to its right, tokens not yet written. Hover a strip for its top keys, click to pin it (↑ ↓ move)." +
-            (slid ? " Past the model's positions the window slides: grey keys are outside it." : ""),
+            (slid ? " Past the model's positions the window slides: grey keys are outside it." : "") +
+            (windowed ? " The model masks the keys before each layer's sliding window: grey, at weight 0." : ""),
         ),
         h("div", { class: "map-scroll" }, map, tip),
         legend.line,
@@ -276,9 +291,10 @@
     });
   }
 
-  /** The top keys of step s with their weights, and the weight left on the others. */
-  function fillDetail(ui, model, row, s, preview) {
+  /** The top keys of step s in `layer` with their weights, and the weight left on the others. */
+  function fillDetail(ui, model, layer, row, s, preview) {
     const start = model.starts[s];
+    const first = firstKey(model, layer, s);
     const order = [...row.keys()].sort((a, b) => row[b] - row[a]).slice(0, TOP_KEYS).filter((j) => row[j] > 0);
     const head = h(
       "p",
@@ -289,8 +305,10 @@
       ` was chosen by query ${quoted(model, model.queries[s])}, looking at`,
     );
     const key = (j) => start + j;
-    const also = start > 0 ? ` · keys 0..${start - 1} outside the model's window` : "";
-    ui.detail.replaceChildren(head, ...topKeys(ui.idOf, row, order, key, (j) => quoted(model, key(j)), { rest: row.length - order.length, allShown: "every key shown", also }));
+    const outside = start > 0 ? ` · keys 0..${start - 1} outside the model's window` : "";
+    const masked = first > start ? ` · keys ${start}..${first - 1} masked, before the layer's sliding window of ${windowOf(model, layer)} tokens` : "";
+    const rest = row.length - (first - start) - order.length; // the keys it sees, not listed
+    ui.detail.replaceChildren(head, ...topKeys(ui.idOf, row, order, key, (j) => quoted(model, key(j)), { rest, allShown: "every key shown", also: outside + masked }));
   }
 
   // ---------- drawing ----------
@@ -314,7 +332,7 @@
     rows.forEach((row, s) => {
       const largest = state.shadeBy === "row" ? Math.max(...row) || 1 : allLargest;
       for (let j = 0; j < columns; j++) {
-        const w = weightAt(model, row, s, j);
+        const w = weightAt(model, state.layer, row, s, j);
         const colour = j > model.queries[s] ? ground : w === null ? palette.masked : palette.ramp[Math.round((w / largest) * 255)];
         image.data.set([...colour, 255], 4 * (s * columns + j));
       }
@@ -359,7 +377,7 @@
       cellAt,
       hover: ([s, j]) => {
         if (state.hover !== s) showStep((state.hover = s)); // the text and the list follow the pointer's strip
-        const w = j >= 0 ? weightAt(model, strips()[s], s, j) : null;
+        const w = j >= 0 ? weightAt(model, state.layer, strips()[s], s, j) : null;
         const key = w === null ? "" : ` · key ${quoted(model, j)}: ${fmt(w)}`;
         return `strip ${s} (chose ${quoted(model, model.n_prompt + s)}, query ${quoted(model, model.queries[s])})${key}`;
       },

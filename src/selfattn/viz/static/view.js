@@ -506,10 +506,11 @@
 
   /** What a masked key's title says: why query i may not look at key j. */
   function maskedTitle(model, layer, i, j) {
-    return maskOf(model, layer, i, j) === "window"
-      ? `masked: key ${j} is outside the sliding window of query ${i} (keys ${firstKey(model, layer, i)}..${i})`
-      : `masked: query ${i} may not look at later tokens`;
+    return maskOf(model, layer, i, j) === "window" ? outsideWindow(i, j, firstKey(model, layer, i)) : `masked: query ${i} may not look at later tokens`;
   }
+
+  /** What key j says where it lies before the sliding window (keys first..i) of query i. */
+  const outsideWindow = (i, j, first) => `masked: key ${j} is outside the sliding window of query ${i} (keys ${first}..${i})`;
 
   /** The keys `layer` masks, for `who` ("the query", "each query"); "" where it masks none. */
   function maskedKeysText(model, layer, who) {
@@ -1030,6 +1031,7 @@
     render, clear: explorers.clear, h, fmt, decodeTensor, readPalette, channels, clip, paintToken, headName,
     readHash, noteHash, renderEmbedded, renders, applySelection, markChosen, onPixelRatioChange, onColourChange, keepBandInView,
     buildControls, buildLegend, topKeys, drawLegend, sizedContext, drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents,
+    windowOf, outsideWindow,
   };
   renderEmbedded("selfattn-payload", render);
 })();
