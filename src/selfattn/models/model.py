@@ -14,7 +14,7 @@ import reprlib
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,7 @@ from selfattn.models.gpt import Decoder, DecoderOutput, GPTConfig
 from selfattn.recording import Capture, Recording, in_range, record
 from selfattn.text import Encoding, Span, Tokenizer, Word
 
+_T = TypeVar("_T")
 PROGRESS_MIN_BATCHES = 4  # progress=None shows a bar above this many batches on a terminal
 
 
@@ -47,6 +48,7 @@ class ModelConfig:
     vocab_size: int
     skipped: tuple[str, ...] = ()  # the checkpoint's task heads left out ("classifier.*")
     sliding_windows: tuple[int | None, ...] = ()  # per layer (None: full), () for none at all
+    eos_token_ids: tuple[int, ...] = ()  # tokens that end a generation (decoders)
 
     @classmethod
     def for_decoder(cls, config: GPTConfig, model_type: str) -> ModelConfig:
@@ -569,9 +571,10 @@ class Model(nn.Module):
         use_cache: bool = True,
     ) -> str:
         """The text a decoder writes after ``prompt`` (the continuation only); temperature 0
-        is greedy, ``seed`` makes sampling repeatable."""
+        is greedy, ``seed`` makes sampling repeatable. It ends early at the model's
+        end-of-text token (``config.eos_token_ids``), as Hugging Face's generate does."""
         prompt_ids = self._prompt_encoding(prompt).ids
-        output_ids = self.network.generate(
+        steps = self.network.generate_steps(
             torch.tensor([prompt_ids], device=self.device),
             max_new_tokens,
             temperature=temperature,
@@ -579,7 +582,8 @@ class Model(nn.Module):
             seed=seed,
             use_cache=use_cache,
         )
-        return self._continuation(prompt_ids, output_ids[0].tolist())
+        new_ids = [new_id for new_id, _ in self._until_end((int(ids[0, -1]), ids) for ids in steps)]
+        return self._continuation(prompt_ids, prompt_ids + new_ids)
 
     def generate_recorded(
         self,
@@ -608,7 +612,7 @@ class Model(nn.Module):
             seed=seed,
             use_cache=use_cache,
         )
-        recorded = list(_recorded_steps(self.network, new_steps))
+        recorded = self._until_end(_recorded_steps(self.network, new_steps))
         new_ids = [new_id for new_id, _ in recorded]
         return Generation(
             prompt=prompt,
@@ -621,6 +625,17 @@ class Model(nn.Module):
             n_heads=self.config.n_heads,
             model_name=self.name,
         )
+
+    def _until_end(self, steps: Iterator[tuple[int, _T]]) -> list[tuple[int, _T]]:
+        """The (new token id, step) pairs up to and including the first token that ends the
+        text (one of ``config.eos_token_ids``, where Hugging Face's generate stops); the
+        steps after it are never run."""
+        taken = []
+        for new_id, step in steps:
+            taken.append((new_id, step))
+            if new_id in self.config.eos_token_ids:
+                break
+        return taken
 
     def _prompt_encoding(self, prompt: str) -> Encoding:
         """The prompt's tokens; one line for an encoder, or a prompt with no tokens."""
