@@ -1011,7 +1011,8 @@ def test_backward_plans_agree_and_deterministic_mode_takes_split(monkeypatch):
 def test_gpu_benchmark_script_dry_run():
     """benchmarks/gpu_attention.py --interpret-smoke: the device script's own logic (launches
     recorded for precompiling, every configuration checked under both backward plans, then the
-    tables, then ring attention's blocks) runs clean on the CPU, so a GPU session does not spend its time on a broken script."""
+    tables, then ring attention's blocks) runs clean on the CPU, so a GPU session does not
+    spend its time on a broken script."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_attention.py"
     report = subprocess.run([sys.executable, str(script), "--interpret-smoke"],
