@@ -21,6 +21,7 @@ import math
 import os
 import subprocess
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,10 +155,6 @@ def _join(rank: int, port: int, size: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=size)
 
 
-def _shard(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
-    return x[..., rank * n : (rank + 1) * n, :]
-
-
 def _logging(function, parts: list[tuple[int, int, bool]], query_at: int):
     """``function`` (chunked's tile_forward or the Triton block_forward; their backwards with
     query at ``query_at`` = 1 after the output's gradient), appending to ``parts`` the query
@@ -175,22 +172,39 @@ def _logging(function, parts: list[tuple[int, int, bool]], query_at: int):
     return logged
 
 
+def _holding(function, held: list[int], returned: list[weakref.ref]):
+    """``function`` (a block kernel), appending to ``held``, at each call, how many of the
+    tensors that the previous call of any of the kernels sharing ``returned`` returned are
+    still alive."""
+
+    def tracked(*args, **kwargs):
+        held.append(sum(ref() is not None for ref in returned))
+        result = function(*args, **kwargs)
+        returned[:] = [weakref.ref(x) for x in result if isinstance(x, torch.Tensor)]
+        return result
+
+    return tracked
+
+
 def _cases_worker(rank: int, port: int, size: int, out: Path) -> None:
-    """Every case on this rank: its output and gradient shards, and the block parts it
-    attended to forward and backward on chunked's tiles and on the Triton blocks, saved to
-    ``out/rank{rank}.pt``."""
+    """Every case on this rank: its output and gradient shards, the block parts it attended
+    to forward and backward on chunked's tiles and on the Triton blocks, and at each block,
+    how many of the previous block's results were still held; saved to ``out/rank{rank}.pt``."""
     _join(rank, port, size)
-    forwards, backwards, fused_forwards, fused_backwards = [], [], [], []
-    ring.tile_forward = _logging(ring.tile_forward, forwards, query_at=0)
-    ring.tile_backward = _logging(ring.tile_backward, backwards, query_at=1)
+    forwards, backwards, fused_forwards, fused_backwards, held = [], [], [], [], []
+    returned = []
+    ring.tile_forward = _holding(_logging(ring.tile_forward, forwards, query_at=0), held, returned)
+    ring.tile_backward = _holding(
+        _logging(ring.tile_backward, backwards, query_at=1), held, returned
+    )
     if HAS_TRITON:
         from selfattn.kernels import triton_attention
 
-        triton_attention.block_forward = _logging(
-            triton_attention.block_forward, fused_forwards, query_at=0
+        triton_attention.block_forward = _holding(
+            _logging(triton_attention.block_forward, fused_forwards, query_at=0), held, returned
         )
-        triton_attention.block_backward = _logging(
-            triton_attention.block_backward, fused_backwards, query_at=1
+        triton_attention.block_backward = _holding(
+            _logging(triton_attention.block_backward, fused_backwards, query_at=1), held, returned
         )
     results = {}
     try:
@@ -203,7 +217,7 @@ def _cases_worker(rank: int, port: int, size: int, out: Path) -> None:
             if mask is not None:
                 mask = ring.shard(mask, rank, size, layout=case.layout, dim=-1)
             leaves = [x.requires_grad_() for x in (query, key, value)]
-            for log in (forwards, backwards, fused_forwards, fused_backwards):
+            for log in (forwards, backwards, fused_forwards, fused_backwards, held):
                 log.clear()
             output = ring_attention(
                 *leaves,
@@ -219,6 +233,7 @@ def _cases_worker(rank: int, port: int, size: int, out: Path) -> None:
                 "tensors": [output.detach()] + [x.grad for x in leaves],
                 "parts": (list(forwards), list(backwards)),
                 "fused": (list(fused_forwards), list(fused_backwards)),
+                "held": list(held),
             }
     finally:
         distributed.teardown()
@@ -232,19 +247,27 @@ def _ring_results(size: int, out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def ring_results(tmp_path_factory):
+def ring_ranks(tmp_path_factory):
+    """``ring_ranks(size)``: every rank's results for every case (``_cases_worker``), the
+    ranks spawned once per size."""
+
+    @functools.cache
+    def spawned(size: int) -> list[dict]:
+        return _ring_results(size, tmp_path_factory.mktemp(f"ring{size}"))
+
+    return spawned
+
+
+@pytest.fixture(scope="module")
+def ring_results(ring_ranks):
     """``ring_results(size)``: per case, output and q/k/v gradients gathered over the ranks
     (in sequence order), and each rank's block parts attended forward and backward (on
     chunked's tiles; with ``fused=True``, on the Triton blocks)."""
 
-    @functools.cache
-    def spawned(size: int) -> list[dict]:  # the ranks spawned once per size
-        return _ring_results(size, tmp_path_factory.mktemp(f"ring{size}"))
-
     def gathered(
         size: int, fused: bool = False
     ) -> dict[str, tuple[list[torch.Tensor], list[tuple[list, list]]]]:
-        ranks = spawned(size)
+        ranks = ring_ranks(size)
         return {
             name: (
                 [
@@ -403,11 +426,23 @@ def test_a_query_with_no_key_to_see_gets_zero_and_finite_gradients(ring_results,
     assert all(x.isfinite().all() for x in [output, *grads])
 
 
+@pytest.mark.parametrize("size", [2, 3])
+def test_each_blocks_results_are_let_go_before_the_next_block(ring_ranks, size):
+    """Every case, forward and backward, on chunked's tiles and on the Triton blocks: when a
+    block kernel is called, none of the tensors the previous call returned (a block's output
+    and lse, or its dQ, dK, dV, in float32) is still held; they would add to the memory of
+    the block computed next."""
+    for results in ring_ranks(size):
+        for name, result in results.items():
+            assert result["held"] and not any(result["held"]), (name, result["held"])
+
+
 def _bad_shards_worker(rank: int, port: int, size: int, out: Path) -> None:
     """Calls that rank 1 alone gets wrong (its shards, its options, its layout, mask or
-    backend, or no gradients recorded), and one both get wrong (an odd zig-zag split); every
-    rank writes the error each one raised, then the result of a good call (the group still
-    works)."""
+    backend, or no gradients recorded), and ones both get wrong (an odd zig-zag split,
+    backend="triton" where it does not apply); every rank writes the error each one raised,
+    then the result of good calls (the group still works): one without a mask, and one with
+    a mask of one shape whose rank-1 copy is broadcast."""
     _join(rank, port, size)
     good = dict(lead=(2,), n=4, d=3)
     wrong_on_rank_1 = {
@@ -424,7 +459,11 @@ def _bad_shards_worker(rank: int, port: int, size: int, out: Path) -> None:
         "backend": dict(dtype=torch.float32, backend="triton"),
     }
     on_rank_0 = {"backend": dict(dtype=torch.float32)}  # "auto" on CPU tensors: chunked
-    wrong_on_both = {"zigzag-odd": dict(n=5, layout="zigzag")}
+    wrong_on_both = {
+        "zigzag-odd": dict(n=5, layout="zigzag"),
+        "triton-float64": dict(backend="triton"),
+        "triton-head-dim": dict(d=300, dtype=torch.float32, backend="triton"),
+    }
     errors = {}
     try:
         for name, change in (wrong_on_rank_1 | wrong_on_both).items():
@@ -447,6 +486,15 @@ def _bad_shards_worker(rank: int, port: int, size: int, out: Path) -> None:
                 errors[name] = str(error)
         query, key, value, _ = Case(**good).inputs(1)
         errors["good"] = list(ring_attention(query, key, value).shape)
+        # One mask shape on both ranks, rank 1's broadcast along the batch (stride 0).
+        allowed = torch.ones(1, 1, 4, dtype=torch.bool)
+        mask = allowed.expand(2, 1, 4) if rank == 1 else allowed.repeat(2, 1, 1)
+        try:
+            output = ring_attention(query, key, value, mask=mask)
+            unmasked = ring_attention(query, key, value)  # every key allowed: the same
+            errors["expanded-mask"] = torch.allclose(output, unmasked, atol=1e-12, rtol=0)
+        except ValueError as error:
+            errors["expanded-mask"] = str(error)
     finally:
         distributed.teardown()
     (out / f"rank{rank}.json").write_text(json.dumps(errors))
@@ -474,8 +522,11 @@ def test_shards_or_options_that_differ_across_ranks_are_refused_on_every_rank(tm
     where rank 0's "auto" chose chunked (float32 on CPU): a one-line error on both ranks naming
     both (a rank that computed with other options would silently return another attention; one
     that records no gradients would leave the other's backward waiting; a mask on one rank only
-    would travel to a rank that expects none); both with an odd zig-zag split: rank 0's error,
-    with the fix, on both. None hangs, and the group still serves a good call."""
+    would travel to a rank that expects none); both with an odd zig-zag split, or
+    backend="triton" in float64 or with head dims over 256: rank 0's error, with the fix
+    (ring's chunked backend, not attention's sdpa or explicit), on both. None hangs, and the
+    group still serves a good call, and one whose mask has the same shape on both ranks but is
+    broadcast (stride 0) along the batch on rank 1 (not refused as another shape)."""
     spawn_ranks(_bad_shards_worker, 2, 2, tmp_path)
     errors = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     shard = "query ({lead}, 4, 3), key ({lead}, 4, 3), value ({lead}, 4, 4) in torch.float64"
@@ -517,7 +568,18 @@ def test_shards_or_options_that_differ_across_ranks_are_refused_on_every_rank(tm
         "(mask=...)"
     )
     assert errors[0]["zigzag-odd"] == errors[1]["zigzag-odd"] == odd
+    if HAS_TRITON:  # the way out is ring's other backend, not attention's
+        start = "ring_attention, rank 0: backend 'triton': the Triton kernels"
+        refusals = {
+            "triton-float64": f"{start} take float16, bfloat16 or float32, got torch.float64; "
+            "cast the inputs to one of them, or use backend='chunked'",
+            "triton-head-dim": f"{start} support head dims up to 256, got 300 (query/key) and 4 "
+            "(value); use backend='chunked'",
+        }
+        for name, refusal in refusals.items():
+            assert errors[0][name] == errors[1][name] == refusal
     assert errors[0]["good"] == errors[1]["good"] == [2, 4, 4]
+    assert errors[0]["expanded-mask"] is errors[1]["expanded-mask"] is True
 
 
 def _subgroup_worker(rank: int, port: int, size: int, out: Path) -> None:
@@ -527,7 +589,7 @@ def _subgroup_worker(rank: int, port: int, size: int, out: Path) -> None:
     case = Case(causal=True)
     try:
         group = dist.new_group([1, 2])
-        inputs = [_shard(x, max(rank - 1, 0), case.n) for x in case.inputs(2)]
+        inputs = [ring.shard(x, max(rank - 1, 0), 2) for x in case.inputs(2)]
         leaves = [x.requires_grad_() for x in inputs[:3]]
         try:
             output = ring_attention(*leaves, causal=True, group=group)
@@ -575,6 +637,27 @@ def test_one_rank_is_plain_attention(one_rank_group):
     want = _outputs_and_grads(case, 1, "explicit", torch.float64)
     for actual, expected in zip([output] + [x.grad for x in leaves], want, strict=True):
         torch.testing.assert_close(actual.detach(), expected, atol=1e-10, rtol=0)
+
+
+def test_keys_and_values_expanded_over_heads_are_taken(one_rank_group):
+    """Grouped-query attention's keys and values, one head expanded (stride 0) to the query's
+    four, with a key mask: output and gradients (the key's and value's summed over the
+    heads they serve) within 1e-10 of explicit attention on the same views."""
+    query, key, value, grad_output = Case(lead=(2, 4), n=9).inputs(1)
+    allowed = torch.arange(9) < 7
+
+    def run(backend: str) -> list[torch.Tensor]:
+        leaves = [x.clone().requires_grad_() for x in (query, key[:, :1], value[:, :1])]
+        kv = [x.expand(2, 4, 9, -1) for x in leaves[1:]]
+        if backend == "ring":
+            output = ring_attention(leaves[0], *kv, causal=True, mask=allowed)
+        else:
+            output = attention(leaves[0], *kv, causal=True, mask=allowed, backend=backend)
+        output.backward(grad_output)
+        return [output.detach()] + [x.grad for x in leaves]
+
+    for actual, expected in zip(run("ring"), run("explicit"), strict=True):
+        torch.testing.assert_close(actual, expected, atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3])

@@ -54,8 +54,9 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -67,6 +68,7 @@ from selfattn.kernels.chunked import (
     LOG2E,
     REDUCED_PRECISION,
     Masks,
+    at_least_2d,
     default_block_q,
     finite_bias,
     refuse_double_backward,
@@ -78,6 +80,8 @@ if TYPE_CHECKING:
     from selfattn.attention import AttentionCall
 
 LAYOUTS = ("contiguous", "zigzag")  # which tokens each rank holds (module docstring)
+# What attention's Triton refusals name instead; ring's one other backend is chunked.
+_ATTENTION_ALTERNATIVES = re.compile(r"backend='sdpa'(, 'chunked' or 'explicit'| or 'chunked')")
 
 
 def ring_attention(
@@ -141,6 +145,10 @@ def ring_attention(
                 "of its own tokens"
             )
         _check_key_mask(call.mask)
+        if call.mask is not None:  # as it travels: in the shape given, alike on every rank
+            # (make_call narrowed the axes this rank's mask broadcasts), with all n keys
+            shape = at_least_2d(mask).shape
+            call = replace(call, mask=call.mask.expand(*shape[:-2], 1, query.shape[-2]))
         if layout == "zigzag" and query.shape[-2] % 2:
             raise ValueError(
                 f"layout 'zigzag' needs an even number of tokens per rank, got "
@@ -158,9 +166,8 @@ def ring_attention(
     query, key = normalize_for_similarity(call)
     lead, n, dv = query.shape[:-2], query.shape[-2], value.shape[-1]
     flat = [x.reshape(math.prod(lead), n, x.shape[-1]) for x in (query, key, value)]
-    key_mask = None if call.mask is None else call.mask.expand(*call.mask.shape[:-1], n)
     blocks = _Blocks(lead, n, causal, layout, call.scale, ring, _KERNELS[chosen])
-    output = _RingAttention.apply(*flat, key_mask, blocks)
+    output = _RingAttention.apply(*flat, call.mask, blocks)
     return output.reshape(*lead, n, dv).to(query.dtype)
 
 
@@ -231,7 +238,8 @@ def _chosen_backend(call: AttentionCall, backend: str) -> str:
 
 def _triton_why_not(call: AttentionCall) -> str | None:
     """Why the Triton blocks cannot attend this call, or None: a float key mask (they read
-    boolean ones only), or what makes ``selfattn.attention`` refuse ``backend="triton"``."""
+    boolean ones only), or what makes ``selfattn.attention`` refuse ``backend="triton"``,
+    pointing to chunked (ring's other backend) instead of attention's."""
     from selfattn.attention import BACKENDS
 
     if call.mask is not None and call.mask.dtype != torch.bool:
@@ -239,7 +247,8 @@ def _triton_why_not(call: AttentionCall) -> str | None:
             f"backend 'triton' takes boolean key masks only (True = may attend), got "
             f"{call.mask.dtype}; use backend='chunked' (or 'auto') for a float mask"
         )
-    return BACKENDS["triton"].why_not(call)
+    reason = BACKENDS["triton"].why_not(call)
+    return None if reason is None else _ATTENTION_ALTERNATIVES.sub("backend='chunked'", reason)
 
 
 def _check_key_mask(mask: Tensor | None) -> None:
@@ -576,18 +585,24 @@ def _ring_forward(
         part = blocks.part(source)
         if part is None:
             continue
-        block = blocks.block(part, mask_block)
-        block_output, block_lse = block.forward(
-            query[:, part.rows], key_block[:, part.cols], value_block[:, part.cols]
+        block, rows, cols = blocks.block(part, mask_block), part.rows, part.cols
+        # The block's output and lse, unnamed: freed once merged, not held through the next.
+        _merge(
+            output[:, rows],
+            lse[:, rows],
+            *block.forward(query[:, rows], key_block[:, cols], value_block[:, cols]),
+            block.unit,
         )
-        block_lse = (block_lse / block.unit).masked_fill_(block_lse == math.inf, -math.inf)
-        _merge(output[:, part.rows], lse[:, part.rows], block_output, block_lse)
     return output, lse.masked_fill_(lse == -math.inf, math.inf)
 
 
-def _merge(output: Tensor, lse: Tensor, block_output: Tensor, block_lse: Tensor) -> None:
-    """Merge a block's partial softmax output over other keys into ``output`` and ``lse``,
-    in place (a block or a running result with no visible key has lse -inf)."""
+def _merge(
+    output: Tensor, lse: Tensor, block_output: Tensor, block_lse: Tensor, unit: float
+) -> None:
+    """Merge a block's partial softmax output over other keys into ``output`` and ``lse``
+    (natural, -inf while no key is visible), in place; ``block_lse`` is in the base whose log
+    of e is ``unit``, +inf where the block has no visible key."""
+    block_lse = (block_lse / unit).masked_fill_(block_lse == math.inf, -math.inf)
     block_share = torch.sigmoid(block_lse - lse).masked_fill_(block_lse == -math.inf, 0.0)
     output.add_((block_output - output).mul_(block_share))
     lse.copy_(torch.logaddexp(lse, block_lse))
@@ -621,20 +636,27 @@ def _ring_backward(
         if part is not None:
             rows, cols = part.rows, part.cols
             block = blocks.block(part, mask_block)
-            block_grad_query, block_grad_key, block_grad_value = block.backward(
-                grad_output[:, rows],
-                query[:, rows],
-                key_block[:, cols],
-                value_block[:, cols],
-                output[:, rows],
-                lse[:, rows] * block.unit,  # in the block's base
+            # The block's dQ, dK, dV, unnamed: freed once added, not held through the next.
+            _add(
+                (grad_query[:, rows], sums[0][:, cols], sums[1][:, cols]),
+                block.backward(
+                    grad_output[:, rows],
+                    query[:, rows],
+                    key_block[:, cols],
+                    value_block[:, cols],
+                    output[:, rows],
+                    lse[:, rows] * block.unit,  # in the block's base
+                ),
             )
-            grad_query[:, rows] += block_grad_query
-            sums[0][:, cols] += block_grad_key
-            sums[1][:, cols] += block_grad_value
         sums_in_flight = blocks.ring.shift(sums)
     grad_key, grad_value = sums_in_flight.wait()  # our own block's, back from the last rank
     return grad_query, grad_key, grad_value
+
+
+def _add(totals: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+    """Add each block gradient into its total, in place."""
+    for total, grad in zip(totals, grads, strict=True):
+        total += grad
 
 
 class _RingAttention(torch.autograd.Function):
