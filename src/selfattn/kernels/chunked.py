@@ -253,15 +253,17 @@ class _ChunkedAttention(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-def refuse_double_backward(backend: str, *tensors: Tensor | None) -> None:
+def refuse_double_backward(
+    backend: str, *tensors: Tensor | None, instead: str = "backend='explicit' or 'sdpa'"
+) -> None:
     """Raise when autograd records a fused backward (``create_graph=True``) through a tensor
     that needs gradients: its gradients are computed outside autograd, so returning them would
-    silently drop the second-order terms."""
+    silently drop the second-order terms. ``instead`` names what differentiates twice."""
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
         raise RuntimeError(
             f"backend {backend!r} has first derivatives only (its backward cannot be "
             "differentiated: no create_graph=True, gradgradcheck or Hessians through it); use "
-            "backend='explicit' or 'sdpa' for higher derivatives"
+            f"{instead} for higher derivatives"
         )
 
 

@@ -682,7 +682,10 @@ class _RingAttention(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, grad_output: Tensor
     ) -> tuple[Tensor | None, ...]:
         query, key, value, key_mask, output, lse = ctx.saved_tensors
-        refuse_double_backward("ring", grad_output, query, key, value)
+        refuse_double_backward(
+            "ring", grad_output, query, key, value,
+            instead="selfattn.attention(..., backend='explicit') on the whole sequence",
+        )  # fmt: skip
         grads = _ring_backward(grad_output, query, key, value, key_mask, output, lse, ctx.blocks)
         return (
             *(grad.to(x.dtype) for grad, x in zip(grads, (query, key, value), strict=True)),
