@@ -15,10 +15,12 @@ on the whole sequence in that dtype against a float64 reference, plus 1e-6 (floa
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import weakref
@@ -31,6 +33,7 @@ import torch.distributed as dist
 
 from conftest import free_port, spawn_ranks
 from selfattn import attention
+from selfattn.attention import TRITON_MIN_INTERPRETER
 from selfattn.kernels import ring
 from selfattn.kernels.ring import ring_attention
 from selfattn.train import distributed
@@ -111,8 +114,22 @@ REDUCED = {  # float32, float16 and bfloat16 against twice SDPA's error
         n=64, d=32, dv=32, causal=True, dtype=torch.float32, layout="zigzag", mask="bool"
     ),
 }
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (run by its interpreter)")
+
+
+def _interpreter_runs_the_kernels() -> bool:
+    """Triton is installed, new enough for its interpreter to run our kernels (not imported:
+    the spawned ranks must import it after setting TRITON_INTERPRET)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("triton"))
+    return found is not None and tuple(map(int, found.groups())) >= TRITON_MIN_INTERPRETER
+
+
+HAS_TRITON = _interpreter_runs_the_kernels()
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON,
+    reason=f"needs triton {'.'.join(map(str, TRITON_MIN_INTERPRETER))}+ (run by its interpreter)",
+)
 # The fused Triton blocks, tiny (the interpreter is slow): float32 within TRITON_TOLERANCE of
 # float64 explicit; float16 and bfloat16 against twice SDPA's error, with REDUCED.
 TRITON_FLOAT32 = {
