@@ -1,25 +1,36 @@
-"""Randomly initialised Hugging Face Llama, Mistral, Qwen2 and Qwen3, saved as safetensors, load
-onto our layers (:class:`selfattn.models.llama.Llama`) and run end to end.
+"""Randomly initialised Hugging Face rotary decoders, saved as safetensors, load onto the
+Llama family's network (:class:`selfattn.models.llama.Llama`) and run end to end.
 
-Six small models (hidden 48, 3 layers, 6 heads, initializer_range 0.2): Llama with grouped
-key/value heads (2), untied; Llama with plain multi-head attention (6), tied, and Llama 3.1's
-"llama3" RoPE scaling; Mistral with a sliding window of 6 tokens (texts and generations run
-past it); Qwen2 (q/k/v biases), tied; Qwen3 (q/k RMSNorm, head_dim 10 given in config.json,
-rope_theta 1e6). Each reads a sentencepiece-style tokenizer ("▁" for spaces, byte fallback,
-a ``<s>`` first), built here.
+Nine small models (3 layers, initializer_range 0.2), one :data:`FAMILIES` entry each, every
+shared test run on each. Hidden 48 with 6 heads: Llama with grouped key/value heads (2),
+untied; Llama with plain multi-head attention (6), tied, and Llama 3.1's "llama3" RoPE
+scaling; Mistral with a sliding window of 6 tokens (texts and generations run past it); Qwen2
+(q/k/v biases), tied; Qwen3 (q/k RMSNorm, head_dim 10 given in config.json, rope_theta 1e6);
+Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``, half of each head rotated, a window of 6);
+Gemma (1 + weight RMSNorms, embeddings times sqrt(48), GeGLU with tanh gelu, head_dim 10,
+tied). Hidden 64 with 4 heads of 16: GPT-NeoX as Pythia has it (parallel residual, a quarter
+of each head rotated, biases, untied ``embed_out``) and GPT-NeoX sequential (half of each head
+rotated, no attention biases, tied). GPT-NeoX reads a byte-level BPE (Pythia's kind), the
+others a sentencepiece-style one ("▁" for spaces, byte fallback, a ``<s>`` first), built here.
+What is particular to GPT-NeoX, Phi-3 and Gemma is in test_models_neox_phi3_gemma.py.
 
 Tolerances (float32): logits and every hidden state 1e-4 absolute; attention weights of every
 layer and head (recomputed from the q and k recorded after RoPE) against Hugging Face's eager
 ``output_attentions`` 1e-5; 20 greedy tokens identical to Hugging Face ``generate(do_sample=
 False)``, with and without our key/value cache. The name map is checked key by key and shape
-by shape against each Hugging Face state dict.
+by shape against each saved checkpoint and Hugging Face state dict.
 """
 
 import base64
+import functools
 import inspect
 import json
 import re
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -36,34 +47,71 @@ from conftest import OfflinePage
 from selfattn.cli import app
 from selfattn.errors import SelfAttnError
 from selfattn.explain import explain_query, explain_text
-from selfattn.models.loading import llama_rules
+from selfattn.models.loading import (
+    ARCHITECTURES,
+    Architecture,
+    Rule,
+    llama_rules,
+    neox_rules,
+    phi3_rules,
+)
+from selfattn.models.model import Model
 from selfattn.text import join_pieces
 from selfattn.viz import report
 from selfattn.viz.html import render_page
 from test_generation_view import in_chromium
-from test_models_random import CORPUS, assert_map_fits
+from test_models_random import (
+    CORPUS,
+    VOCAB,
+    assert_logits_and_states_match,
+    assert_map_fits,
+    byte_level_tokenizer,
+    hf_greedy,
+)
 
 transformers = pytest.importorskip("transformers")
 
 SENTENCE = "I went to the bank to deposit money; café 日本."
 PROMPT = "I went to the bank"
-SIZES = dict(
+SIZES = dict(  # hidden 48, 6 heads of 8
     hidden_size=48,
     intermediate_size=71,
     num_hidden_layers=3,
     num_attention_heads=6,
-    num_key_value_heads=2,
     max_position_embeddings=64,
     initializer_range=0.2,
     bos_token_id=1,
     eos_token_id=None,
 )
-FAMILIES = {  # name -> (Hugging Face class, its config class, config settings)
-    "llama": ("LlamaForCausalLM", "LlamaConfig", {}),
-    "llama-tied-mha-llama3": (
+GROUPED = {**SIZES, "num_key_value_heads": 2}
+NEOX = {  # hidden 64, 4 heads of 16
+    **SIZES,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 100,
+    "pad_token_id": 0,
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs from one rotary decoder family to the next, as these tests build it."""
+
+    model_class: str  # Hugging Face's, e.g. "LlamaForCausalLM"
+    config_class: str  # e.g. "LlamaConfig"
+    settings: dict  # every config.json setting but vocab_size
+    rules: Callable[..., list[Rule]]  # its name map onto our network
+    n_heads: int = 6
+    tokenizer: str = "metaspace"  # sentencepiece-style; "bytes": byte-level BPE
+
+
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM", "LlamaConfig", GROUPED, llama_rules),
+    "llama-tied-mha-llama3": Family(
         "LlamaForCausalLM",
         "LlamaConfig",
         {
+            **GROUPED,
             "num_key_value_heads": 6,
             "tie_word_embeddings": True,
             "rope_parameters": {
@@ -75,15 +123,70 @@ FAMILIES = {  # name -> (Hugging Face class, its config class, config settings)
                 "original_max_position_embeddings": 16,
             },
         },
+        llama_rules,
     ),
-    "mistral": ("MistralForCausalLM", "MistralConfig", {"sliding_window": 6}),
-    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {"tie_word_embeddings": True}),
-    "qwen3": (
+    "mistral": Family(
+        "MistralForCausalLM", "MistralConfig", {**GROUPED, "sliding_window": 6}, llama_rules
+    ),
+    "qwen2": Family(
+        "Qwen2ForCausalLM", "Qwen2Config", {**GROUPED, "tie_word_embeddings": True}, llama_rules
+    ),
+    "qwen3": Family(
         "Qwen3ForCausalLM",
         "Qwen3Config",
-        {"head_dim": 10, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+        {
+            **GROUPED,
+            "head_dim": 10,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        },
+        llama_rules,
+    ),
+    "gpt_neox": Family(
+        "GPTNeoXForCausalLM",
+        "GPTNeoXConfig",
+        {**NEOX, "rotary_pct": 0.25},
+        neox_rules,
+        n_heads=4,
+        tokenizer="bytes",
+    ),
+    "gpt_neox-sequential-tied": Family(
+        "GPTNeoXForCausalLM",
+        "GPTNeoXConfig",
+        {
+            **NEOX,
+            "rotary_pct": 0.5,
+            "rotary_emb_base": 500.0,
+            "use_parallel_residual": False,
+            "attention_bias": False,
+            "tie_word_embeddings": True,
+        },
+        neox_rules,
+        n_heads=4,
+        tokenizer="bytes",
+    ),
+    "phi3": Family(
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        {
+            **GROUPED,
+            "pad_token_id": 0,
+            "sliding_window": 6,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        },
+        phi3_rules,
+    ),
+    "gemma": Family(
+        "GemmaForCausalLM",
+        "GemmaConfig",
+        {**GROUPED, "pad_token_id": 0, "head_dim": 10},
+        llama_rules,
     ),
 }
+SENTENCEPIECE = [name for name, family in FAMILIES.items() if family.tokenizer == "metaspace"]
 
 
 def metaspace_tokenizer(path) -> int:
@@ -111,8 +214,9 @@ def metaspace_tokenizer(path) -> int:
     return len(vocab)
 
 
-@pytest.fixture(scope="module")
-def vocab_size(tmp_path_factory):
+@pytest.fixture(scope="session")
+def vocab_size(tmp_path_factory) -> int:
+    """The sentencepiece-style tokenizer's vocabulary size, its 256 byte pieces included."""
     return metaspace_tokenizer(tmp_path_factory.mktemp("tokenizer") / "tokenizer.json")
 
 
@@ -126,60 +230,69 @@ def skip_without_oracle(config_class: str, settings: dict) -> None:
         pytest.skip(f"transformers {transformers.__version__} has no rope_parameters")
 
 
-def saved_family(name: str, tmp_path_factory, vocab_size: int) -> tuple:
-    """(folder, Hugging Face model on its eager attention, our model) of family ``name``;
-    skipped where the installed transformers (the oracle) lacks the family or its settings."""
-    model_class, config_class, settings = FAMILIES[name]
-    skip_without_oracle(config_class, settings)
+class Saved(NamedTuple):
+    """A family saved as a checkpoint folder, and loaded by Hugging Face and by us."""
+
+    folder: Path
+    hf: torch.nn.Module  # on its eager attention, in eval mode
+    model: Model
+
+
+@functools.cache
+def saved_family(name: str, base: Path, vocab_size: int) -> Saved:
+    """Family ``name`` in ``base / name``, built once a session (every module shares it; none
+    edits it), with ``vocab_size`` the sentencepiece-style tokenizer's; skipped where the
+    installed transformers (the oracle) lacks the family or its settings."""
+    family = FAMILIES[name]
+    skip_without_oracle(family.config_class, family.settings)
+    folder = base / name
+    folder.mkdir(exist_ok=True)  # a family that failed to build is built again
+    if family.tokenizer == "bytes":
+        byte_level_tokenizer(folder / "tokenizer.json")
+        vocab_size = VOCAB
+    else:
+        metaspace_tokenizer(folder / "tokenizer.json")
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**{**SIZES, **settings, "vocab_size": vocab_size})
-    folder = tmp_path_factory.mktemp(name)
-    getattr(transformers, model_class)(config).save_pretrained(folder)
-    metaspace_tokenizer(folder / "tokenizer.json")
-    hf = getattr(transformers, model_class).from_pretrained(folder, attn_implementation="eager")
-    return folder, hf.eval(), selfattn.load(folder)
+    config = getattr(transformers, family.config_class)(**family.settings, vocab_size=vocab_size)
+    hf_class = getattr(transformers, family.model_class)
+    hf_class(config).save_pretrained(folder)
+    hf = hf_class.from_pretrained(folder, attn_implementation="eager")
+    return Saved(folder, hf.eval(), selfattn.load(folder))
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory, vocab_size):
-    """(folder, Hugging Face model, our model) of each family in turn."""
-    return saved_family(request.param, tmp_path_factory, vocab_size)
+def family_name(request) -> str:
+    """Each family's name in turn (a test may narrow them: parametrize it indirectly)."""
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def mistral(tmp_path_factory, vocab_size):
-    """(folder, Hugging Face model, our model) of Mistral, whose sliding window is 6."""
-    return saved_family("mistral", tmp_path_factory, vocab_size)
+def family(family_name, tmp_path_factory, vocab_size) -> Saved:
+    """Each family in turn, saved and loaded."""
+    return saved_family(family_name, tmp_path_factory.getbasetemp(), vocab_size)
 
 
 @pytest.fixture(scope="module")
-def llama_folder(tmp_path_factory, vocab_size):
-    """The grouped, untied Llama, for the refusals (each test edits its own copy)."""
-    model_class, config_class, settings = FAMILIES["llama"]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**{**SIZES, **settings, "vocab_size": vocab_size})
-    folder = tmp_path_factory.mktemp("llama-refusals")
-    getattr(transformers, model_class)(config).save_pretrained(folder)
-    metaspace_tokenizer(folder / "tokenizer.json")
-    return folder
+def mistral(tmp_path_factory, vocab_size) -> Saved:
+    """Mistral, whose sliding window is 6."""
+    return saved_family("mistral", tmp_path_factory.getbasetemp(), vocab_size)
 
 
-def test_logits_and_every_hidden_state_match_hugging_face(family):
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory, vocab_size) -> Path:
+    """The grouped, untied Llama's folder, for the refusals (each test edits its own copy)."""
+    return saved_family("llama", tmp_path_factory.getbasetemp(), vocab_size).folder
+
+
+def test_logits_and_every_hidden_state_match_hugging_face(family, family_name):
     _, hf, model = family
     assert model.config.kind == "decoder"
-    assert (model.config.n_layers, model.config.n_heads) == (3, 6)
+    assert hf.config.num_attention_heads == FAMILIES[family_name].n_heads
+    assert (model.config.n_layers, model.config.n_heads) == (3, FAMILIES[family_name].n_heads)
     input_ids = torch.randint(
         0, model.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(2)
     )
-    with torch.no_grad():
-        ours = model(input_ids)
-        theirs = hf(input_ids, output_hidden_states=True)
-    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-4, rtol=0)
-    # Hugging Face's last hidden state comes after the final norm; ours before it.
-    for mine, hf_state in zip(ours.hidden_states[:-1], theirs.hidden_states[:-1], strict=True):
-        torch.testing.assert_close(mine, hf_state, atol=1e-4, rtol=0)
-    final = model.network.final_norm(ours.hidden_states[-1])
-    torch.testing.assert_close(final, theirs.hidden_states[-1], atol=1e-4, rtol=0)
+    assert_logits_and_states_match(model, hf, input_ids)  # 1e-4
 
 
 def assert_half_precision_like_hugging_face(folder, hf, model, dtype) -> None:
@@ -202,9 +315,9 @@ def test_half_precision_errs_at_most_twice_as_much_as_hugging_face(family, dtype
 
 
 def test_run_attention_equals_hugging_face_eager_attentions(family):
-    """The weights explain shows, recomputed from the q and k recorded (after RoPE) on the
-    fast path, equal Hugging Face's eager attentions for every layer and head: causal rows,
-    and Mistral's window of 6 on a longer text, included."""
+    """The weights explain shows, recomputed from the q and k recorded after (partial) RoPE
+    on the fast path, equal Hugging Face's eager attentions for every layer and head, 1e-5:
+    causal rows, and Mistral's and Phi-3's window of 6 on a longer text, included."""
     _, hf, model = family
     run = model.run(SENTENCE)
     assert len(run.tokens) > 6
@@ -215,51 +328,73 @@ def test_run_attention_equals_hugging_face_eager_attentions(family):
     torch.testing.assert_close(run.logits, theirs.logits[0], atol=1e-4, rtol=0)
     window = getattr(hf.config, "sliding_window", None)
     if window:  # the last query sees only the window's last keys
+        assert run.sliding_windows == (window,) * 3
         assert torch.all(run.attention(0)[:, -1, :-window] == 0)
         assert torch.all(run.attention(0)[:, -1, -window:] > 0)
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_greedy_tokens_equal_hugging_face(family, use_cache):
-    """20 greedy tokens after a 6-token prompt: past Mistral's window, so its cached steps
-    mask the keys that slid out of it."""
+    """20 greedy tokens after the prompt, identical: the cached steps rotate each new query
+    and key at its own position, and past Mistral's and Phi-3's window mask the keys that
+    slid out of it."""
     _, hf, model = family
     prompt_ids = torch.tensor([model.tokenizer.encode(PROMPT).ids])
-    with torch.no_grad():
-        theirs = hf.generate(
-            prompt_ids,
-            attention_mask=torch.ones_like(prompt_ids),
-            do_sample=False,
-            max_new_tokens=20,
-            min_new_tokens=20,
-            pad_token_id=0,
-        )
+    theirs = hf_greedy(hf, prompt_ids, 20)
     ours = model.network.generate(prompt_ids, 20, temperature=0.0, use_cache=use_cache)
     assert ours.tolist() == theirs.tolist()
     text = model.generate(PROMPT, 20, temperature=0.0, use_cache=use_cache)
     assert text == model.tokenizer.decode(theirs[0].tolist())[len(PROMPT) :]
 
 
-def test_name_map_covers_both_state_dicts_with_matching_shapes(family):
-    _, hf, model = family
-    theirs = {name.removeprefix("model."): tensor for name, tensor in hf.state_dict().items()}
+def by_map_names(tensors: dict, architecture: Architecture) -> dict:
+    """``tensors`` under the names a name map reads: prefix stripped, legacy endings renamed,
+    the buffers older checkpoints saved left out."""
+    named = {}
+    for full_name, tensor in tensors.items():
+        if full_name.endswith(architecture.ignored_suffixes):
+            continue
+        for old, new in architecture.legacy_suffixes.items():
+            if full_name.endswith(old):
+                full_name = full_name.removesuffix(old) + new
+        named[full_name.removeprefix(architecture.prefix)] = tensor
+    return named
+
+
+def test_name_map_covers_the_checkpoint_and_the_state_dict_with_matching_shapes(
+    family, family_name
+):
+    """Hugging Face's state dict and the saved checkpoint hold the same names (a tied head,
+    saved or not, equal to the embedding and left to it); each fills its parameters, and
+    every parameter is filled once, shape by shape."""
+    folder, hf, model = family
+    architecture = ARCHITECTURES[hf.config.model_type]
+    theirs = by_map_names(hf.state_dict(), architecture)
+    saved = by_map_names(load_file(folder / "model.safetensors"), architecture)
+    head, embedding = ("lm_head.weight", "embed_tokens.weight")
+    if "embed_in.weight" in theirs:  # GPT-NeoX's
+        head, embedding = ("embed_out.weight", "embed_in.weight")
     if hf.config.tie_word_embeddings:
-        assert torch.equal(theirs.pop("lm_head.weight"), theirs["embed_tokens.weight"])
+        assert torch.equal(theirs.pop(head), theirs[embedding])
+        saved.pop(head, None)
+    assert saved.keys() == theirs.keys()
     ours = dict(model.network.named_parameters())
-    assert_map_fits(llama_rules(model.network), theirs, ours)
+    assert_map_fits(FAMILIES[family_name].rules(model.network), theirs, ours)
 
 
 def test_trace_shows_each_query_heads_own_key_group(family):
     """With 2 key/value heads for 6 query heads, run.trace(layer, head) shows the key and
-    value of the head's group: heads 0-2 share one, 3-5 the other."""
+    value of the head's group: heads 0-2 share one, 3-5 the other; without groups each head
+    has its own."""
     _, hf, model = family
     run = model.run(SENTENCE)
-    groups = hf.config.num_attention_heads // hf.config.num_key_value_heads
-    keys = [run.trace(1, head).key for head in range(6)]
-    for head in range(6):
-        assert torch.equal(keys[head], keys[head - head % groups])  # its group's first head
-    assert not torch.equal(keys[0], keys[groups])  # the next group (or head) differs
-    assert run.trace(1, 4).query.shape == (len(run.tokens), model.network.config.head_dim)
+    heads = hf.config.num_attention_heads
+    groups = heads // (getattr(hf.config, "num_key_value_heads", None) or heads)
+    traces = [run.trace(1, head) for head in range(heads)]
+    for head in range(heads):
+        assert torch.equal(traces[head].key, traces[head - head % groups].key)  # group's first
+        assert traces[head].query.shape == (len(run.tokens), model.network.config.head_dim)
+    assert not torch.equal(traces[0].key, traces[groups].key)  # the next group (or head) differs
 
 
 def test_generate_recorded_rows_equal_a_full_run(family):
@@ -276,6 +411,7 @@ def test_generate_recorded_rows_equal_a_full_run(family):
         torch.testing.assert_close(step.weights, full[..., : step.query + 1], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("family_name", SENTENCEPIECE, indirect=True)
 def test_sentencepiece_tokens_read_as_text_and_align_with_words(family):
     _, _, model = family
     run = model.run("I went to the bank. Un café 日本")
@@ -290,9 +426,9 @@ def test_sentencepiece_tokens_read_as_text_and_align_with_words(family):
     assert "".join(run.tokens[i] for i in run.word_tokens("café")).strip() == "café"
 
 
-def test_cli_explains_and_continues_a_llama_folder(family, tmp_path):
+def test_cli_explains_and_continues_each_folder(family, tmp_path):
     """`selfattn explain TEXT --model DIR` and `selfattn generate --model DIR PROMPT` (with
-    --html) run on the Llama family as on GPT-2; generate prints what Model.generate writes."""
+    --html) run on every family as on GPT-2; generate prints what Model.generate writes."""
     folder, _, model = family
     result = CliRunner().invoke(
         app, ["explain", SENTENCE, "--model", str(folder), "--word", "bank"]
@@ -380,6 +516,7 @@ def test_what_does_not_fit_is_refused_in_one_line(llama_folder, tmp_path, config
 def test_a_text_longer_than_the_positions_is_refused(llama_folder):
     """RoPE has no table to run out of: the model says where max_position_embeddings ends."""
     model = selfattn.load(llama_folder)
+    assert model.network.max_positions == model.config.max_positions == 64
     with pytest.raises(SelfAttnError, match=r"takes at most 64; shorten it or pass --truncate"):
         model.run("bank " * 70)
     assert len(model.run("bank " * 70, truncate=True).tokens) == 64
@@ -402,6 +539,27 @@ def test_explain_names_keys_outside_mistrals_window_apart_from_later_ones(mistra
     before = f"masked: keys 0..{8 - window}, before the query's sliding window"
     after = f"masked: keys 9..{len(run.tokens) - 1}, after the query"
     assert before in text and after in text, text
+
+
+def test_generation_json_gives_each_layers_window(mistral, llama_folder, tmp_path):
+    """`generate --json` wrote the keys before Mistral's window of 6 at weight 0 without
+    saying they were masked; it gives each layer's window now (null without one), and in
+    every step exactly the keys before ``query - 6 + 1`` weigh 0."""
+    folder, _, _ = mistral
+    path = tmp_path / "generation.json"
+    args = ["generate", "--model", str(folder), PROMPT, "--max-new-tokens", "12"]
+    result = CliRunner().invoke(app, [*args, "--temperature", "0", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(path.read_text())
+    assert data["sliding_windows"] == [6, 6, 6]
+    assert data["steps"][-1]["query"] - 6 + 1 > data["steps"][-1]["start"]  # past the window
+    for step in data["steps"]:
+        masked = max(0, step["query"] - 6 + 1 - step["start"])  # keys start..query
+        for layer in step["weights"]:
+            weights = np.array(layer)  # (H, S)
+            assert (weights[:, :masked] == 0).all() and (weights[:, masked:] > 0).all()
+    plain = selfattn.load(llama_folder).generate_recorded(PROMPT, 2, temperature=0.0)
+    assert plain.to_json()["sliding_windows"] == [None, None, None]
 
 
 def mistral_page_data(mistral) -> tuple:

@@ -15,8 +15,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import selfattn
 from selfattn.models.bert import Bert, BertConfig
-from selfattn.models.gpt import GPT, GPTConfig
+from selfattn.models.gpt import GPT, Decoder, GPTConfig
 from selfattn.models.loading import ARCHITECTURES, CONVERSIONS, bert_rules, gpt2_rules
+from selfattn.models.model import Model
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,6 +84,35 @@ def gpt2_folder(tmp_path_factory):
     return folder, hf
 
 
+def assert_logits_and_states_match(
+    model: Model, hf: torch.nn.Module, input_ids: torch.Tensor
+) -> None:
+    """Our decoder's logits and every hidden state equal Hugging Face's, 1e-4 absolute."""
+    with torch.no_grad():
+        ours = model(input_ids)
+        theirs = hf(input_ids, output_hidden_states=True)
+    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-4, rtol=0)
+    # Hugging Face's last hidden state comes after the final norm; ours before it.
+    for mine, hf_state in zip(ours.hidden_states[:-1], theirs.hidden_states[:-1], strict=True):
+        torch.testing.assert_close(mine, hf_state, atol=1e-4, rtol=0)
+    final = model.network.final_norm(ours.hidden_states[-1])
+    torch.testing.assert_close(final, theirs.hidden_states[-1], atol=1e-4, rtol=0)
+
+
+def hf_greedy(hf: torch.nn.Module, prompt_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """The prompt and ``n`` tokens after it from Hugging Face's ``generate(do_sample=False)``,
+    never stopping early."""
+    with torch.no_grad():
+        return hf.generate(
+            prompt_ids,
+            attention_mask=torch.ones_like(prompt_ids),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=0,
+        )
+
+
 def test_random_bert_with_token_types_matches(bert_folder):
     folder, hf = bert_folder
     model = selfattn.load(folder)
@@ -131,15 +161,7 @@ def test_random_gpt2_logits_and_states_match(gpt2_folder):
     model = selfattn.load(folder)
     assert (model.config.kind, model.config.n_layers, model.config.n_heads) == ("decoder", 3, 5)
     input_ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        ours = model(input_ids)
-        theirs = hf(input_ids, output_hidden_states=True)
-    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-4, rtol=0)
-    # Hugging Face's last hidden state comes after the final layer norm; ours before it.
-    for mine, hf_state in zip(ours.hidden_states[:-1], theirs.hidden_states[:-1], strict=True):
-        torch.testing.assert_close(mine, hf_state, atol=1e-4, rtol=0)
-    final = model.network.final_norm(ours.hidden_states[-1])
-    torch.testing.assert_close(final, theirs.hidden_states[-1], atol=1e-4, rtol=0)
+    assert_logits_and_states_match(model, hf, input_ids)  # 1e-4
 
 
 def test_gpt2_config_without_its_activation_takes_hugging_face_default(gpt2_folder, tmp_path):
@@ -165,15 +187,7 @@ def test_random_gpt2_greedy_tokens_equal_hugging_face(gpt2_folder, use_cache):
     model = selfattn.load(folder)
     prompt = "Self-attention weighs the bank"
     prompt_ids = torch.tensor([model.tokenizer.encode(prompt).ids])
-    with torch.no_grad():
-        theirs = hf.generate(
-            prompt_ids,
-            attention_mask=torch.ones_like(prompt_ids),
-            do_sample=False,
-            max_new_tokens=20,
-            min_new_tokens=20,
-            pad_token_id=0,
-        )
+    theirs = hf_greedy(hf, prompt_ids, 20)
     ours = model.network.generate(prompt_ids, 20, temperature=0.0, use_cache=use_cache)
     assert ours.tolist() == theirs.tolist()
     text = model.generate(prompt, 20, temperature=0.0, use_cache=use_cache)
@@ -201,6 +215,20 @@ def test_random_gpt2_greedy_past_the_window_equals_hugging_face_on_the_last_bloc
     for use_cache in (True, False):
         ours = model.network.generate(prompt_ids, 60, temperature=0.0, use_cache=use_cache)
         assert ours.tolist() == expected.tolist(), use_cache
+
+
+def test_a_decoder_reports_its_positions_or_cannot_be_made(gpt2_folder):
+    """GPT reports its block size; a Decoder without max_positions, which raised
+    NotImplementedError when generation asked for it, cannot be made."""
+    model = selfattn.load(gpt2_folder[0])
+    assert model.network.max_positions == model.config.max_positions == 48
+
+    class Positionless(Decoder):
+        def forward(self, input_ids: torch.Tensor) -> None:
+            """Never run."""
+
+    with pytest.raises(TypeError, match=r"abstract .*max_positions"):
+        Positionless()
 
 
 def test_generate_sampling_is_repeatable_with_a_seed(gpt2_folder):

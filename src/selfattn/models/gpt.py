@@ -7,6 +7,7 @@ models trained from scratch by :mod:`selfattn.train`.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,20 +53,20 @@ class DecoderOutput:
     hidden_states: tuple[Tensor, ...]  # embedding output, then each block's output
 
 
-class Decoder(nn.Module):
+class Decoder(nn.Module, ABC):
     """What generation needs of a decoder network, shared by :class:`GPT` and the Llama family.
 
     A subclass has ``blocks`` (one :class:`KVCache` each), ``max_positions``, and a
     ``forward(input_ids, caches=...)`` that gives a :class:`DecoderOutput`, its tokens placed
-    after the cached ones.
+    after the cached ones; one without ``max_positions`` cannot be made.
     """
 
     blocks: nn.ModuleList
 
     @property
+    @abstractmethod
     def max_positions(self) -> int:
         """The most tokens the network reads at once."""
-        raise NotImplementedError
 
     @torch.no_grad()
     def generate(

@@ -269,7 +269,8 @@ class Generation:
 
     ``steps[s]`` chose ``tokens[n_prompt + s]``; its weights are the query row of that
     step's forward pass, recomputed with the explicit path from the q and k recorded while
-    the cached generation ran.
+    the cached generation ran. In a layer with a sliding window (``sliding_windows``) the
+    keys before it are masked: weight 0.
     """
 
     prompt: str
@@ -281,6 +282,7 @@ class Generation:
     n_layers: int
     n_heads: int
     model_name: str = "model"
+    sliding_windows: tuple[int | None, ...] = ()  # per layer (None: full), () for none at all
 
     def __repr__(self) -> str:
         return (
@@ -299,7 +301,11 @@ class Generation:
         return chosen.weights[layer, in_range(head, self.n_heads, "head", "each layer has heads")]
 
     def to_json(self) -> dict:
-        """Every number as plain JSON; per step its keys and weights ``[layer][head][key]``."""
+        """Every number as plain JSON; per step its keys and weights ``[layer][head][key]``.
+
+        ``sliding_windows`` gives each layer's window (null: none): in a layer with window
+        ``w`` a step's keys before ``query - w + 1`` are masked, their weights 0.
+        """
         return {
             "model": self.model_name,
             "prompt": self.prompt,
@@ -309,6 +315,7 @@ class Generation:
             "n_prompt": self.n_prompt,
             "layers": self.n_layers,
             "heads": self.n_heads,
+            "sliding_windows": list(self.sliding_windows or (None,) * self.n_layers),
             "steps": [
                 {"query": step.query, "start": step.start, "weights": step.weights.tolist()}
                 for step in self.steps
@@ -624,6 +631,7 @@ class Model(nn.Module):
             n_layers=self.config.n_layers,
             n_heads=self.config.n_heads,
             model_name=self.name,
+            sliding_windows=self.config.sliding_windows,
         )
 
     def _until_end(self, steps: Iterator[tuple[int, _T]]) -> list[tuple[int, _T]]:
