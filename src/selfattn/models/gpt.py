@@ -62,6 +62,29 @@ class Decoder(nn.Module, ABC):
     """
 
     blocks: nn.ModuleList
+    final_norm: nn.Module
+    lm_head: nn.Linear
+
+    def decode(
+        self,
+        x: Tensor,
+        masks: list[Tensor | None],
+        caches: list[KVCache] | None,
+        targets: Tensor | None,
+        **block_options: bool,
+    ) -> DecoderOutput:
+        """The blocks over the embedded tokens x (B, T, D), block i under ``masks[i]`` and its
+        cache, then the final norm and the head: logits, the loss against ``targets``, and
+        every hidden state (x first)."""
+        hidden_states = [x]
+        for i, block in enumerate(self.blocks):
+            x = block(x, mask=masks[i], cache=caches[i] if caches else None, **block_options)
+            hidden_states.append(x)
+        logits = self.lm_head(self.final_norm(x))  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return DecoderOutput(logits, loss, tuple(hidden_states))
 
     @property
     @abstractmethod
@@ -186,16 +209,7 @@ class GPT(Decoder):
         mask = None
         if attention_mask is not None:
             mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S): keys that exist
-        hidden_states = [x]
-        for i, block in enumerate(self.blocks):
-            cache = caches[i] if caches else None
-            x = block(x, mask=mask, causal=True, cache=cache)
-            hidden_states.append(x)
-        logits = self.lm_head(self.final_norm(x))  # (B, T, vocab)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
-        return DecoderOutput(logits, loss, tuple(hidden_states))
+        return self.decode(x, [mask] * len(self.blocks), caches, targets, causal=True)
 
     @property
     def max_positions(self) -> int:

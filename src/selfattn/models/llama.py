@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from selfattn.errors import SelfAttnError
@@ -171,15 +170,7 @@ class Llama(Decoder):
             window: _combined(padding, window_mask(window, input_ids.shape[1], length, x.device))
             for window in set(windows)
         }
-        hidden_states = [x]
-        for i, block in enumerate(self.blocks):
-            x = block(x, mask=masks[windows[i]], cache=caches[i] if caches else None)
-            hidden_states.append(x)
-        logits = self.lm_head(self.final_norm(x))  # (B, T, vocab)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
-        return DecoderOutput(logits, loss, tuple(hidden_states))
+        return self.decode(x, [masks[window] for window in windows], caches, targets)
 
 
 def window_mask(
