@@ -549,19 +549,12 @@ class FeedForward(nn.Module):
         return self.down(ACTIVATIONS[self.activation](self.up(x)))
 
 
-class GatedFeedForward(nn.Module):
+class GatedFeedForward(FeedForward):
     """SwiGLU (Shazeer 2020): down(activation(gate(x)) * up(x)), d_model -> d_ff -> d_model."""
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "silu", bias: bool = False):
-        super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(
-                f"unknown activation {activation!r}; choose one of {list(ACTIVATIONS)}"
-            )
-        self.activation = activation
+        super().__init__(d_model, d_ff, activation, bias)
         self.gate = nn.Linear(d_model, d_ff, bias=bias)
-        self.up = nn.Linear(d_model, d_ff, bias=bias)
-        self.down = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
