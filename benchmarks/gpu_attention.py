@@ -212,16 +212,13 @@ def check_ring_blocks(setting: Setting) -> bool:
         base = output_and_grads("sdpa", setting.dtype, q, k, v, grad, None, causal, setting.device)
         query, key, value, grad_out = (x.to(setting.device, setting.dtype) for x in (q, k, v, grad))
         blocks = [(slice(0, t), False), (slice(t, 2 * t), causal)]  # earlier keys, diagonal
-        output, lse = None, None
+        output = torch.zeros(n, t, d, device=setting.device)  # merged as ring.py merges
+        lse = torch.full((n, t, 1), -math.inf, device=setting.device)  # natural; -inf: no key
         for cols, block_causal in blocks:
             block_out, block_lse = block_forward(
                 query, key[:, cols], value[:, cols], causal=block_causal, scale=d**-0.5
             )
-            block_lse = (block_lse / LOG2E).masked_fill_(block_lse == math.inf, -math.inf)
-            if output is None:
-                output, lse = block_out, block_lse
-            else:
-                _merge(output, lse, block_out, block_lse)
+            _merge(output, lse, block_out, block_lse, LOG2E)  # block_lse is in base 2
         grads = [
             block_backward(
                 grad_out, query, key[:, cols], value[:, cols], output, lse * LOG2E,
