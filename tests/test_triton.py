@@ -284,14 +284,10 @@ def test_an_expanded_mask_reaches_the_kernels_at_its_own_size(dtype):
     assert_matches_reference(*_inputs(33, 64, 16), mask=mask, causal=True)
 
 
-@pytest.mark.parametrize("lead", [(5, 2), (9,)], ids=["batch-by-heads", "heads-over-the-cap"])
-def test_more_heads_than_a_grid_axis_takes_go_in_several_launches(monkeypatch, lead):
-    """CUDA caps the grid axis that holds the heads at 65,535 (a cap of 4 here): more heads go
-    in several launches of at most that many, and the result is the same (same tolerance);
-    a last dim over the cap is read with one head per outer row."""
+def count_launches(monkeypatch) -> list[int]:
+    """The heads (outer · inner) of each forward and backward kernel launch, as they happen."""
     from selfattn.kernels import triton_attention
 
-    monkeypatch.setattr(triton_attention, "MAX_GRID_HEADS", 4)
     launched = []
     for name in ("_forward", "_backward"):
         launch = getattr(triton_attention, name)
@@ -302,6 +298,18 @@ def test_more_heads_than_a_grid_axis_takes_go_in_several_launches(monkeypatch, l
             return _launch(*args, **kwargs)
 
         monkeypatch.setattr(triton_attention, name, counted)
+    return launched
+
+
+@pytest.mark.parametrize("lead", [(5, 2), (9,)], ids=["batch-by-heads", "heads-over-the-cap"])
+def test_more_heads_than_a_grid_axis_takes_go_in_several_launches(monkeypatch, lead):
+    """CUDA caps the grid axis that holds the heads at 65,535 (a cap of 4 here): more heads go
+    in several launches of at most that many, and the result is the same (same tolerance);
+    a last dim over the cap is read with one head per outer row."""
+    from selfattn.kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "MAX_GRID_HEADS", 4)
+    launched = count_launches(monkeypatch)
     mask = torch.rand(*lead, 1, 33, generator=torch.Generator().manual_seed(5)) > 0.3
     assert_matches_reference(*_inputs(7, 33, 16, lead=lead), mask=mask, causal=True)
     assert max(launched) <= 4
@@ -1195,16 +1203,7 @@ def test_block_calls_over_the_grid_cap_go_in_several_launches(monkeypatch):
 
     whole = both()
     monkeypatch.setattr(triton_attention, "MAX_GRID_HEADS", 2)
-    launched = []
-    for name in ("_forward", "_backward"):
-        launch = getattr(triton_attention, name)
-
-        def counted(*args, _launch=launch, **kwargs):
-            query = args[1] if _launch is triton_attention._backward else args[0]
-            launched.append(query.shape[0] * query.shape[1])
-            return _launch(*args, **kwargs)
-
-        monkeypatch.setattr(triton_attention, name, counted)
+    launched = count_launches(monkeypatch)
     for got, want in zip(both(), whole, strict=True):
         assert torch.equal(got, want)
     assert launched == [2, 1, 2, 1]
