@@ -270,6 +270,38 @@ def test_compare_numbers_its_sentences_as_the_form_does(browser, base_url):
     watched.check_clean()
 
 
+def test_similarity_and_scale_on_a_decoder_names_the_keys_it_may_not_attend(browser, decoder_url):
+    """A decoder's keys after the query were listed at 0.000 like keys the model weighed; each
+    is now a masked row, "masked" in both columns, its title saying why. The numbers behind
+    them are still the API's (data attributes), 0 for the masked keys."""
+    text = "the bank is by the river"
+    address = f"/?view=ablation&text={quote(text)}&word=bank&layer=1&head=0&scale=1"
+    watched = Watched(browser, decoder_url, address)
+    watched.wait("#ablation-result")
+    page = watched.page
+    body = {"text": text, "word": "bank", "layer": 1, "head": 0, "scale": 1}
+    expected = api(decoder_url, "/api/explain", body)
+    masked = expected["masked_keys"]
+    assert masked == list(range(expected["query"]["index"] + 1, len(expected["tokens"])))
+    rows = page.eval_on_selector_all(
+        "#ablation-table tbody tr",
+        "(rows) => rows.map((r) => [+r.dataset.key, r.classList.contains('masked'), r.title,"
+        " [...r.querySelectorAll('td.num')].map((c) => c.textContent)])",
+    )
+    for key, is_masked, title, numbers in rows:
+        assert is_masked == (key in masked)
+        if is_masked:
+            assert numbers == ["masked", "masked"]
+            assert title.startswith(f"masked: query {expected['query']['index']} may not attend")
+        else:
+            assert "masked" not in numbers and title == ""
+    model = page.eval_on_selector_all(
+        "#ablation-table [data-model]", "(cells) => cells.map((c) => +c.dataset.model)"
+    )
+    assert model == pytest.approx(expected["weights"], abs=TOL)
+    watched.check_clean()
+
+
 def run_similarity_and_scale(page, text: str, word: str, occurrence: str | None = None) -> None:
     """Fill the Similarity & scale form (layer 1, head 3, dot, scale 1; the occurrence through
     its label, as a screen reader finds it) and run it."""

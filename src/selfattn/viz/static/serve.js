@@ -341,14 +341,22 @@
       fill.style.width = `${(w / largest) * 100}%`;
       return h("td", { class: "bar-cell" }, h("span", { class: "bar-track" }, fill));
     };
+    // Keys the query may not attend (a decoder's later tokens, those before a sliding window):
+    // named as masked, not shown as 0.000 weights the model gave.
+    const masked = new Set(data.masked_keys || []);
+    const weight = (w, j) => (masked.has(j) ? "masked" : fmt(w));
     const rows = data.names.map((name, j) =>
       h(
         "tr",
-        { "data-key": String(j), class: j === data.query.index ? "self" : "" },
+        {
+          "data-key": String(j),
+          class: [j === data.query.index ? "self" : "", masked.has(j) ? "masked" : ""].join(" ").trim(),
+          ...(masked.has(j) ? { title: `masked: query ${data.query.index} may not attend key ${j}; weight 0 in both` } : {}),
+        },
         h("td", { class: "key" }, h("span", { class: "idx" }, String(j)), " ", name),
-        h("td", { class: "num", "data-model": String(data.weights[j]) }, fmt(data.weights[j])),
+        h("td", { class: "num", "data-model": String(data.weights[j]) }, weight(data.weights[j], j)),
         bar(data.weights[j], "model"),
-        h("td", { class: "num strong", "data-recomputed": String(alt.weights[j]) }, fmt(alt.weights[j])),
+        h("td", { class: "num strong", "data-recomputed": String(alt.weights[j]) }, weight(alt.weights[j], j)),
         bar(alt.weights[j], "recomputed"),
       ),
     );
