@@ -295,8 +295,9 @@ def _triton_too_old(interpreting: bool) -> str | None:
     )
 
 
-def _triton_why_not(call: AttentionCall) -> str | None:
-    """Why the Triton kernels cannot compute this call exactly as the reference, or None."""
+def triton_why_not(call: AttentionCall, instead: str | None = None) -> str | None:
+    """Why the Triton kernels cannot compute this call exactly as the reference, or None;
+    ``instead`` names the caller's other backends in the reasons (default: attention's)."""
     if importlib.util.find_spec("triton") is None:
         return "backend 'triton' needs the triton package: pip install 'selfattn[gpu]'"
     if call.dropout_p > 0:
@@ -317,7 +318,8 @@ def _triton_why_not(call: AttentionCall) -> str | None:
             f"backend 'triton' cannot import triton ({first_line}); reinstall it: "
             "pip install --force-reinstall 'selfattn[gpu]'"
         )
-    reason = unsupported_reason(call.query, call.key, call.value, call.mask)
+    others = {} if instead is None else {"instead": instead}
+    reason = unsupported_reason(call.query, call.key, call.value, call.mask, **others)
     return None if reason is None else f"backend 'triton': {reason}"
 
 
@@ -358,7 +360,7 @@ BACKENDS: dict[str, Backend] = {
     "explicit": Backend("explicit", lambda call: _explicit(call).output),
     "sdpa": Backend("sdpa", _sdpa),
     "chunked": Backend("chunked", _chunked, _chunked_why_not),
-    "triton": Backend("triton", _triton, _triton_why_not),
+    "triton": Backend("triton", _triton, triton_why_not),
 }
 
 

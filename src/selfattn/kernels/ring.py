@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
@@ -80,8 +79,6 @@ if TYPE_CHECKING:
     from selfattn.attention import AttentionCall
 
 LAYOUTS = ("contiguous", "zigzag")  # which tokens each rank holds (module docstring)
-# What attention's Triton refusals name instead; ring's one other backend is chunked.
-_ATTENTION_ALTERNATIVES = re.compile(r"backend='sdpa'(, 'chunked' or 'explicit'| or 'chunked')")
 
 
 def ring_attention(
@@ -240,15 +237,14 @@ def _triton_why_not(call: AttentionCall) -> str | None:
     """Why the Triton blocks cannot attend this call, or None: a float key mask (they read
     boolean ones only), or what makes ``selfattn.attention`` refuse ``backend="triton"``,
     pointing to chunked (ring's other backend) instead of attention's."""
-    from selfattn.attention import BACKENDS
+    from selfattn.attention import triton_why_not
 
     if call.mask is not None and call.mask.dtype != torch.bool:
         return (
             f"backend 'triton' takes boolean key masks only (True = may attend), got "
             f"{call.mask.dtype}; use backend='chunked' (or 'auto') for a float mask"
         )
-    reason = BACKENDS["triton"].why_not(call)
-    return None if reason is None else _ATTENTION_ALTERNATIVES.sub("backend='chunked'", reason)
+    return triton_why_not(call, instead="backend='chunked'")
 
 
 def _check_key_mask(mask: Tensor | None) -> None:

@@ -1180,10 +1180,15 @@ def _needs_mask_gradient(mask: Tensor | None) -> bool:
 
 
 def unsupported_reason(
-    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    instead: str = OTHER_BACKENDS,
 ) -> str | None:
     """Why these tensors cannot go through the kernels (device, dtype, head dim, a float mask
-    that would need a gradient), or None; each reason names a way out."""
+    that would need a gradient), or None; each reason names a way out, ``instead`` (the
+    backends the caller has besides Triton)."""
     if not (query.is_cuda or (INTERPRETING and query.device.type == "cpu")):
         return (
             f"the Triton kernels run on CUDA tensors (or on CPU with TRITON_INTERPRET=1 set "
@@ -1192,17 +1197,17 @@ def unsupported_reason(
     if query.dtype not in SUPPORTED_DTYPES:
         return (
             f"the Triton kernels take float16, bfloat16 or float32, got {query.dtype}; "
-            f"cast the inputs to one of them, or use {OTHER_BACKENDS}"
+            f"cast the inputs to one of them, or use {instead}"
         )
     if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
         return (
             f"the Triton kernels support head dims up to {MAX_HEAD_DIM}, got "
-            f"{query.shape[-1]} (query/key) and {value.shape[-1]} (value); use {OTHER_BACKENDS}"
+            f"{query.shape[-1]} (query/key) and {value.shape[-1]} (value); use {instead}"
         )
     if _needs_mask_gradient(mask):
         return (
             "the Triton kernels do not compute gradients for a float mask; detach the mask, "
-            f"run under torch.no_grad(), or use {OTHER_BACKENDS}, which differentiate it"
+            f"run under torch.no_grad(), or use {instead}, which differentiate it"
         )
     head_dim, value_dim = query.shape[-1], value.shape[-1]
     farthest = max(  # the output is laid out like the query, value_dim wide
@@ -1213,7 +1218,7 @@ def unsupported_reason(
     if farthest > MAX_HEAD_OFFSET:
         return (
             f"the Triton kernels index within a head in int32, and a head here spans "
-            f"{farthest:,} elements (more than 2³¹); use backend='sdpa' or 'chunked'"
+            f"{farthest:,} elements (more than 2³¹); use {instead}"
         )
     return None
 
