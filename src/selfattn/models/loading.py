@@ -1001,16 +1001,25 @@ def drop_tied_head(
         )
 
 
-def eos_token_ids(raw: dict, folder: Path) -> tuple[int, ...]:
+def eos_token_ids(raw: dict, folder: Path, vocab_size: int) -> tuple[int, ...]:
     """The tokens that end a generation: ``generation_config.json``'s ``eos_token_id`` (one
     id or a list, as Llama 3's instruct models list three), else ``config.json``'s, as
-    Hugging Face's generate reads them; () for none."""
+    Hugging Face's generate reads them; () for none. An id that is not a token of the
+    vocabulary is refused: generation would never stop at it."""
     generation_file = folder / "generation_config.json"
     generation = (
         read_json(generation_file, "generation settings") if generation_file.is_file() else {}
     )
+    source = generation_file if "eos_token_id" in generation else folder / "config.json"
     ids = generation.get("eos_token_id", raw.get("eos_token_id"))
-    return tuple(ids) if isinstance(ids, list) else () if ids is None else (ids,)
+    ids = tuple(ids) if isinstance(ids, list) else () if ids is None else (ids,)
+    for token_id in ids:
+        if type(token_id) is not int or not 0 <= token_id < vocab_size:
+            raise SelfAttnError(
+                f"{source}: eos_token_id {token_id!r} is not a token id of this model "
+                f"(0 to {vocab_size - 1}); restore the checkpoint's original {source.name}"
+            )
+    return ids
 
 
 def rotary_info(config: LlamaConfig, raw: dict) -> ModelConfig:
@@ -1124,7 +1133,7 @@ def load(
     load_weights(network, rules, tensors, weights_path)
     tokenizer_path = folder / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tokenizer_path) if tokenizer_path.is_file() else None
-    ends = eos_token_ids(raw, folder) if info.kind == "decoder" else ()
+    ends = eos_token_ids(raw, folder, info.vocab_size) if info.kind == "decoder" else ()
     info = replace(info, skipped=skipped, eos_token_ids=ends)
     model = Model(network, info, name=name, tokenizer=tokenizer, sentence=sentence)
     set_backend(model, backend)
