@@ -1,11 +1,13 @@
 """Figures render headless and save as PNG or SVG by suffix."""
 
+import logging
 import warnings
 
 import pytest
 import torch
 from matplotlib import font_manager
 from matplotlib.colors import to_rgba
+from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from selfattn.viz import figures
@@ -79,25 +81,48 @@ def only_dejavu(monkeypatch):
     monkeypatch.setattr(font_manager.fontManager, "ttflist", dejavu)
 
 
-def test_glyphs_no_font_has_are_one_warning_naming_the_package(tmp_path, only_dejavu):
-    tokens = ["[CLS]", "我", "喜", "欢", "[SEP]"]
-    fig = heatmap_figure(torch.eye(5), tokens, tokens, "我")
-    (message,) = saved_with_warnings(fig, tmp_path / "zh.png")  # not one per glyph
-    assert message.startswith("no installed font has 喜 我 欢: the figure shows them as boxes")
-    assert message.endswith("apt install fonts-noto-cjk)")
+def drawn_with_warnings(tokens, title) -> tuple[Figure, list[str]]:
+    """A heatmap of ``tokens`` and the messages of the warnings drawing it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fig = heatmap_figure(torch.eye(len(tokens)), tokens, tokens, title)
+    return fig, [str(warning.message) for warning in caught]
 
 
-def test_no_package_is_named_when_its_fonts_are_installed(tmp_path, only_dejavu, monkeypatch):
+def test_characters_no_font_has_are_their_code_points(tmp_path, only_dejavu, caplog):
+    """Labels and title: 🙂 and 我喜欢 (not in DejaVu Sans) are U+ code points, one stand-in
+    per character, named in one warning with the packages that draw them, instead of boxes
+    and one matplotlib warning per glyph; what DejaVu Sans has (accents, Greek, the space
+    sign) stays. Saving warns and logs nothing: no glyph is missing."""
+    tokens = ["[CLS]", "🙂", "a🙂b", "我喜欢", "Café", "Ωμέγα", "␣", "[SEP]"]
+    shown = ["[CLS]", "U+1F642", "aU+1F642b", "U+6211 U+559C U+6B22", *tokens[4:]]
+    fig, (message,) = drawn_with_warnings(tokens, "我 🙂")
+    assert message == (
+        "no installed font has 喜 (U+559C) 我 (U+6211) 欢 (U+6B22) 🙂 (U+1F642): the figure "
+        "shows their code points; install fonts that have them (Debian, Ubuntu: apt install "
+        "fonts-noto-cjk fonts-symbola)"
+    )
+    axes = fig.axes[0]
+    assert [label.get_text() for label in axes.get_yticklabels()] == shown
+    assert [label.get_text() for label in axes.get_xticklabels()] == shown
+    assert axes.get_title() == "U+6211 U+1F642"
+    for name in ("emoji.png", "emoji.svg"):
+        assert saved_with_warnings(fig, tmp_path / name) == []
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_no_package_is_named_when_its_fonts_are_installed(only_dejavu, monkeypatch):
     monkeypatch.setitem(figures.FONT_PACKAGES, "fonts-noto-cjk", "DejaVu Sans")  # "installed"
-    fig = heatmap_figure(torch.eye(1), ["我"], ["我"], "one token")
-    (message,) = saved_with_warnings(fig, tmp_path / "zh.svg")
-    assert message == "no installed font has 我: the figure shows them as boxes"
+    _, messages = drawn_with_warnings(["我"], "one token")
+    assert messages == ["no installed font has 我 (U+6211): the figure shows their code points"]
 
 
 def test_a_fallback_font_draws_what_the_first_font_lacks(tmp_path, monkeypatch):
-    # U+231A WATCH: not in DejaVu Sans, in STIXGeneral (which matplotlib ships).
+    # U+231A WATCH: not in DejaVu Sans, in STIXGeneral (which matplotlib ships): drawn as is.
     monkeypatch.setattr(figures, "FALLBACK_FONTS", ("STIXGeneral",))
-    fig = heatmap_figure(torch.eye(2), ["⌚", "time"], ["⌚", "time"], "⌚")
+    fig, messages = drawn_with_warnings(["⌚", "time"], "⌚")
+    assert messages == []
+    assert [label.get_text() for label in fig.axes[0].get_yticklabels()] == ["⌚", "time"]
     assert saved_with_warnings(fig, tmp_path / "watch.svg") == []
 
 

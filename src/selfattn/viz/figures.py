@@ -4,16 +4,18 @@ The Agg backend is selected before pyplot is imported, so figures render on mach
 a display (servers, CI). Rows are queries, columns are keys, and every heatmap says so.
 
 Tokens in any script: the user's font comes first, then whichever of :data:`FALLBACK_FONTS`
-are installed (matplotlib falls back through the list glyph by glyph). Characters that no
-installed font has are drawn as boxes and named in one :class:`MissingGlyphsWarning` with the
-package that adds them, instead of matplotlib's warning per glyph. SVG text is written as
-outlines (``svg.fonttype`` "path"), so the figure looks the same without those fonts on the
-reader's machine; SVG and PNG files are byte-for-byte reproducible (no date, fixed ids).
+are installed (matplotlib falls back through the list glyph by glyph). A heatmap writes the
+characters that none of them has as their code points (🙂 as U+1F642), not as boxes, and says
+so in one :class:`MissingGlyphsWarning` naming the package that would draw them. SVG text is
+written as outlines (``svg.fonttype`` "path"), so the figure looks the same without those
+fonts on the reader's machine; SVG and PNG files are byte-for-byte reproducible (no date,
+fixed ids).
 """
 
 from __future__ import annotations
 
-import re
+import contextlib
+import itertools
 import unicodedata
 import warnings
 from collections.abc import Sequence
@@ -52,11 +54,10 @@ FONT_PACKAGES = {
     "fonts-noto-core": "Noto Sans Devanagari",
     "fonts-symbola": "Symbola",  # emoji up to Unicode 9, in black and white
 }
-MISSING_GLYPH = re.compile(r"Glyph (\d+) .*missing from")  # matplotlib's warning, one per glyph
 
 
 class MissingGlyphsWarning(UserWarning):
-    """A figure draws characters as boxes: no installed font has them."""
+    """A heatmap shows characters as their code points: no installed font has them."""
 
 
 def heatmap_figure(
@@ -70,7 +71,9 @@ def heatmap_figure(
 
     Square cells, column labels rotated so that long tokens do not overlap, and the legend
     "rows: queries, columns: keys" under the plot, so the figure reads on its own in a paper.
-    ``query_row``, if given, is outlined as the HTML page outlines the chosen query.
+    ``query_row``, if given, is outlined as the HTML page outlines the chosen query. Characters
+    no installed font has are written as their code points in the labels and title (U+1F642),
+    and named in one :class:`MissingGlyphsWarning`.
     """
     matrix = as_numpy(weights)
     if matrix.shape != (len(row_labels), len(col_labels)):
@@ -79,7 +82,16 @@ def heatmap_figure(
             f"got {matrix.shape}"
         )
     with plt.rc_context(_style()):
-        return _heatmap(matrix, row_labels, col_labels, title, query_row)
+        drawn = _drawn_code_points()
+        missing = {c for text in (*row_labels, *col_labels, title) for c in text} - {
+            chr(point) for point in drawn
+        }
+        if missing:
+            warnings.warn(_missing_glyphs_note(missing), MissingGlyphsWarning, stacklevel=2)
+        rows, cols = (
+            [_drawable(label, drawn) for label in labels] for labels in (row_labels, col_labels)
+        )
+        return _heatmap(matrix, rows, cols, _drawable(title, drawn), query_row)
 
 
 def _heatmap(
@@ -123,6 +135,33 @@ def _style() -> dict:
     }
 
 
+def _drawn_code_points() -> frozenset[int]:
+    """The characters the current ``font.family`` list draws, each family as matplotlib finds
+    it (its default font when none is installed), and the line break, which it lays out."""
+    paths = []
+    for family in plt.rcParams["font.family"]:
+        with contextlib.suppress(ValueError):  # not installed: matplotlib skips it too
+            paths.append(
+                font_manager.findfont(
+                    font_manager.FontProperties(family=[family]), fallback_to_default=False
+                )
+            )
+    charmaps = (
+        font_manager.get_font(path).get_charmap()
+        for path in paths or [font_manager.findfont(font_manager.FontProperties())]
+    )
+    return frozenset({ord("\n")}.union(*charmaps))
+
+
+def _drawable(text: str, drawn: frozenset[int]) -> str:
+    """``text`` with each character outside ``drawn`` as its code point, a run of them
+    space-separated: "a🙂🙂" as "aU+1F642 U+1F642"."""
+    return "".join(
+        "".join(run) if has else " ".join(f"U+{ord(character):04X}" for character in run)
+        for has, run in itertools.groupby(text, lambda character: ord(character) in drawn)
+    )
+
+
 def _installed_families() -> set[str]:
     return {font.name for font in font_manager.fontManager.ttflist}
 
@@ -138,37 +177,22 @@ def save_figure(fig: Figure, path: str | Path, *, close: bool = False) -> Path:
         raise ValueError(f"cannot save a figure as {path.name!r}: use a .png or .svg file name")
     options = {"dpi": 200} if suffix == ".png" else {"metadata": {"Date": None}}
     try:
-        with plt.rc_context(_style()), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with plt.rc_context(_style()):
             fig.savefig(path, bbox_inches="tight", **options)
     finally:
         if close:
             plt.close(fig)
-    _summarise_missing_glyphs(caught)
     return path
 
 
-def _summarise_missing_glyphs(caught: list[warnings.WarningMessage]) -> None:
-    """Matplotlib's warnings again, its one per missing glyph as one naming them all."""
-    missing: set[str] = set()
-    for warning in caught:
-        glyph = MISSING_GLYPH.match(str(warning.message))
-        if glyph:
-            missing.add(chr(int(glyph[1])))
-        else:
-            warnings.warn_explicit(
-                warning.message, warning.category, warning.filename, warning.lineno
-            )
-    if missing:
-        warnings.warn(_missing_glyphs_note(missing), MissingGlyphsWarning, stacklevel=3)
-
-
 def _missing_glyphs_note(missing: set[str]) -> str:
-    """One line: the characters drawn as boxes, and the packages to install, if any would help."""
+    """One line: the characters shown as code points, and the packages to install, if any
+    would draw them."""
     installed = _installed_families()
     packages = {_font_package(character) for character in missing}
     to_install = sorted(package for package in packages if FONT_PACKAGES[package] not in installed)
-    note = f"no installed font has {' '.join(sorted(missing))}: the figure shows them as boxes"
+    named = " ".join(f"{c} (U+{ord(c):04X})" for c in sorted(missing))
+    note = f"no installed font has {named}: the figure shows their code points"
     if not to_install:
         return note
     return (
