@@ -7,8 +7,9 @@ included: every layer's hidden states 1e-4 absolute, every layer's and head's at
 weights (recomputed from the recorded q, k, v and position bias) 1e-5 absolute, the pooler
 1e-4. The relative position buckets equal transformers' exactly, for distances up to 299.
 ``encode`` against sentence-transformers on the same folder: cosine >= 0.99999 per sentence.
-The offline page carries the bias exactly (float32 on the wire for these sizes); its weights,
-recomputed in chromium in float64, equal ``run.attention`` to 1e-6 absolute.
+The offline page carries the bias as its (H, 32) table, float32, from which chromium builds
+the model's bias exactly at every distance up to 511 either way; its weights, recomputed in
+chromium in float64, equal ``run.attention`` to 1e-6 absolute.
 The name map is checked key by key and shape by shape against the state dict.
 """
 
@@ -30,8 +31,9 @@ from selfattn.explain import explain_text
 from selfattn.models.bert import Bert, relative_buckets
 from selfattn.models.loading import ARCHITECTURES, mpnet_config, mpnet_rules
 from selfattn.recording import record
-from selfattn.viz import report
+from selfattn.viz import html, report
 from selfattn.viz.html import render_page
+from test_browser import step_biases
 from test_generation_view import in_chromium
 from test_models_encoders import (  # noqa: F401 (bpe_tokenizer: a fixture)
     BPE_VOCAB,
@@ -261,17 +263,28 @@ def mpnet_page(saved) -> tuple:
     return run, report.page_data(run, e)
 
 
-def test_the_page_carries_the_bias_once_and_its_thumbnails_add_it(saved):
-    """Every layer adds the same (1, H, T, T) tensor: the payload stores it once, (H, T, T),
-    float32 on the wire, decoding exactly to the recorded mask; the thumbnails are
-    run.attention's weights (bias included), far from the weights without it."""
+def test_the_page_carries_the_bias_as_its_table_and_its_thumbnails_add_it(saved):
+    """Every layer adds the same (1, H, T, T) tensor: the payload carries its (H, 32) table,
+    float32, exactly the model's numbers for the buckets these T tokens reach (0 for the
+    others), and looked up with transformers' bucket function it is the recorded mask,
+    exactly; the thumbnails are run.attention's weights (bias included), far from the
+    weights without it."""
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
     run, data = mpnet_page(saved)
     n = len(run.tokens)
     mask = run.captures[0].mask
     assert all(capture.mask.data_ptr() == mask.data_ptr() for capture in run.captures)
-    assert data["dtype"] == "float32" and data["bias"]["shape"] == [4, n, n]
-    carried = np.frombuffer(base64.b64decode(data["bias"]["data"]), dtype="<f4")
-    np.testing.assert_array_equal(carried.reshape(4, n, n), mask[0].numpy())
+    assert data["dtype"] == "float32" and data["bias"]["table"]["shape"] == [4, 32]
+    assert (data["bias"]["buckets"], data["bias"]["max_distance"]) == (32, 128)
+    table = np.frombuffer(base64.b64decode(data["bias"]["table"]["data"]), dtype="<f4")
+    table = torch.from_numpy(table.reshape(4, 32).copy())
+    position = torch.arange(n)
+    buckets = MPNetEncoder.relative_position_bucket(position[None, :] - position[:, None])
+    torch.testing.assert_close(table[:, buckets], mask[0], atol=0, rtol=0)
+    reached = torch.zeros(32, dtype=torch.bool).index_fill(0, buckets.flatten(), True)
+    model_table = selfattn.load(saved("MPNetModel")[0]).network.position_bias.embedding.weight.T
+    torch.testing.assert_close(table, model_table.detach() * reached, atol=0, rtol=0)
     assert_thumbnails_are_run_attention(run, data)
     unbiased = torch.stack([replace(c, mask=None).weights() for c in run.captures])
     peak = unbiased.amax(dim=(-2, -1), keepdim=True)
@@ -311,10 +324,7 @@ def test_the_pages_weights_add_the_bias_and_its_steps_show_it(saved, browser, tm
     rows = sorted(watched.step_rows(), key=lambda row: row["key"])
     expected = run.attention(1, 2)[query]
     assert [row["weight"] for row in rows] == pytest.approx(expected.tolist(), abs=1e-6)
-    biases = watched.page.eval_on_selector_all(
-        "#steps tbody tr", "(trs) => trs.map((tr) => +tr.querySelector('[data-bias]').dataset.bias)"
-    )
-    assert biases == run.captures[1].mask[0, 2, query].tolist()
+    assert step_biases(watched) == run.captures[1].mask[0, 2, query].tolist()
     watched.page.select_option("#head", "mean")
     rows = sorted(watched.step_rows(), key=lambda row: row["key"])
     expected = run.attention(1).mean(0)[query]
@@ -329,4 +339,57 @@ def test_explain_html_and_view_write_the_page_with_the_bias(saved, tmp_path, com
     options = ["--word", "bank", "--html"] if command == "explain" else ["-o"]
     result = CliRunner().invoke(app, [command, TEXT, "--model", str(folder), *options, str(page)])
     assert result.exit_code == 0, result.output
-    assert '"bias":{"shape":[4,' in page.read_text(encoding="utf-8")
+    assert '"bias":{"buckets":32,"max_distance":128,"table":{"shape":[4,32],' in page.read_text(
+        encoding="utf-8"
+    )
+
+
+@in_chromium
+def test_a_512_token_page_adds_the_models_bias_at_every_distance(
+    browser,
+    bpe_tokenizer,  # noqa: F811 (the imported fixture)
+    tmp_path,
+):
+    """The page computes MPNet's bias from its table and its own bucket function: for query 0
+    (keys 0..511 after it) and query 511 (keys 511..0 before it), so every relative position
+    up to 511 either way, the step panel's "+ bias" is the Hugging Face model's table looked
+    up with transformers' relative_position_bucket, exactly (float32 numbers, read as
+    float64); the weights equal run.attention's to 1e-6."""
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
+    torch.manual_seed(0)
+    config = mpnet_config_hf()
+    config.max_position_embeddings = 514  # all-mpnet-base-v2's: 512 tokens
+    hf = transformers.MPNetModel(config).eval()
+    hf.save_pretrained(tmp_path / "mpnet")
+    add_tokenizer(tmp_path / "mpnet", "bpe", bpe_tokenizer)
+    run, e = explain_text(selfattn.load(tmp_path / "mpnet"), TEXT * 100, truncate=True)
+    assert len(run.tokens) == 512
+    path = tmp_path / "mpnet.html"
+    path.write_text(render_page(report.page_data(run, e)), encoding="utf-8")
+    table = hf.encoder.relative_attention_bias.weight.detach()  # (32, H)
+    position = torch.arange(512)
+    buckets = MPNetEncoder.relative_position_bucket(position[None, :] - position[:, None])
+    for query in (0, 511):
+        watched = OfflinePage(browser, path, f"#layer=1&head=2&query={query}")
+        assert step_biases(watched) == table[buckets[query], 2].tolist()
+        rows = sorted(watched.step_rows(), key=lambda row: row["key"])
+        expected = run.attention(1, 2)[query]
+        assert [row["weight"] for row in rows] == pytest.approx(expected.tolist(), abs=1e-6)
+        watched.check_clean()
+
+
+@in_chromium
+def test_a_float16_page_keeps_the_bias_exact(saved, browser, tmp_path, monkeypatch):
+    """q, k and v as float16 (a long text's page) leave MPNet's table float32: the "+ bias"
+    column is still the recorded bias, exactly, and the note names only q, k and v."""
+    monkeypatch.setattr(html, "FLOAT32_LIMIT_BYTES", 0)
+    run, data = mpnet_page(saved)
+    assert data["dtype"] == "float16"
+    path = tmp_path / "mpnet.html"
+    path.write_text(render_page(data), encoding="utf-8")
+    watched = OfflinePage(browser, path)
+    query = data["selection"]["query"]
+    assert step_biases(watched) == run.captures[1].mask[0, 2, query].tolist()
+    assert "q, k and v came as float16" in watched.page.text_content("#step-note")
+    watched.check_clean()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from selfattn import attention
+from selfattn.models.bert import RelativePositionBias
 from selfattn.viz import html
 from selfattn.viz.html import page_payload, render_page
 
@@ -141,6 +142,41 @@ def test_a_bias_travels_as_float16_with_q_k_v(monkeypatch):
     data = payload(bias=bias())
     assert data["dtype"] == "float16"
     np.testing.assert_array_equal(decode(data["bias"], "float16"), bias().half().numpy())
+
+
+def mpnet_bias() -> tuple[torch.Tensor, torch.Tensor]:
+    """MPNet's bias for T tokens, (H, T, T), as the model's own module makes it, and the
+    module's (32, H) weight."""
+    torch.manual_seed(2)
+    module = RelativePositionBias(32, H)
+    return module(T)[0].detach(), module.embedding.weight.detach()
+
+
+def test_mpnets_bias_travels_as_its_table_in_float32(monkeypatch):
+    """A bias of one number per head and bucket of distance (MPNet's) travels as its (H, 32)
+    table: the weights of the buckets T tokens reach, 0 for the others, exactly, float32 on
+    a float16 page too; q, k and v alone make the page float16."""
+    monkeypatch.setattr(html, "FLOAT32_LIMIT_BYTES", 100)
+    added, weight = mpnet_bias()
+    data = payload(bias=added)
+    assert data["dtype"] == "float16"
+    assert data["bias"].keys() == {"buckets", "max_distance", "table"}
+    assert (data["bias"]["buckets"], data["bias"]["max_distance"]) == (32, 128)
+    reached = [0, 1, 2, 3, 4, 17, 18, 19, 20]  # keys 0..4 before the query, 1..4 after it
+    expected = np.zeros((H, 32), np.float32)
+    expected[:, reached] = weight.T[:, reached].numpy()
+    np.testing.assert_array_equal(decode(data["bias"]["table"], "float32"), expected)
+
+
+def test_a_bias_that_is_not_one_number_per_bucket_travels_in_full():
+    """One pair of a shared bucket changed, or a bias per layer: the full tensor, exactly."""
+    added, _ = mpnet_bias()
+    changed = added.clone()
+    changed[1, 0, 3] += 1e-3  # key 3 after query 0: the bucket of key 4 after query 1 too
+    for other in (changed, added.expand(L, H, T, T).clone()):
+        data = payload(bias=other)
+        assert data["bias"]["shape"] == list(other.shape)
+        np.testing.assert_array_equal(decode(data["bias"], "float32"), other.numpy())
 
 
 @pytest.mark.parametrize("per_layer", [False, True])

@@ -23,9 +23,15 @@ Payload (a JSON object, the input of the page's ``render(payload)``)::
                    null: every key the causal mask leaves), or null when no layer has one
     dtype          "float32" or "float16" (little-endian), the encoding of the tensors
     query, key, value            {"shape": [L, H, T, d], "data": base64}
-    bias           added to the scaled scores before the softmax (MPNet's relative position
-                   bias), {"shape": [H, T, T], "data": base64} when every layer adds the same
-                   (stored once), [L, H, T, T] when layers differ; null for models without one
+    bias           added to the scaled scores before the softmax, null for models without one.
+                   MPNet's relative position bias (one number per head and bucket of the key's
+                   distance, the same in every layer) as its table: {"buckets": 32,
+                   "max_distance": 128, "table": {"shape": [H, 32], "data": base64 float32}},
+                   key j's bias for query i in head h being table[h, bucket of j - i] (buckets
+                   as :func:`selfattn.models.bert.relative_buckets` makes them; a bucket no pair
+                   of this text reaches is 0). Any other bias in full, in ``dtype``:
+                   {"shape": [H, T, T], "data": base64} when every layer adds the same (stored
+                   once), [L, H, T, T] when layers differ
     thumbnails     {"size": n, "pool": "max", "data": base64 uint8 [L, H, n, n]}, each
                    head's weights max-pooled to n <= 48 and scaled by that head's largest weight
     selection      {"layer": l, "head": h or "mean", "query": i}: what the page shows first
@@ -48,9 +54,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from selfattn.attention import SIMILARITIES, attention
+from selfattn.models.bert import RELATIVE_BUCKETS, RELATIVE_MAX_DISTANCE, relative_buckets
 from selfattn.models.llama import window_mask
 
-FLOAT32_LIMIT_BYTES = 8 * 2**20  # q, k, v (and a bias) together; above this, float16
+FLOAT32_LIMIT_BYTES = 8 * 2**20  # q, k, v (and a full bias) together; above this, float16
 FLOAT16_MAX = 65504.0
 THUMBNAIL_SIZE = 48
 PAYLOAD_VERSION = 1
@@ -118,7 +125,8 @@ def page_payload(
         names: each token as the lists of keys name it (the tokens when None).
         note: said under the first query, when it is only a part of the word asked for.
         bias: added to the scaled scores before the softmax (MPNet's position bias): ``(H, T,
-            T)`` for every layer, or ``(L, H, T, T)`` per layer; None for none.
+            T)`` for every layer, or ``(L, H, T, T)`` per layer; None for none. One that is
+            MPNet's travels as its small table (see the payload above).
     """
     q, k, v = (
         _as_tensor(x, name) for x, name in ((query, "query"), (key, "key"), (value, "value"))
@@ -126,7 +134,9 @@ def page_payload(
     n_layers, n_heads, length, _ = q.shape
     _check(tokens, q, k, v, similarity, layer, head, query_index, words, names, windows)
     bias = None if bias is None else _as_bias(bias, q.shape)
-    dtype = wire_dtype(*(x for x in (q, k, v, bias) if x is not None))
+    table = None if bias is None else _relative_table(bias)
+    full_bias = bias if table is None else None
+    dtype = wire_dtype(*(x for x in (q, k, v, full_bias) if x is not None))
     return {
         "version": PAYLOAD_VERSION,
         "model": model_name,
@@ -146,7 +156,7 @@ def page_payload(
         "query": encode_tensor(q, dtype),
         "key": encode_tensor(k, dtype),
         "value": encode_tensor(v, dtype),
-        "bias": None if bias is None else encode_tensor(bias, dtype),
+        "bias": _bias_payload(full_bias, table, dtype),
         "thumbnails": _thumbnails(q, k, v, scale, similarity, causal, windows, bias),
         "selection": {"layer": layer, "head": head, "query": query_index or 0},
     }
@@ -202,6 +212,30 @@ def _as_bias(bias: Tensor | np.ndarray, shape: torch.Size) -> Tensor:
             f"(layers, heads, tokens, tokens), got {tuple(tensor.shape)}"
         )
     return tensor
+
+
+def _relative_table(bias: Tensor) -> Tensor | None:
+    """The ``(H, 32)`` table of an ``(H, T, T)`` bias that is one number per head and bucket of
+    key-minus-query distance (MPNet's), such that ``table[:, relative_buckets(T)]`` equals it
+    exactly; None for any other bias. A bucket no pair of the T tokens reaches is 0."""
+    if bias.dim() != 3:
+        return None
+    buckets = relative_buckets(bias.shape[-1])
+    table = bias.new_zeros(bias.shape[0], RELATIVE_BUCKETS)
+    table[:, buckets] = bias
+    return table if torch.equal(table[:, buckets], bias) else None
+
+
+def _bias_payload(full: Tensor | None, table: Tensor | None, dtype: str) -> dict | None:
+    """The payload's bias: MPNet's table with its bucketing, float32 (it is small), or a full
+    bias in the wire ``dtype``; None for none."""
+    if table is not None:
+        return {
+            "buckets": RELATIVE_BUCKETS,
+            "max_distance": RELATIVE_MAX_DISTANCE,
+            "table": encode_tensor(table, "float32"),
+        }
+    return None if full is None else encode_tensor(full, dtype)
 
 
 def _check(tokens, q, k, v, similarity, layer, head, query_index, words, names, windows) -> None:

@@ -4,7 +4,8 @@
 //   scores = q · kᵀ (cosine: q and k normalised first), scaled = scores × scale,
 //   weights = softmax(scaled) over each row (rows: queries, columns: keys), output = weights @ v.
 // A model that adds a bias to the scaled scores (MPNet's relative position bias: payload.bias) gets
-//   weights = softmax(scaled + bias), and its step panel shows the bias.
+//   weights = softmax(scaled + bias), and its step panel shows the bias. MPNet's comes as its table of
+//   one number per head and bucket of key − query distance (relativeBucket), any other bias in full.
 // The keys a row may not attend (after the query in a decoder, before its layer's sliding window) get 0.
 // Every piece of user text reaches the DOM through textContent, never as HTML.
 "use strict";
@@ -66,9 +67,38 @@
     return out;
   }
 
+  /**
+   * MPNet's bucket (after T5's) of a key `distance` = key − query positions from its query, in float32
+   * steps as Python's selfattn.models.bert.relative_buckets: keys before the query in buckets 0..half − 1,
+   * after it in half..buckets − 1; distances below half / 2 exactly, farther ones logarithmically up to
+   * maxDistance, beyond it the farthest bucket.
+   */
+  function relativeBucket(distance, buckets, maxDistance) {
+    const half = buckets / 2;
+    const exact = half / 2;
+    const n = Math.abs(distance);
+    const f = Math.fround;
+    const far = exact + Math.trunc(f(f(f(Math.log(n / exact)) / f(Math.log(maxDistance / exact))) * (half - exact)));
+    return (n < exact ? n : Math.min(far, half - 1)) + (distance > 0 ? half : 0);
+  }
+
+  /** The payload's bias: a full tensor, or MPNet's table with the bucket of each distance −(T − 1)..T − 1; null: none. */
+  function decodeBias(payload) {
+    const bias = payload.bias;
+    if (!bias || !bias.table) return bias && decodeTensor(bias, payload.dtype);
+    const last = payload.length - 1;
+    const bucket = Int32Array.from({ length: 2 * last + 1 }, (_, d) => relativeBucket(d - last, bias.buckets, bias.max_distance));
+    return { table: decodeTensor(bias.table, "float32"), bucket };
+  }
+
   /** Row i of the bias that `layer` adds to the scaled scores of `head`, as float64; null: the model adds none. */
   function biasRow(model, layer, head, i) {
     if (!model.bias) return null;
+    if (model.bias.table) {
+      const { table, bucket } = model.bias; // [H, buckets], every layer's: key j's is the bucket of j − i
+      const start = head * table.shape[1];
+      return Float64Array.from({ length: model.length }, (_, j) => table.data[start + bucket[j - i + model.length - 1]]);
+    }
     const shape = model.bias.shape; // [H, T, S]: every layer's, or [L, H, T, S]: one per layer
     const [heads, length, keys] = shape.slice(-3);
     const start = ((shape.length === 4 ? layer * heads : 0) + head) * length * keys + i * keys;
@@ -269,7 +299,7 @@
       query: decodeTensor(payload.query, payload.dtype),
       key: decodeTensor(payload.key, payload.dtype),
       value: decodeTensor(payload.value, payload.dtype),
-      bias: payload.bias && decodeTensor(payload.bias, payload.dtype),
+      bias: decodeBias(payload),
     };
     const T = model.length;
     const cache = new Map();
@@ -945,7 +975,7 @@
     const total = weights.reduce((a, b) => a + b, 0);
     const blanks = Array.from({ length: perHead }, () => h("td"));
     ui.stepsFoot.replaceChildren(h("tr", {}, h("td", {}, "total"), ...blanks, h("td", { class: "num strong" }, fmt(total)), h("td")));
-    const tensors = model.bias ? "q, k, v and the bias" : "q, k and v";
+    const tensors = model.bias && !model.bias.table ? "q, k, v and the bias" : "q, k and v"; // a table is float32
     const rounded = model.dtype === "float16" ? ` ${tensors} came as float16 to keep this long text's page small: the numbers agree with Python's to about 3 significant digits.` : "";
     const biased = model.bias ? " + bias" : "";
     const bias = model.bias ? "; bias: the model's position bias for this query and key (it depends on their distance)" : "";
