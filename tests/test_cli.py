@@ -173,3 +173,15 @@ def test_every_argument_is_shown_in_capitals_as_the_help_texts_name_it():
     ]
     assert len(arguments) >= 4  # explain, compare, view, generate
     assert [shown for shown in arguments if not shown[1].isupper()] == []
+
+
+def test_generate_model_help_names_every_decoder_family_the_command_takes():
+    # "--model: ... decoder folder (GPT-2 family)" while the command continues with Llama,
+    # Mistral and the rest too (its own description and error say so).
+    option = next(
+        param
+        for param in typer.main.get_command(app).commands["generate"].params
+        if param.name == "model"
+    )
+    for family in ("GPT-2", "GPT-NeoX", "Llama", "Mistral", "Qwen", "Phi-3", "Gemma"):
+        assert family in option.help

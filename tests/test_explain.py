@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from rich.cells import cell_len
 from typer.testing import CliRunner
 
 from selfattn import explain as explaining
@@ -23,7 +24,7 @@ from selfattn.cli import app
 from selfattn.errors import Message, Options, SelfAttnError, message_of, worded
 from selfattn.models.loading import load
 from selfattn.text import is_mark
-from selfattn.viz import report
+from selfattn.viz import figures, report
 from selfattn.viz.report import page_data
 
 MONEY = "I went to the bank to deposit money."
@@ -200,8 +201,8 @@ def test_the_word_table_labels_repeated_and_unknown_words_as_the_step_table_does
 def test_the_figure_outlines_the_query_row_merged_or_not(model, monkeypatch, tmp_path):
     # "gioco" is token 5 (gi ##oco after gi ##och ##i a) and word 3 when pieces are merged.
     rows = []
-    draw = report.heatmap_figure
-    monkeypatch.setattr(report, "heatmap_figure", lambda *a: rows.append(a[-1]) or draw(*a))
+    draw = figures.heatmap_figure  # imported by save_heatmap when it draws
+    monkeypatch.setattr(figures, "heatmap_figure", lambda *a: rows.append(a[-1]) or draw(*a))
     for words in (False, True):
         _, e = explaining.explain_text(model, "giochi a gioco", word="gioco", words=words)
         report.save_heatmap(e, tmp_path / "map.png")
@@ -213,8 +214,8 @@ def test_the_figure_names_unknown_keys_by_their_text(model, monkeypatch, tmp_pat
     # The terminal and the JSON name an unknown token by the text it stands for; the PNG/SVG
     # heatmap labelled it "[UNK]", so a text the vocabulary lacks drew a map of [UNK]s.
     labels = []
-    draw = report.heatmap_figure
-    monkeypatch.setattr(report, "heatmap_figure", lambda *a: labels.append(a[1]) or draw(*a))
+    draw = figures.heatmap_figure  # imported by save_heatmap when it draws
+    monkeypatch.setattr(figures, "heatmap_figure", lambda *a: labels.append(a[1]) or draw(*a))
     for words in (False, True):
         _, e = explaining.explain_text(model, "I like 🙂 a lot", word="like", words=words)
         report.save_heatmap(e, tmp_path / "map.svg")
@@ -744,6 +745,24 @@ def test_truncate_runs_the_first_tokens_and_says_where_it_cut():
     assert compared.exit_code == 0, compared.output
 
 
+def test_a_map_wider_than_the_terminal_keeps_one_line_per_row_around_the_query(monkeypatch):
+    # 512 keys in 80 columns wrapped every row of the map into seven lines of noise before.
+    monkeypatch.setenv("COLUMNS", "80")
+    text = "the river bank " * 170  # 512 tokens
+    result = invoke("explain", text, "--word", "bank", "--occurrence", "-1")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert max(cell_len(line) for line in lines) <= 80
+    query = int(re.search(r"query (\d+) 'bank'", result.stdout)[1])
+    first = next(i for i, line in enumerate(lines) if re.match(r"\s*0 \[CLS\] ", line))
+    assert re.match(r"511 \[SEP\] ", lines[first + 511])  # no row wrapped onto a second line
+    assert "attention, layer" in lines[first - 4]  # the title, then 3 lines of key indices
+    said = " ".join(result.stdout.split())
+    shown = re.search(r"keys (\d+)\.\.(\d+) of 512 shown", said)
+    assert int(shown[1]) <= query <= int(shown[2])
+    assert f"around key {query}; a wider terminal, --png, --svg or --html shows them all" in said
+
+
 def test_help_lists_flags_without_a_type_and_paragraphs_on_one_line():
     import typer
 
@@ -1215,3 +1234,13 @@ def test_a_warning_while_writing_a_figure_is_one_note(tmp_path, monkeypatch):
     lines = result.stderr.strip().splitlines()
     assert "note: smile.png: no installed font has 🙂: the figure shows them as boxes" in lines
     assert not any("Warning" in line or "warnings.warn" in line for line in lines), lines
+
+
+def test_the_terminal_report_does_not_import_matplotlib():
+    # matplotlib takes about 0.3 s to import: explain pays it only for --png or --svg.
+    import subprocess
+    import sys
+
+    code = "import sys, selfattn.viz.report; print('matplotlib' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "False", result.stderr

@@ -251,3 +251,17 @@ def test_straight_and_curly_apostrophes_find_each_other(wordpiece):
     assert encoding.find("l'amico") == (0, 7)
     assert encoding.find("L’AMICA") == (10, 17)
     assert encoding.find("don’t") == (19, 24)
+
+
+def test_a_punctuation_mark_or_symbol_is_found_after_a_word_but_not_inside_one(wordpiece):
+    text = "I went to the bank to deposit money. Don't pay $3.50, ok? Hi🙂"
+    encoding = wordpiece.encode(text)
+    assert encoding.find(".") == (text.index("."), text.index(".") + 1)  # after "money"
+    assert encoding.find("?") == (text.index("?"), text.index("?") + 1)
+    assert encoding.find("🙂") == (len(text) - 1, len(text))
+    assert encoding.find("ok?") == (text.index("ok?"), text.index("ok?") + 3)
+    assert [encoding.tokens[i] for i in encoding.select(",")] == [","]
+    with pytest.raises(SelfAttnError, match="occurs 1 time"):
+        encoding.find(".", occurrence=1)  # the "." of 3.50 is part of the number
+    with pytest.raises(SelfAttnError, match="not in the text"):
+        encoding.find("'")  # the apostrophe of "Don't" is part of the word

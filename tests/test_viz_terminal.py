@@ -257,3 +257,24 @@ def test_comparison_says_which_occurrence_it_follows():
     attended = [[Attended("river", 0.5, 2, repeated=False)]] * 2
     assert "'bank' (--occurrence -1) across sentences" in compared(attended, occurrence=-1)
     assert "'bank' across sentences" in compared(attended)
+
+
+def test_heatmap_wider_than_the_terminal_shows_the_keys_around_the_focus_and_says_so():
+    # 300 keys cannot take a cell each in 80 columns: every line wrapped into four before,
+    # scrambling the rows. Now each row is one line, with the keys around the query.
+    tokens = [f"t{i}" for i in range(300)]
+    weights = torch.eye(300)
+    console = Console(record=True, width=80, color_system=None)
+    console.print(heatmap(tokens, tokens, weights, "300 tokens", focus=250, more="--png too"))
+    lines = console.export_text().splitlines()
+    assert max(cell_len(line) for line in lines) <= 80
+    assert sum(1 for line in lines if line.lstrip().startswith(("0 t0 ", "299 t299"))) == 2
+    note = next(line for line in lines if "of 300 shown" in line)
+    start, stop = map(int, note.split()[1].split(".."))
+    assert start <= 250 <= stop and stop - start + 1 == 80 - len("299 t299") - 1
+    assert "around key 250" in " ".join(" ".join(lines).split())
+    row = next(line for line in lines if line.startswith("250 t250"))
+    assert row[len("250 t250 ") + 250 - start] == "█"  # the diagonal cell, in its column
+    assert "--png too" in " ".join(lines)
+    # A map that fits says nothing of the kind.
+    assert "shown" not in render(heatmap(tokens[:20], tokens[:20], torch.eye(20), "fits"))

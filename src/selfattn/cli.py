@@ -258,7 +258,10 @@ def generate(
     ] = None,
     model: Annotated[
         str | None,
-        typer.Option(help="A Hugging Face-style decoder folder (GPT-2 family), instead."),
+        typer.Option(
+            help="A Hugging Face-style decoder folder instead (GPT-2, GPT-NeoX, Llama, Mistral, "
+            "Qwen, Phi-3 or Gemma)."
+        ),
     ] = None,
     prompt: Annotated[
         str | None,

@@ -120,7 +120,17 @@ class Encoding:
         body = r"\s+".join(re.escape(part) for part in folded_query.split())
         digits_before = r"(?<!\d[.,])" if folded_query[0].isdigit() else ""
         digits_after = r"(?![.,]\d)" if folded_query[-1].isdigit() else ""
-        pattern = rf"(?<!{LETTERS}){digits_before}{body}(?!{LETTERS}){digits_after}"
+        # A query that starts (ends) with a mark, "." or "🙂", is a word of its own there
+        # whatever precedes (follows) it: "money." holds the word "."; but not a mark inside
+        # a word or number (the "'" of "don't", the "." of "3.50"), by the text's own words.
+        letter_first = re.match(LETTERS, folded_query[0]) is not None
+        letter_last = re.match(LETTERS, folded_query[-1]) is not None
+        before_word = rf"(?<!{LETTERS})" if letter_first else ""
+        after_word = rf"(?!{LETTERS})" if letter_last else ""
+        pattern = rf"{before_word}{digits_before}{body}{after_word}{digits_after}"
+        if not (letter_first and letter_last):
+            words = [match.span() for match in word_pattern().finditer(self.text)]
+            starts, ends = {start for start, _ in words}, {end for _, end in words}
         spans = []
         for match in re.finditer(pattern, folded, re.IGNORECASE):
             start, end = match.span()
@@ -129,7 +139,12 @@ class Encoding:
             if before or after:
                 continue  # it would cut a character, or a letter from its marks
             # The end takes in the marks dropped after the match (those of "e" + U+0301).
-            spans.append((owner[start], owner[end] if end < len(folded) else len(self.text)))
+            span = (owner[start], owner[end] if end < len(folded) else len(self.text))
+            if not letter_first and span[0] not in starts:
+                continue  # a mark inside a word: the "'" of "don't"
+            if not letter_last and span[1] not in ends:
+                continue
+            spans.append(span)
         return spans
 
     def _check_read(self, word: str, occurrence: int, span: Span) -> None:

@@ -31,7 +31,6 @@ from selfattn.explain import (
 )
 from selfattn.recording import Capture
 from selfattn.text import is_mark
-from selfattn.viz.figures import heatmap_figure, save_figure
 from selfattn.viz.html import page_payload, render_page
 from selfattn.viz.terminal import (
     RowTable,
@@ -143,7 +142,9 @@ def print_explanation(console: Console, e: Explanation) -> None:
         named = e.name(labels[row], e.groups[row][1])
         words = key_labels(shown(e.word_names), [members[0] for _, members in e.groups])
         console.print(weights_bars(words, matrix[row], f"{named} by word (pieces merged)"))
-    console.print(heatmap(labels, labels, matrix, f"attention, {_where(e)}{_causal_note(e)}"))
+    title = f"attention, {_where(e)}{_causal_note(e)}"
+    more = "a wider terminal, --png, --svg or --html shows them all"
+    console.print(heatmap(labels, labels, matrix, title, focus=_query_row(e), more=more))
 
 
 def _step_table(keys: list[str], steps: Steps, scaled: Tensor, scale: str) -> RowTable:
@@ -256,6 +257,8 @@ def _verdict(own_bits: str, alt_bits: str) -> str:
 def save_heatmap(e: Explanation, path: Path) -> Path:
     """The explained layer/head as a paper-ready PNG or SVG heatmap; each token or word
     labelled as the lists of keys name it (an unknown one by its text: '🙂' ([UNK]))."""
+    from selfattn.viz.figures import heatmap_figure, save_figure  # matplotlib: 0.3 s to import
+
     _, matrix = _labels(e)
     labels = shown(e.key_names if e.groups is None else e.word_names)
     figure = heatmap_figure(matrix, labels, labels, f"{e.model}: {_where(e)}", _query_row(e))

@@ -182,7 +182,10 @@ class Heatmap:
     Cell width adapts to the console: two characters or more while they fit, one beyond
     (64 keys fit a 120-column terminal). Up to ``VERTICAL_LABELS`` columns the key tokens are
     written vertically above their cells; beyond that the columns carry their index and a
-    legend below maps indices to tokens.
+    legend below maps indices to tokens. Where even one character per key does not fit, the
+    map shows the keys that do, around column ``focus`` (the query's, if given), and says
+    which; ``more`` says where to see them all. A line wider than the console would wrap
+    into a second one and scramble every row after it.
     """
 
     VERTICAL_LABELS = 40
@@ -195,6 +198,8 @@ class Heatmap:
         columns: Sequence[str],
         matrix: ArrayLike,
         title: str,
+        focus: int | None = None,
+        more: str = "a wider terminal shows them all",
     ) -> None:
         self.matrix = as_numpy(matrix)
         if self.matrix.shape != (len(rows), len(columns)):
@@ -206,6 +211,7 @@ class Heatmap:
         self.columns = list(columns)
         self.same_tokens = list(rows) == self.columns
         self.title = title
+        self.focus, self.more = focus, more
         self.low = min(0.0, float(self.matrix.min(initial=0.0)))
         self.high = float(self.matrix.max(initial=0.0))
 
@@ -214,24 +220,34 @@ class Heatmap:
         return index_width + 1 + max((cell_len(label) for label in self.rows), default=0)
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
-        minimum = self._label_width() + 1 + len(self.columns)
+        minimum = self._label_width() + 1 + min(1, len(self.columns))
         return Measurement(minimum, max(minimum, self._label_width() + 1 + 3 * len(self.columns)))
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         label_width = self._label_width()
         free = options.max_width - label_width - 1
-        cell = max(1, min(3, free // max(len(self.columns), 1)))
-        grid_width = label_width + 1 + cell * len(self.columns)
+        keys = self._keys_shown(max(free, 1))
+        cell = max(1, min(3, free // max(len(keys), 1)))
+        grid_width = label_width + 1 + cell * len(keys)
         yield _centred(self.title, grid_width, "bold")
-        yield from self._column_header(label_width, cell)
+        yield from self._column_header(label_width, cell, keys)
         index_width = len(str(len(self.rows) - 1))
         coloured = console.color_system is not None and not console.no_color  # NO_COLOR
         for i, (label, values) in enumerate(zip(self.rows, self.matrix, strict=True)):
             line = Text(f"{i:>{index_width}} {set_cell_size(label, label_width - index_width)}")
-            for value in values:
+            for value in values[keys.start : keys.stop]:
                 line.append(*self._cell(value, cell, coloured))
             yield line
-        yield from self._legend(label_width, grid_width, coloured)
+        yield from self._legend(label_width, grid_width, coloured, keys)
+
+    def _keys_shown(self, fit: int) -> range:
+        """Every key where ``fit`` cells hold them, else the ``fit`` keys around ``focus``."""
+        n = len(self.columns)
+        if n <= fit:
+            return range(n)
+        centre = 0 if self.focus is None else min(max(self.focus, 0), n - 1)
+        start = min(max(centre - fit // 2, 0), n - fit)
+        return range(start, start + fit)
 
     def _fraction(self, value: float) -> float:
         span = self.high - self.low
@@ -245,13 +261,13 @@ class Heatmap:
         block = self.BLOCKS[round(min(max(fraction, 0.0), 1.0) * (len(self.BLOCKS) - 1))]
         return block * width, None
 
-    def _column_header(self, label_width: int, cell: int) -> Iterable[Text]:
+    def _column_header(self, label_width: int, cell: int, keys: range) -> Iterable[Text]:
         """Key labels written downwards (few keys) or key indices written downwards (many), a
         character and its combining marks on one line."""
         if len(self.columns) <= self.VERTICAL_LABELS:
-            clipped = [_clip(token, self.LABEL_CHARS) for token in self.columns]
+            clipped = [_clip(self.columns[j], self.LABEL_CHARS) for j in keys]
         else:
-            clipped = [str(j) for j in range(len(self.columns))]
+            clipped = [str(j) for j in keys]
         labels = [_clusters(label) for label in clipped]
         height = max((len(label) for label in labels), default=0)
         for depth in range(height):
@@ -261,7 +277,9 @@ class Heatmap:
                 line.append(_fit(char, cell), style="bold")
             yield line
 
-    def _legend(self, label_width: int, grid_width: int, coloured: bool) -> Iterable[Text]:
+    def _legend(
+        self, label_width: int, grid_width: int, coloured: bool, keys: range
+    ) -> Iterable[Text]:
         ramp = Text(" " * (label_width + 1))
         ramp.append(f"{self.low:.3g} ")
         for step in range(16):
@@ -270,11 +288,18 @@ class Heatmap:
         ramp.append(f" {self.high:.3g}")
         yield ramp
         yield _centred(CAPTION, grid_width, "italic")
+        if len(keys) < len(self.columns):
+            around = "" if self.focus is None else f", around key {self.focus}"
+            yield Text(
+                f"keys {keys.start}..{keys.stop - 1} of {len(self.columns)} shown, as many as "
+                f"the terminal's width holds{around}; {self.more}",
+                style="bold",
+            )
         if len(self.columns) > self.VERTICAL_LABELS and self.same_tokens:
             yield Text("columns: key j is the token of row j", style="dim")
         elif len(self.columns) > self.VERTICAL_LABELS:
-            keys = ", ".join(f"{j} {_clip(token, 12)}" for j, token in enumerate(self.columns))
-            yield Text(f"keys: {keys}", style="dim")
+            listed = ", ".join(f"{j} {_clip(self.columns[j], 12)}" for j in keys)
+            yield Text(f"keys: {listed}", style="dim")
 
 
 def heatmap(
@@ -282,14 +307,17 @@ def heatmap(
     tokens_cols: Sequence[str],
     matrix: ArrayLike,
     title: str,
+    focus: int | None = None,
+    more: str = "a wider terminal shows them all",
 ) -> Heatmap:
     """A (T, S) attention map as a terminal heatmap: darker is more weight.
 
     Shades run from the smaller of 0 and the matrix minimum (light) to the maximum (dark), so
     weights and raw scores both read right. Needs a truecolor terminal for the shades; labels,
-    caption and legend print everywhere.
+    caption and legend print everywhere. Keys that do not fit the terminal's width are left
+    out around key ``focus``, and a line says so and, in ``more``, where to see them all.
     """
-    return Heatmap(tokens_rows, tokens_cols, matrix, title)
+    return Heatmap(tokens_rows, tokens_cols, matrix, title, focus, more)
 
 
 def _centred(text: str, width: int, style: str) -> Text:
