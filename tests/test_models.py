@@ -406,3 +406,17 @@ def test_show_displays_in_a_notebook_and_opens_a_browser_elsewhere(
         assert opened == []
     else:
         assert shown == [] and len(opened) == 1 and opened[0].startswith("file://")
+
+
+def test_loading_and_running_a_model_imports_no_compiler():
+    """Building the network on the meta device ran nn.Embedding's random init, whose meta
+    version imports torch._dynamo: 1 to 2 s of every load, for numbers the checkpoint then
+    replaced. The fills are skipped; loading and running the default model import neither
+    torch._dynamo nor matplotlib."""
+    code = (
+        "import sys, selfattn; selfattn.load().run('I went to the bank'); "
+        "print([name for name in ('torch._dynamo', 'matplotlib') if name in sys.modules])"
+    )
+    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.stdout.strip() == "[]", result.stderr

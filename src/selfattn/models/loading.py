@@ -54,6 +54,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from selfattn.errors import SelfAttnError
 from selfattn.layers import RopeScaling
@@ -865,6 +866,23 @@ def renamed(name: str, legacy_suffixes: dict[str, str]) -> str:
     return name
 
 
+class NoRandomFill(TorchFunctionMode):
+    """Skips the random fills of the layers' initialisation for a network built on the meta
+    device, whose parameters the checkpoint fills: on meta tensors ``normal_`` runs a
+    reference implementation that imports ``torch._dynamo`` (1 to 2 s of every load)."""
+
+    SKIPPED = frozenset(
+        {nn.init.normal_, nn.init.uniform_, nn.init.trunc_normal_, nn.init.kaiming_uniform_}
+        | {nn.init.kaiming_normal_, nn.init.xavier_uniform_, nn.init.xavier_normal_}
+        | {Tensor.normal_, Tensor.uniform_}
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.SKIPPED:  # nn.init's pass the tensor by name
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def allocate(network: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Give a network built on the meta device its parameters, uninitialised, in ``dtype`` on
     ``device`` (a 7B model in bfloat16 takes its 14 GB there, never 28 GB of float32 on the
@@ -1122,7 +1140,7 @@ def load(
     weights_path, files = weight_files(folder)
     tensors, skipped = read_checkpoint(files, ARCHITECTURES[model_type])
     try:
-        with torch.device("meta"):  # no memory, no random init: every parameter is loaded
+        with torch.device("meta"), NoRandomFill():  # no memory, no init: all are loaded
             network, rules, info, sentence = BUILDERS[model_type](raw, tensors, folder)
     except KeyError as missing:
         raise SelfAttnError(
