@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -524,6 +525,8 @@ def explain(
         raise _fail("give either --word or --index, not both", 2)
     if similarity is not None and similarity not in ("dot", "cosine"):
         raise _fail(f"--similarity must be 'dot' or 'cosine', got {similarity!r}", 2)
+    if scale is not None and not math.isfinite(scale):
+        raise _fail(f"--scale must be a finite number, got {scale}", 2)
     for path, suffix in ((png, ".png"), (svg, ".svg")):
         if path is not None and path.suffix.lower() != suffix:
             raise _fail(f"--{suffix[1:]} needs a file name ending in {suffix}, got {path}", 2)
