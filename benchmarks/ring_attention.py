@@ -24,9 +24,17 @@ does whatever else shares its core (P = 3 time-shares 2 cores), the least of thr
 their max/min over the ranks; and the call's time (the slowest rank's, as above), which for
 P = 2 shows what the ring waits.
 
+Agreement (``--agreement``): the step at the start of every call where the ranks check that
+they hold shards of one shape and pass the same options (``_Ring.agree_on``), timed alone
+(wall time, by wrapping it) and with the whole call, on a shard too small for the
+attention to count (B=1, H=8, n=16 tokens per rank, D=64, float32, forward, no gradients), 2
+gloo ranks, 1 thread each; the median of ``AGREEMENT_CALLS`` calls after a warm-up, the
+slower rank's.
+
     python benchmarks/ring_attention.py                  # about 3 minutes on 2 cores
     python benchmarks/ring_attention.py --lengths 2048   # a shorter run
     python benchmarks/ring_attention.py --balance        # about 2 minutes on 2 cores
+    python benchmarks/ring_attention.py --agreement      # about 10 seconds
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -56,6 +65,7 @@ BALANCE_RUNS = [(size, layout) for size in (2, 3) for layout in ring_module.LAYO
 
 
 TIMED_CALLS = 3
+AGREEMENT_CALLS, AGREEMENT_TOKENS = 1000, 16
 
 
 class TileClock:
@@ -161,6 +171,46 @@ def balance_worker(rank: int, port: int, size: int, layout: str, out: Path) -> N
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 
 
+def agreement_worker(rank: int, port: int, size: int, out: Path) -> None:
+    """Wall seconds of each call's agreement step and of the whole call, ``AGREEMENT_CALLS``
+    calls after a warm-up, to ``out/rank{rank}.json``."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    agreements, calls = [], []
+    agree_on = ring_module._Ring.agree_on
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return agree_on(*args, **kwargs)
+        finally:
+            agreements.append(time.perf_counter() - start)
+
+    ring_module._Ring.agree_on = timed
+    torch.manual_seed(rank)
+    query, key, value = torch.randn(3, 1, HEADS, AGREEMENT_TOKENS, HEAD_DIM).unbind(0)
+    for _ in range(2 * AGREEMENT_CALLS):  # the first half warms up
+        start = time.perf_counter()
+        ring_attention(query, key, value, causal=True)
+        calls.append(time.perf_counter() - start)
+    dist.destroy_process_group()
+    timings = {"agreement": agreements, "call": calls}
+    results = {name: statistics.median(x[AGREEMENT_CALLS:]) for name, x in timings.items()}
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def agreement() -> None:
+    """Print the median agreement and call time per call, the slower rank's."""
+    ranks = spawn(agreement_worker, 2)
+    print(f"torch {torch.__version__}, gloo, 2 ranks, 1 thread each, B=1 H={HEADS} "
+          f"n={AGREEMENT_TOKENS} D={HEAD_DIM} float32, causal, forward\n")  # fmt: skip
+    agreed, called = (max(r[name] for r in ranks) * 1e6 for name in ("agreement", "call"))
+    print("| agreement µs | whole call µs | agreement share |")
+    print("|---|---|---|")
+    print(f"| {agreed:.0f} | {called:.0f} | {agreed / called:.0%} |")
+
+
 def spawn(worker, size: int, *args) -> list[dict]:
     """``worker(rank, port, size, *args, out)`` in ``size`` spawned processes; each rank's
     results."""
@@ -209,10 +259,16 @@ def main() -> None:
     parser.add_argument(
         "--balance", action="store_true", help="the causal work per rank of each layout instead"
     )
+    parser.add_argument(
+        "--agreement", action="store_true", help="the time of the ranks' agreement step instead"
+    )
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by each spawned process's glibc
     if args.balance:
         balance()
+        return
+    if args.agreement:
+        agreement()
         return
     runs = {
         "sdpa": run(1, False, args.lengths),

@@ -390,9 +390,9 @@ def test_a_scale_that_needs_a_gradient_is_refused_not_silently_detached():
 
 
 @pytest.mark.parametrize("backend", [*EXACT_BACKENDS, "chunked"])
-@pytest.mark.parametrize("value", [-1e5, 7e4, torch.finfo(torch.float32).min])
+@pytest.mark.parametrize("value", [-1e5, 7e4, -3e38])
 def test_float16_with_a_float32_mask_beyond_its_range(backend, value):
-    """A float32 mask whose values overflow float16 (Hugging Face masks with finfo.min) is
+    """A float32 mask whose values overflow float16 (-3e38: near finfo.min, a bias still) is
     computed in float32, as on the explicit path: no inf - inf, no rows lost. Tolerance: twice
     the explicit path's own float16 error against float64, plus 1e-3."""
     q, k, v = qkv((2, 3), 4, 6, 8, 8)
@@ -423,18 +423,58 @@ def test_float16_with_a_float32_mask_compiles_whole_in_float32():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_chunked_biases_at_the_float_limits_as_on_the_explicit_path(dtype):
-    """A finite bias at finfo.min (Hugging Face's "masked") or finfo.max times log2(e) must
-    not overflow: a row all at finfo.min is a plain softmax of equal biases, not an empty
+    """A finite bias next above finfo.min (which masks) or at finfo.max times log2(e) must
+    not overflow: a row all at the former is a plain softmax of equal biases, not an empty
     row, and a key at finfo.max takes all of its row's weight, not NaN. Tolerance: TOL."""
     q, k, v = qkv((2, 1), 4, 5, 8, 8, dtype=dtype)
     mask = torch.zeros(2, 1, 1, 5, dtype=dtype)
-    mask[0] = torch.finfo(dtype).min
+    lowest = torch.tensor(torch.finfo(dtype).min, dtype=dtype)
+    mask[0] = torch.nextafter(lowest, torch.zeros_like(lowest))
     mask[1, ..., 3] = torch.finfo(dtype).max
     expected = attention(q, k, v, mask=mask, backend="explicit")
     torch.testing.assert_close(  # TOL[dtype] absolute
         attention(q, k, v, mask=mask, backend="chunked"), expected, atol=TOL[dtype], rtol=0
     )
     assert expected[0].abs().sum() > 0  # the row is not emptied
+
+
+def _reference_with_keys_allowed(q, k, v, bias, allowed):
+    """Float64 softmax(q kᵀ / sqrt(D) + bias) v over the allowed keys only, by hand; a row
+    with none gets weights 0."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + bias.masked_fill(~allowed, 0)
+    empty = ~allowed.any(-1, keepdim=True)
+    filled = scores.masked_fill(~allowed, -math.inf).masked_fill(empty, 0.0)
+    return torch.softmax(filled, -1).masked_fill(~allowed, 0.0) @ v
+
+
+@pytest.mark.parametrize("backend", ["explicit", "sdpa", "chunked", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_mask_at_its_dtypes_lowest_value_masks_like_minus_infinity(backend, dtype, causal):
+    """Hugging Face's masks: finfo(mask dtype).min where a key is masked, in a (B, 1, T, S)
+    float mask of random biases, also under causal (a left-padded decoder: early queries see
+    padding only). Keys at it weigh 0, and queries that see no other key (all of query 1's
+    in batch 0; with causal, query 0 of batch 1's) get output 0 and zero gradients, as with
+    -inf: not an average of the values. Output and q, k, v gradients (float64 inputs) within
+    1e-12 of a by-hand float64 softmax over the other keys."""
+    q, k, v = qkv((2, 3), 5, 7, 4, 3, grad=True)
+    generator = torch.Generator().manual_seed(9)
+    bias = (3 * torch.randn(2, 1, 5, 7, generator=generator, dtype=torch.float64)).to(dtype)
+    masked = torch.rand(2, 1, 5, 7, generator=generator) < 0.3
+    masked[0, :, 1] = True
+    masked[1, ..., :3] = True  # the keys causal query 0 sees (bottom-right: j <= 2)
+    mask = bias.masked_fill(masked, torch.finfo(dtype).min)
+    allowed = ~masked & (torch.ones(5, 7).tril(2).bool() if causal else True)
+    upstream = torch.randn(2, 3, 5, 3, generator=generator, dtype=torch.float64)
+    reference = _reference_with_keys_allowed(q, k, v, bias.double(), allowed)
+    expected = [reference, *torch.autograd.grad(reference, (q, k, v), upstream)]
+    output = attention(q, k, v, mask=mask, causal=causal, backend=backend)
+    got = [output, *torch.autograd.grad(output, (q, k, v), upstream)]
+    for what, actual, want in zip(["output", "dq", "dk", "dv"], got, expected, strict=True):
+        torch.testing.assert_close(actual, want, atol=1e-12, rtol=0, msg=what)
+    empty = ~allowed.any(-1).expand(2, 3, 5)
+    assert empty[0, :, 1].all() and empty[1, :, 0].all() == causal
+    assert got[0][empty].eq(0).all() and got[1][empty].eq(0).all()
 
 
 def test_chunked_takes_a_float16_mask_at_its_own_limits():

@@ -19,7 +19,7 @@ import torch
 
 from selfattn.attention import attention, choose_backend, make_call
 from selfattn.kernels import chunked_attention
-from selfattn.kernels.chunked import _ChunkedAttention, finite_bias
+from selfattn.kernels.chunked import LOG2E, _ChunkedAttention, finite_bias
 
 SHAPES = [  # (T, S, D): primes, S != T both ways
     (7, 7, 5),
@@ -325,6 +325,28 @@ def test_finite_bias_clamps_values_far_beyond_the_limit_and_passes_gradients():
     cast = finite_bias(bias.detach(), torch.float32, 1.0)
     assert cast.dtype == torch.float32
     assert torch.equal(cast, torch.tensor([-math.inf, math.inf, -math.inf, 5.0, -math.inf]))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "compute"),
+    [
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+    ],
+)
+def test_finite_bias_makes_the_lowest_value_of_its_dtype_minus_infinity(dtype, compute):
+    """Hugging Face's finfo(dtype).min masks: as the chunked tiles and the Triton kernels get
+    it (in base 2, float32 for a half-precision bias), it is -inf, whatever the bias's dtype
+    (a float16 one was passed on as it came); the value next above it is a bias, finite;
+    -inf and 5 stay. Exact."""
+    lowest = torch.tensor(torch.finfo(dtype).min, dtype=dtype)
+    above = torch.nextafter(lowest, torch.zeros_like(lowest))
+    bias = torch.tensor([lowest.item(), above.item(), -math.inf, 5.0], dtype=dtype)
+    ready = finite_bias(bias, compute, LOG2E)
+    assert ready[[0, 2]].tolist() == [-math.inf, -math.inf]
+    assert ready[1].isfinite() and ready[3] == 5
 
 
 @pytest.mark.parametrize("similarity", ["dot", "cosine"])

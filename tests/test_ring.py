@@ -24,7 +24,7 @@ import re
 import subprocess
 import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -53,7 +53,7 @@ class Case:
     scale: float | None = None
     dtype: torch.dtype = torch.float64
     layout: str = "contiguous"
-    mask: str | None = None  # None, "bool" or "float"
+    mask: str | None = None  # None, "bool", "float" or "lowest"
     backend: str = "auto"
 
     def inputs(self, size: int) -> list[torch.Tensor]:
@@ -67,7 +67,8 @@ class Case:
         """The whole sequence's key mask, ``(B, 1, 1, T)`` (``(T,)`` without lead dims), seeded:
         keys dropped at random, and every key of the last rank, and key 0 (so causal query 0
         sees nothing); batch 1, if any, all padded (none of its queries sees a key). Boolean
-        (True = may attend), or float: -inf where padded, random finite values elsewhere."""
+        (True = may attend), or float: -inf where padded ("lowest": finfo(float64).min, as
+        Hugging Face masks), random finite values elsewhere."""
         if self.mask is None:
             return None
         t = size * self.n
@@ -81,7 +82,8 @@ class Case:
         if self.mask == "bool":
             return allowed
         bias = torch.randn(shape, generator=generator, dtype=torch.float64)
-        return bias.masked_fill(~allowed, -math.inf)
+        padded = -math.inf if self.mask == "float" else torch.finfo(torch.float64).min
+        return bias.masked_fill(~allowed, padded)
 
 
 EXACT = {  # float64, compared within 1e-10
@@ -104,6 +106,8 @@ EXACT = {  # float64, compared within 1e-10
     "zigzag-padding-causal": Case(n=6, layout="zigzag", mask="bool", causal=True),
     "float-mask-causal": Case(mask="float", causal=True),
     "zigzag-float-mask": Case(n=6, layout="zigzag", mask="float"),
+    "lowest-mask-causal": Case(mask="lowest", causal=True),
+    "zigzag-lowest-mask": Case(n=6, layout="zigzag", mask="lowest"),
 }
 REDUCED = {  # float32, float16 and bfloat16 against twice SDPA's error
     "float32": Case(n=64, d=32, dv=32, causal=True, dtype=torch.float32),
@@ -328,6 +332,20 @@ def test_ring_matches_explicit_on_the_whole_sequence(ring_results, size, name):
 
 
 @pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("name", [name for name, case in EXACT.items() if case.mask == "lowest"])
+def test_a_mask_at_its_dtypes_lowest_value_masks_like_minus_infinity(ring_results, size, name):
+    """Hugging Face's finfo.min on the padded keys: output, dq, dk, dv within 1e-10 of explicit
+    attention with -inf there, the queries that see no key (batch 1's, causal query 0) at 0
+    too; the blocks' log-sum-exps, of finfo.min's size, used to merge them into some average
+    of the values."""
+    got, _ = ring_results(size)[name]
+    with_minus_inf = replace(EXACT[name], mask="float")
+    want = _outputs_and_grads(with_minus_inf, size, "explicit", torch.float64)
+    for what, actual, expected in zip(["output", "dq", "dk", "dv"], got, want, strict=True):
+        torch.testing.assert_close(actual, expected, atol=1e-10, rtol=0, msg=what)
+
+
+@pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize(
     "name", [pytest.param(name, marks=needs_triton) for name in TRITON_FLOAT32]
 )
@@ -459,8 +477,20 @@ def _bad_shards_worker(rank: int, port: int, size: int, out: Path) -> None:
     backend, or no gradients recorded), and ones both get wrong (an odd zig-zag split,
     backend="triton" where it does not apply); every rank writes the error each one raised,
     then the result of good calls (the group still works): one without a mask, and one with
-    a mask of one shape whose rank-1 copy is broadcast."""
+    a mask of one shape whose rank-1 copy is broadcast; and how many tensor and pickled
+    (object) gathers each kind of call ran."""
     _join(rank, port, size)
+    gathers = {"tensors": 0, "pickled": 0}
+
+    def counted(function, kind: str):
+        def gather(*args, **kwargs):
+            gathers[kind] += 1
+            return function(*args, **kwargs)
+
+        return gather
+
+    dist.all_gather = counted(dist.all_gather, "tensors")
+    dist.all_gather_object = counted(dist.all_gather_object, "pickled")
     good = dict(lead=(2,), n=4, d=3)
     wrong_on_rank_1 = {
         "length": dict(n=5),
@@ -501,6 +531,8 @@ def _bad_shards_worker(rank: int, port: int, size: int, out: Path) -> None:
                 errors[name] = "no error"
             except ValueError as error:
                 errors[name] = str(error)
+        errors["refused gathers"] = {"calls": len(wrong_on_rank_1 | wrong_on_both), **gathers}
+        gathers.update(tensors=0, pickled=0)
         query, key, value, _ = Case(**good).inputs(1)
         errors["good"] = list(ring_attention(query, key, value).shape)
         # One mask shape on both ranks, rank 1's broadcast along the batch (stride 0).
@@ -512,6 +544,7 @@ def _bad_shards_worker(rank: int, port: int, size: int, out: Path) -> None:
             errors["expanded-mask"] = torch.allclose(output, unmasked, atol=1e-12, rtol=0)
         except ValueError as error:
             errors["expanded-mask"] = str(error)
+        errors["good gathers"] = dict(gathers)
     finally:
         distributed.teardown()
     (out / f"rank{rank}.json").write_text(json.dumps(errors))
@@ -543,7 +576,9 @@ def test_shards_or_options_that_differ_across_ranks_are_refused_on_every_rank(tm
     backend="triton" in float64 or with head dims over 256: rank 0's error, with the fix
     (ring's chunked backend, not attention's sdpa or explicit), on both. None hangs, and the
     group still serves a good call, and one whose mask has the same shape on both ranks but is
-    broadcast (stride 0) along the batch on rank 1 (not refused as another shape)."""
+    broadcast (stride 0) along the batch on rank 1 (not refused as another shape). Each call
+    gathers one small tensor per rank; only refused ones then gather the reports pickled, for
+    the errors (a pickled gather is two collectives more, and on NCCL several host syncs)."""
     spawn_ranks(_bad_shards_worker, 2, 2, tmp_path)
     errors = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     shard = "query ({lead}, 4, 3), key ({lead}, 4, 3), value ({lead}, 4, 4) in torch.float64"
@@ -597,6 +632,10 @@ def test_shards_or_options_that_differ_across_ranks_are_refused_on_every_rank(tm
             assert errors[0][name] == errors[1][name] == refusal
     assert errors[0]["good"] == errors[1]["good"] == [2, 4, 4]
     assert errors[0]["expanded-mask"] is errors[1]["expanded-mask"] is True
+    for rank_errors in errors:
+        refused = rank_errors["refused gathers"]
+        assert refused["tensors"] == refused["pickled"] == refused["calls"] > 0
+        assert rank_errors["good gathers"] == {"tensors": 3, "pickled": 0}  # 3 good calls
 
 
 def _subgroup_worker(rank: int, port: int, size: int, out: Path) -> None:
@@ -675,6 +714,94 @@ def test_keys_and_values_expanded_over_heads_are_taken(one_rank_group):
 
     for actual, expected in zip(run("ring"), run("explicit"), strict=True):
         torch.testing.assert_close(actual, expected, atol=1e-10, rtol=0)
+
+
+def test_a_ring_of_one_runs_no_collective(one_rank_group, monkeypatch):
+    """One rank has no other to agree with or send to: no collective runs (on NCCL each is a
+    host sync), and the output is explicit attention's within 1e-10 (its refusals, still
+    naming rank 0: test_local_errors_name_the_rank)."""
+
+    def collective(*args, **kwargs):
+        raise AssertionError("a collective in a ring of one")
+
+    for name in ("all_gather", "all_gather_object", "all_gather_into_tensor", "all_reduce"):
+        monkeypatch.setattr(dist, name, collective)
+    query, key, value, _ = Case().inputs(1)
+    want = attention(query, key, value, causal=True, backend="explicit")
+    got = ring_attention(query, key, value, causal=True)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+
+
+def test_the_blocks_read_contiguous_heads_of_strided_shards(one_rank_group, monkeypatch):
+    """q, k, v as views of one packed (1, n, 3, H, D) projection (folding B = 1 and H keeps
+    their strides), and the output's gradient strided too (the output goes back to
+    (1, n, H·Dv) through a transpose): every query, key, value and output gradient the block
+    kernels get, forward and backward, is contiguous, a head spanning n·D elements rather
+    than n·3·H·D (the Triton kernels address a head in int32). Output and gradients within
+    1e-10 of explicit attention on the same views."""
+    contiguous = []
+
+    def reading(function, tensors: slice):
+        def read(*args, **kwargs):
+            contiguous.extend(x.is_contiguous() for x in args[tensors])
+            return function(*args, **kwargs)
+
+        return read
+
+    monkeypatch.setattr(ring, "tile_forward", reading(ring.tile_forward, slice(0, 3)))
+    monkeypatch.setattr(ring, "tile_backward", reading(ring.tile_backward, slice(0, 4)))
+    n, heads, d = 9, 4, 5
+    packed = torch.randn(1, n, 3, heads, d, dtype=torch.float64)
+    upstream = torch.randn(1, n, heads * d, dtype=torch.float64)
+
+    def run(attend) -> list[torch.Tensor]:
+        leaf = packed.clone().requires_grad_()
+        output = attend(*(x.transpose(1, 2) for x in leaf.unbind(2)))
+        output.transpose(1, 2).reshape(1, n, heads * d).backward(upstream)
+        return [output.detach(), leaf.grad]
+
+    got = run(functools.partial(ring_attention, causal=True))
+    want = run(functools.partial(attention, causal=True, backend="explicit"))
+    assert contiguous == [True] * 7
+    for actual, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(actual, expected, atol=1e-10, rtol=0)
+
+
+@needs_triton
+def test_triton_is_chosen_by_the_span_the_blocks_read(monkeypatch):
+    """q, k, v as views of one packed (1, n, 3, H, D) float16 projection, H·D = 4,096, as fake
+    tensors (shapes and strides, no memory), under the interpreter (which takes CPU tensors
+    as the kernels'): a head of the caller's query spans (n-1)·3·H·D elements, past 2³¹ from
+    n = 174,764 on, and attention's Triton backend, which reads the views in place, refuses
+    n = 600,000; but the blocks read contiguous copies, n·D: ring's backend="triton" takes
+    n = 600,000 and 2²⁴ (2³¹ - 1, the last that fits), and refuses 2²⁴ + 1 in one line
+    naming its chunked backend."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from selfattn.attention import make_call, triton_why_not
+    from selfattn.kernels import triton_attention
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_attention, "INTERPRETING", True)
+
+    def views_of_packed(n: int):
+        qkv = torch.empty(1, n, 3, 32, 128, dtype=torch.float16)
+        return make_call(*(x.transpose(1, 2) for x in qkv.unbind(2)), None, True, "dot", None, 0)
+
+    def ring_backend(call) -> str:
+        return ring._chosen_backend(call, ring._block_inputs(call), "triton")
+
+    with FakeTensorMode():
+        in_place = triton_why_not(views_of_packed(600_000))
+        chosen = [ring_backend(views_of_packed(n)) for n in (600_000, 2**24)]
+        with pytest.raises(ValueError) as error:
+            ring_backend(views_of_packed(2**24 + 1))
+    assert in_place is not None and "a head here spans 7,372,787,839 elements" in in_place
+    assert chosen == ["triton", "triton"]
+    assert str(error.value) == (
+        "backend 'triton': the Triton kernels index within a head in int32, and a head here "
+        "spans 2,147,483,775 elements (more than 2³¹); use backend='chunked'"
+    )
 
 
 @pytest.mark.parametrize("size", [1, 2, 3])

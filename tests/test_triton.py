@@ -109,15 +109,21 @@ def test_float_mask_with_minus_infinity(causal):
     assert_matches_reference(*_inputs(33, 64, 16), mask=mask, causal=causal)
 
 
-def test_float_mask_at_the_float_limits_is_a_bias_not_a_hole():
-    # Hugging Face masks with finfo(float32).min; times log2(e) it must not become -inf, or a
-    # row masked that way would be emptied where the explicit path makes it uniform; a key at
-    # finfo.max takes its rows' weight (inf would make them NaN).
+def test_float_mask_near_the_float_limits_is_a_bias_not_a_hole():
+    # Just above finfo(float32).min, times log2(e), a bias must not become -inf, or a row
+    # masked that way would be emptied where the explicit path makes it uniform; a key at
+    # finfo.max takes its rows' weight (inf would make them NaN). finfo.min itself is Hugging
+    # Face's "masked" and masks as -inf does: a row all at it gives 0, as on every backend.
+    lowest = torch.finfo(torch.float32).min
+    near_lowest = torch.nextafter(torch.tensor(lowest), torch.tensor(0.0)).item()
     mask = torch.zeros(2, 1, 1, 64)
-    mask[0] = torch.finfo(torch.float32).min
-    mask[1, ..., 10:] = torch.finfo(torch.float32).min
+    mask[0] = near_lowest
+    mask[1, ..., 10:] = near_lowest
     mask[1, ..., 5] = torch.finfo(torch.float32).max
     assert_matches_reference(*_inputs(33, 64, 16), mask=mask)
+    q, k, v = (x.float() for x in _inputs(33, 64, 16)[:3])
+    empty = attention(q, k, v, mask=torch.full((1, 64), lowest), backend="triton")
+    assert (empty == 0).all()
 
 
 @pytest.mark.parametrize("value", [-1e39, -1e300])

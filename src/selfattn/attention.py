@@ -17,7 +17,8 @@ Shapes: query ``(..., T, D)``, key ``(..., S, D)``, value ``(..., S, Dv)``; outp
 Conventions, the same on every backend:
 
 - A boolean mask's ``True`` means "may attend" (as in torch SDPA); a float mask is added to the
-  scaled scores. Masks broadcast to ``(..., T, S)``.
+  scaled scores, where -inf and its dtype's lowest value, ``torch.finfo(dtype).min`` (Hugging
+  Face's "masked"), both mask. Masks broadcast to ``(..., T, S)``.
 - ``causal=True`` aligns bottom-right: query i sees keys ``j <= i + (S - T)``, so the last query
   sees every key. With T == S this is the usual lower triangle. T=2, S=4 (x = may attend)::
 
@@ -51,7 +52,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from selfattn.errors import SelfAttnError
-from selfattn.kernels.chunked import at_least_2d, chunked_attention, unexpanded
+from selfattn.kernels.chunked import (
+    at_least_2d,
+    chunked_attention,
+    lowest_as_minus_inf,
+    unexpanded,
+)
 
 SIMILARITIES = ("dot", "cosine")
 REDUCED_PRECISION = (torch.float16, torch.bfloat16)
@@ -146,7 +152,7 @@ def _explicit(call: AttentionCall) -> AttentionTrace:
 
     masked = scaled
     if call.mask is not None and call.mask.dtype != torch.bool:
-        masked = masked + call.mask.to(compute)
+        masked = masked + lowest_as_minus_inf(call.mask).to(compute)
     allowed = allowed_mask(call)
     if allowed is not None:
         masked = masked.masked_fill(~allowed, float("-inf"))
@@ -192,9 +198,10 @@ def _sdpa(call: AttentionCall) -> Tensor:
     query, key, value = (as_4d(x) for x in (query, key, value))
     bias = None
     if call.mask is not None and call.mask.dtype != torch.bool:
-        if _overflows(call.mask, query.dtype):  # e.g. -1e5 in float16: run in float32
+        bias = lowest_as_minus_inf(call.mask)
+        if _overflows(bias, query.dtype):  # e.g. -1e5 in float16: run in float32
             query, key, value = (x.float() for x in (query, key, value))
-        bias = call.mask.to(query.dtype)
+        bias = bias.to(query.dtype)
 
     is_causal = call.causal and t == s and call.mask is None
     causal_free = call.causal and t == 1  # one query after the cache: it sees every key
@@ -415,8 +422,8 @@ def attention(
 
     Args:
         query, key, value: ``(..., T, D)``, ``(..., S, D)``, ``(..., S, Dv)``, same leading dims.
-        mask: boolean (True = may attend) or float (added to scaled scores), broadcastable
-            to ``(..., T, S)``.
+        mask: boolean (True = may attend) or float (added to scaled scores; -inf and
+            ``torch.finfo(mask.dtype).min`` mask), broadcastable to ``(..., T, S)``.
         causal: query i sees keys up to ``i + (S - T)`` (bottom-right alignment).
         similarity: ``"dot"`` or ``"cosine"`` (query and key L2-normalised first).
         scale: multiplies the scores; None means :func:`default_scale`; 1.0 means no scaling.

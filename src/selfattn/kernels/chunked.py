@@ -37,8 +37,9 @@ below the row's maximum, natural units) stays slow either way: ``exp2`` and the
 weights-values product then take several times longer. Only sharply peaked rows get there.
 
 Masks follow the explicit path: ``allowed`` is boolean (True = may attend), ``bias`` is added to
-the scaled scores, both broadcast to ``(*lead, T, S)`` and are sliced per tile, never expanded
-(one given expanded, with stride-0 axes, is first narrowed back to its own size).
+the scaled scores (its dtype's lowest value masking as -inf), both broadcast to
+``(*lead, T, S)`` and are sliced per tile, never expanded (one given expanded, with stride-0
+axes, is first narrowed back to its own size).
 ``causal`` aligns bottom-right (query i sees keys ``j <= i + S - T``); key tiles entirely above
 the diagonal are skipped, so causal attention costs about half. A row with nothing to attend
 gets output 0 and zero gradients. Inputs in float16/bfloat16 are computed in float32.
@@ -184,16 +185,28 @@ class Masks:
             scaled.masked_fill_(key_pos > query_pos + offset, -math.inf)
 
 
+def lowest_as_minus_inf(bias: Tensor) -> Tensor:
+    """A float mask with its dtype's lowest finite value, ``torch.finfo(dtype).min`` (how
+    Hugging Face marks a masked key), made -inf, as every backend adds it: it masks as -inf
+    does, so a query that sees no other key gets output 0, not the average of the values.
+    Where a query sees any other key nothing changes: the stand-in's weight was already 0
+    (bar a float16 mask's keys within 32 of it: e⁻³²). Gradients pass elsewhere; there they
+    are 0, as a masked key's."""
+    return bias.masked_fill(bias == torch.finfo(bias.dtype).min, -math.inf)
+
+
 def finite_bias(bias: Tensor | None, compute: torch.dtype, unit: float) -> Tensor | None:
     """The bias for a backend that computes in ``compute`` and multiplies the bias by ``unit``.
 
-    A wider bias is cast to ``compute`` first, as the explicit path adds it (beyond its range:
-    ±inf, a masked key). Finite values are then clamped to ±limit, half the largest number of
-    ``compute`` over ``unit``, so that the arithmetic stays finite: a row masked with Hugging
-    Face's ``finfo.min`` then weighs its keys as the explicit path does, not emptied or NaN.
-    ±inf stay; gradients pass unchanged."""
+    Its dtype's lowest value masks (:func:`lowest_as_minus_inf`). A wider bias is then cast to
+    ``compute``, as the explicit path adds it (beyond its range: ±inf, a masked key). Finite
+    values are then clamped to ±limit, half the largest number of ``compute`` over ``unit``,
+    so that the arithmetic stays finite: a row of biases beyond it weighs its keys as the
+    explicit path does, not emptied or NaN. ±inf stay; gradients pass unchanged (but for
+    the lowest value's, 0 as a masked key's)."""
     if bias is None:
         return None
+    bias = lowest_as_minus_inf(bias)
     if bias.dtype.itemsize > compute.itemsize:
         bias = bias.to(compute)
     limit = torch.finfo(compute).max / (2 * unit)

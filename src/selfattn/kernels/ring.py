@@ -53,6 +53,7 @@ each forward, and each backward, runs on every rank of the group together.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -121,18 +122,19 @@ def ring_attention(
     Every rank checks its arguments, then all agree: an error on one rank, shards of another
     shape, or other options (``causal``, ``layout``, the mask's presence, shape and dtype,
     ``similarity``, ``scale``, the backend ``auto`` chose, whether gradients are recorded) are
-    raised, in one line naming the ranks, on every rank (none is left waiting).
+    raised, in one line naming the ranks, on every rank (none is left waiting). Agreeing
+    costs one ``all_gather`` of three int64 per rank (none in a group of one).
 
     The backward runs on every rank together: each rank must backpropagate through its output
     (a loss that depends on it). One that does not leaves the others waiting for blocks, until
     the group's timeout (``init_process_group(timeout=...)``, 30 minutes by default for gloo).
     """
     # Imported here: attention.py imports the kernels package, which may export this module.
-    from selfattn.attention import make_call, normalize_for_similarity
+    from selfattn.attention import make_call
 
     ring = _Ring.of(group)
 
-    def checked_call() -> tuple[AttentionCall, str]:
+    def checked_call() -> tuple[AttentionCall, str, list[Tensor]]:
         _check_layout(layout)
         call = make_call(query, key, value, mask, causal, similarity, scale, 0.0)
         if query.shape[-2] != key.shape[-2]:
@@ -157,14 +159,13 @@ def ring_attention(
                 f"a NCCL group sends CUDA tensors, got {query.device}; move the shards with "
                 ".to('cuda') or use a gloo group for CPU tensors"
             )
-        return call, _chosen_backend(call, backend)
+        inputs = _block_inputs(call)
+        return call, _chosen_backend(call, inputs, backend), inputs
 
-    call, chosen = ring.agree_on(checked_call, layout)
-    query, key = normalize_for_similarity(call)
+    call, chosen, inputs = ring.agree_on(checked_call, layout, query)
     lead, n, dv = query.shape[:-2], query.shape[-2], value.shape[-1]
-    flat = [x.reshape(math.prod(lead), n, x.shape[-1]) for x in (query, key, value)]
     blocks = _Blocks(lead, n, causal, layout, call.scale, ring, _KERNELS[chosen])
-    output = _RingAttention.apply(*flat, call.mask, blocks)
+    output = _RingAttention.apply(*inputs, call.mask, blocks)
     return output.reshape(*lead, n, dv).to(query.dtype)
 
 
@@ -220,23 +221,39 @@ def _chunks(rank: int, size: int, length: int, layout: str) -> tuple[int, list[i
     return count, [rank] if layout == "contiguous" else [rank, count - 1 - rank]
 
 
-def _chosen_backend(call: AttentionCall, backend: str) -> str:
-    """The kernel this rank's blocks run on for ``backend`` (module docstring), or a one-line
-    ValueError: an unknown name, or ``"triton"`` where it does not apply."""
+def _block_inputs(call: AttentionCall) -> list[Tensor]:
+    """Query, key and value as the blocks read them: L2-normalised for cosine, the leading
+    dims folded into one, ``(N, n, D)``, and contiguous, so that a head spans n·D elements
+    whatever the caller's strides (a copy only of strided shards, such as views of one packed
+    qkv projection; keys and values travel contiguous anyway)."""
+    from selfattn.attention import normalize_for_similarity
+
+    query, key = normalize_for_similarity(call)
+    lead = math.prod(query.shape[:-2])
+    return [x.reshape(lead, *x.shape[-2:]).contiguous() for x in (query, key, call.value)]
+
+
+def _chosen_backend(call: AttentionCall, inputs: Sequence[Tensor], backend: str) -> str:
+    """The kernel this rank's blocks run on for ``backend`` (module docstring), given the
+    query, key and value they read (:func:`_block_inputs`), or a one-line ValueError: an
+    unknown name, or ``"triton"`` where it does not apply."""
     if backend not in ("auto", *_KERNELS):
         raise ValueError(f"unknown backend {backend!r}; choose 'auto', 'chunked' or 'triton'")
     if backend == "auto":
-        return "triton" if call.query.is_cuda and _triton_why_not(call) is None else "chunked"
-    reason = _triton_why_not(call) if backend == "triton" else None
+        fits = call.query.is_cuda and _triton_why_not(call, inputs) is None
+        return "triton" if fits else "chunked"
+    reason = _triton_why_not(call, inputs) if backend == "triton" else None
     if reason is not None:
         raise ValueError(reason)
     return backend
 
 
-def _triton_why_not(call: AttentionCall) -> str | None:
+def _triton_why_not(call: AttentionCall, inputs: Sequence[Tensor]) -> str | None:
     """Why the Triton blocks cannot attend this call, or None: a float key mask (they read
-    boolean ones only), or what makes ``selfattn.attention`` refuse ``backend="triton"``,
-    pointing to chunked (ring's other backend) instead of attention's."""
+    boolean ones only), or what makes ``selfattn.attention`` refuse ``backend="triton"`` for
+    ``inputs`` (the query, key and value the blocks read, whose strides, not the caller's,
+    decide whether a head fits the kernels' int32 offsets), pointing to chunked (ring's
+    other backend) instead of attention's."""
     from selfattn.attention import triton_why_not
 
     if call.mask is not None and call.mask.dtype != torch.bool:
@@ -244,7 +261,9 @@ def _triton_why_not(call: AttentionCall) -> str | None:
             f"backend 'triton' takes boolean key masks only (True = may attend), got "
             f"{call.mask.dtype}; use backend='chunked' (or 'auto') for a float mask"
         )
-    return triton_why_not(call, instead="backend='chunked'")
+    query, key, value = inputs
+    read = replace(call, query=query, key=key, value=value)
+    return triton_why_not(read, instead="backend='chunked'")
 
 
 def _check_key_mask(mask: Tensor | None) -> None:
@@ -295,20 +314,23 @@ class _Ring:
         return cls(group, rank, size, peer((rank + 1) % size), peer((rank - 1) % size))
 
     def agree_on(
-        self, checked_call: Callable[[], tuple[AttentionCall, str]], layout: str
-    ) -> tuple[AttentionCall, str]:
-        """``checked_call()`` on this rank (the call and its chosen backend), once every rank's
-        call passed its checks and all hold shards of one shape, dtype and device type, with
-        the same options, backend and ``layout``; otherwise a ValueError on every rank."""
+        self,
+        checked_call: Callable[[], tuple[AttentionCall, str, list[Tensor]]],
+        layout: str,
+        shards: object,
+    ) -> tuple[AttentionCall, str, list[Tensor]]:
+        """``checked_call()`` on this rank (the call, its chosen backend and the blocks'
+        inputs), once every rank's call passed its checks and all hold shards of one shape,
+        dtype and device type, with the same options, backend and ``layout``; otherwise a
+        ValueError on every rank. ``shards``: this rank's query (where the collective runs)."""
         try:
-            (call, backend), problem = checked_call(), None
+            (call, backend, inputs), problem = checked_call(), None
         except ValueError as error:
-            call, backend, problem = None, None, str(error)
+            call, backend, inputs, problem = None, None, None, str(error)
         shard, options = (
             (None, None) if call is None else (_shard(call), _options(call, layout, backend))
         )
-        reports: list[tuple[str | None, ...]] = [(None, None, None)] * self.size
-        dist.all_gather_object(reports, (problem, shard, options), group=self.group)
+        reports = self._reports((problem, shard, options), shards)
         for rank, (other_problem, _, _) in enumerate(reports):
             if other_problem is not None:
                 raise ValueError(f"ring_attention, rank {rank}: {other_problem}")
@@ -327,7 +349,36 @@ class _Ring:
                     "chooses on each: name one), and record gradients on all or none (their "
                     "backwards run together)"
                 )
-        return call, backend
+        return call, backend, inputs
+
+    def _reports(
+        self, report: tuple[str | None, str | None, str | None], shards: object
+    ) -> list[tuple[str | None, ...]]:
+        """Every rank's ``(problem, shard, options)``, in rank order. One all_gather of a
+        fixed-size digest per rank (:func:`_digest`, no pickling) shows whether all equal
+        this rank's and none holds a problem, as in every call that goes on; only otherwise
+        are the reports themselves gathered, pickled, for the error to name what differs. A
+        ring of one has nothing to agree with."""
+        if self.size == 1:
+            return [report]
+        mine = _digest(report, self._device(shards))
+        digests = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(digests, mine, group=self.group)
+        rows = torch.stack(digests).tolist()  # one copy to the host
+        if rows[0][0] == 0 and all(row == rows[0] for row in rows):
+            return [report] * self.size
+        reports: list[tuple[str | None, ...]] = [(None, None, None)] * self.size
+        dist.all_gather_object(reports, report, group=self.group)
+        return reports
+
+    def _device(self, shards: object) -> torch.device:
+        """Where the group's collectives take tensors: in a NCCL group a CUDA device (the
+        shards', else the current one, as ``all_gather_object`` takes), elsewhere the CPU."""
+        if dist.get_backend(self.group) != "nccl":
+            return torch.device("cpu")
+        if isinstance(shards, Tensor) and shards.is_cuda:
+            return shards.device
+        return torch.device("cuda", torch.cuda.current_device())
 
     def shift(self, blocks: list[Tensor], into: list[Tensor] | None = None) -> _Transfer:
         """Send ``blocks`` to the next rank and receive the previous rank's (into ``into``);
@@ -338,6 +389,18 @@ class _Ring:
         sends = [dist.P2POp(dist.isend, b, self.next_peer, self.group) for b in blocks]
         receives = [dist.P2POp(dist.irecv, b, self.previous_peer, self.group) for b in received]
         return _Transfer(dist.batch_isend_irecv(sends + receives), received)
+
+
+def _digest(report: tuple[str | None, str | None, str | None], device: torch.device) -> Tensor:
+    """A rank's ``(problem, shard, options)`` as three int64 words on ``device``: 1, 0, 0
+    for a problem; else 0 and the 128 bits of a BLAKE2b hash of the shard and options text
+    (equal texts give equal words, and unequal ones with probability 2⁻¹²⁸)."""
+    problem, shard, options = report
+    words = [1, 0, 0]
+    if problem is None:
+        hashed = hashlib.blake2b(f"{shard}; {options}".encode(), digest_size=16).digest()
+        words = [0, *(int.from_bytes(hashed[i : i + 8], "little", signed=True) for i in (0, 8))]
+    return torch.tensor(words, dtype=torch.int64, device=device)
 
 
 def _shard(call: AttentionCall) -> str:
@@ -682,6 +745,9 @@ class _RingAttention(torch.autograd.Function):
             "ring", grad_output, query, key, value,
             instead="selfattn.attention(..., backend='explicit') on the whole sequence",
         )  # fmt: skip
+        # Contiguous, as the inputs: strided (an output transposed back to (B, n, H, Dv)), a
+        # head of it could span more than the Triton kernels' int32 offsets reach.
+        grad_output = grad_output.contiguous()
         grads = _ring_backward(grad_output, query, key, value, key_mask, output, lse, ctx.blocks)
         return (
             *(grad.to(x.dtype) for grad, x in zip(grads, (query, key, value), strict=True)),
