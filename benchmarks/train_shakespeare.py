@@ -16,6 +16,7 @@ seed 1337: nanoGPT's own run replayed, since the same seed also gives the same i
     python benchmarks/train_shakespeare.py                      # ~70 s on 2 idle cores
     python benchmarks/train_shakespeare.py --reference --reference-batches nanogpt  # ~3 minutes
     python benchmarks/train_shakespeare.py --max-iters 100      # a quick check of the script
+    python benchmarks/train_shakespeare.py --arch llama         # the same sizes as a Llama
 
 The head's figure goes next to the checkpoint; the recorded run's (docs/benchmarks.md) was
 drawn with ``--figure docs/train_head.png``.
@@ -384,6 +385,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=1337, help="seed of weights and batches")
     parser.add_argument(
+        "--arch",
+        choices=("gpt", "llama"),
+        default="gpt",
+        help="the model: nanoGPT's GPT (default) or a Llama of the same sizes (selfattn train "
+        "--arch llama)",
+    )
+    parser.add_argument(
         "--reference",
         action="store_true",
         help="also train an independent re-implementation of nanoGPT (see --reference-batches)",
@@ -406,7 +414,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--layer", type=int, default=1, help="layer of the drawn head")
     parser.add_argument("--head", type=int, default=0, help="the drawn head")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.reference and args.arch != "gpt":
+        parser.error("--reference re-implements nanoGPT's GPT; drop it with --arch llama")
+    return args
 
 
 def main() -> None:
@@ -416,7 +427,7 @@ def main() -> None:
     console.print(f"load average (1, 5, 15 min) at the start: {_load()}")
     out = args.out or Path(tempfile.mkdtemp(prefix="shakespeare-char-"))
     start = time.perf_counter()
-    overrides = {"max_iters": args.max_iters, "seed": args.seed}
+    overrides = {"max_iters": args.max_iters, "seed": args.seed, "arch": args.arch}
     run = train_gpt(
         args.data, out, preset="shakespeare-char-cpu", overrides=overrides, device="cpu",
         console=console,
@@ -426,7 +437,7 @@ def main() -> None:
     console.print(f"load average after training: {_load()}")
 
     model, tokenizer = run.model, run.tokenizer
-    block = model.config.block_size
+    block = config.block_size
     data = TextData.from_file(args.data, block, tokenizer)
     reference = None
     if args.reference:
@@ -459,7 +470,8 @@ def main() -> None:
         f"\nval loss {result.history[-1]['val']:.4f} at step {result.step}; "
         f"{result.ms_per_iter:.1f} ms/iter, {result.tokens_per_second:,.0f} tokens/s "
         f"(training steps only); wall time {wall:.1f} s (with evaluation, checkpoints, start-up); "
-        f"torch {torch.__version__}, {args.threads} threads; checkpoint in {out}"
+        f"torch {torch.__version__}, {args.threads} threads; {args.arch}, "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters; checkpoint in {out}"
     )
     models = {"ours": model} | ({"reference": reference.model} if reference else {})
     for name, trained in models.items():

@@ -140,9 +140,13 @@ TRAIN_HELP = {
     "for Ctrl-C).",
     "seed": "Seed of the initial weights and the batch order (each process offsets it); a "
     "resumed run keeps its checkpoint's.",
+    "arch": "gpt (the default: nanoGPT's GPT, learned positions, LayerNorm, GELU, tied head) or "
+    "llama (RoPE, RMSNorm, SwiGLU, untied head); with --resume, the checkpoint's.",
     "n_layer": "Transformer blocks.",
     "n_head": "Attention heads per block.",
-    "n_embd": "Embedding width (a multiple of --n-head).",
+    "n_kv_head": "Key/value heads shared by the query heads (grouped-query attention, --arch "
+    "llama only; a divisor of --n-head, which it is unless given).",
+    "n_embd": "Embedding width (a multiple of --n-head; of 2 × --n-head with --arch llama).",
     "dropout": "Dropout probability during training.",
     "device": "auto (CUDA when present), cpu or cuda.",
 }
@@ -183,14 +187,16 @@ def train(
     eval_iters: Annotated[int | None, typer.Option(help=TRAIN_HELP["eval_iters"])] = None,
     log_interval: Annotated[int | None, typer.Option(help=TRAIN_HELP["log_interval"])] = None,
     seed: Annotated[int | None, typer.Option(help=TRAIN_HELP["seed"])] = None,
+    arch: Annotated[str | None, typer.Option(help=TRAIN_HELP["arch"])] = None,
     n_layer: Annotated[int | None, typer.Option(help=TRAIN_HELP["n_layer"])] = None,
     n_head: Annotated[int | None, typer.Option(help=TRAIN_HELP["n_head"])] = None,
+    n_kv_head: Annotated[int | None, typer.Option(help=TRAIN_HELP["n_kv_head"])] = None,
     n_embd: Annotated[int | None, typer.Option(help=TRAIN_HELP["n_embd"])] = None,
     dropout: Annotated[float | None, typer.Option(help=TRAIN_HELP["dropout"])] = None,
     device: Annotated[str, typer.Option(help=TRAIN_HELP["device"])] = "auto",
 ) -> None:
-    """Train a character-level GPT on a text file; `torchrun --nproc_per_node=N -m selfattn
-    train ...` trains on N processes with DistributedDataParallel."""
+    """Train a character-level GPT (or with --arch llama, a Llama) on a text file; `torchrun
+    --nproc_per_node=N -m selfattn train ...` trains on N processes with DistributedDataParallel."""
     from selfattn.errors import SelfAttnError
     from selfattn.train import train_gpt
 
@@ -200,7 +206,8 @@ def train(
         "lr_decay_iters": lr_decay_iters, "weight_decay": weight_decay, "beta1": beta1,
         "beta2": beta2, "grad_clip": grad_clip,
         "eval_interval": eval_interval, "eval_iters": eval_iters, "log_interval": log_interval,
-        "seed": seed, "n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "dropout": dropout,
+        "seed": seed, "arch": arch, "n_layer": n_layer, "n_head": n_head, "n_kv_head": n_kv_head,
+        "n_embd": n_embd, "dropout": dropout,
     }  # fmt: skip
     if device not in ("auto", "cpu", "cuda"):
         raise _fail(f"unknown device {device!r}; choose auto, cpu or cuda", 2)

@@ -572,7 +572,12 @@ class RMSNorm(nn.Module):
     def __init__(self, d_model: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
         super().__init__()
         self.eps, self.unit_offset = eps, unit_offset
-        self.weight = nn.Parameter(torch.zeros(d_model) if unit_offset else torch.ones(d_model))
+        self.weight = nn.Parameter(torch.empty(d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The identity scale: weight 1 (0 in the unit-offset form)."""
+        nn.init.constant_(self.weight, 0.0 if self.unit_offset else 1.0)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, unit_offset={self.unit_offset}"

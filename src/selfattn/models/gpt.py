@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from selfattn.errors import SelfAttnError
-from selfattn.layers import ACTIVATIONS, KVCache, LearnedPositions, TransformerBlock
+from selfattn.layers import ACTIVATIONS, KVCache, LearnedPositions, RMSNorm, TransformerBlock
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,25 @@ class Decoder(nn.Module, ABC):
     @abstractmethod
     def max_positions(self) -> int:
         """The most tokens the network reads at once."""
+
+    def reset_parameters(self) -> None:
+        """GPT-2's initialisation, nanoGPT's: every linear map and embedding N(0, 0.02), biases
+        0, norms at the identity (scale 1, bias 0), and the two maps of each block that write
+        into the residual stream (``attention.W_o``, ``feed_forward.down``) N(0, 0.02 /
+        sqrt(2·layers)), so that the residual stream's variance does not grow with depth."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                module.reset_parameters()
+        residual_std = 0.02 / math.sqrt(2 * len(self.blocks))
+        for block in self.blocks:
+            nn.init.normal_(block.attention.W_o.weight, std=residual_std)
+            nn.init.normal_(block.feed_forward.down.weight, std=residual_std)
 
     @torch.no_grad()
     def generate(
@@ -180,20 +199,6 @@ class GPT(Decoder):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.token_embedding.weight  # tied, as in GPT-2
         self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """GPT-2's initialisation: N(0, 0.02), residual output maps scaled by 1/sqrt(2·layers)."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=0.02)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=0.02)
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for block in self.blocks:
-            nn.init.normal_(block.attention.W_o.weight, std=residual_std)
-            nn.init.normal_(block.feed_forward.down.weight, std=residual_std)
 
     def forward(
         self,

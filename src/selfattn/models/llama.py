@@ -5,7 +5,9 @@ Token embedding without positions; pre-norm blocks of :class:`~selfattn.layers.R
 sharing key/value heads) and :class:`~selfattn.layers.GatedFeedForward` (SwiGLU); a final
 RMSNorm and an output head, tied to the embedding or not. Mistral's (and Qwen's, where
 enabled) sliding window is a mask: a query sees itself and the ``sliding_window - 1`` tokens
-before it. Generation is :class:`~selfattn.models.gpt.Decoder`'s, shared with GPT.
+before it. Generation is :class:`~selfattn.models.gpt.Decoder`'s, shared with GPT. The same
+network trains from scratch (``selfattn train --arch llama``), with GPT's dropout placement
+(``dropout`` 0, as every loaded checkpoint has it, changes nothing).
 
 The other families are switches of :class:`LlamaConfig`: GPT-NeoX (Pythia) has LayerNorms
 with biases, an ungated MLP, a partial rotation (``rotary_dim``) and, unless its config says
@@ -62,6 +64,7 @@ class LlamaConfig:
     embedding_scale: float | None = None  # Gemma: sqrt(d_model), in the model's dtype
     tie_word_embeddings: bool = False
     sliding_windows: tuple[int | None, ...] = ()  # per layer (None: full), () for none at all
+    dropout: float = 0.0  # training only (0 in every loaded checkpoint): nanoGPT's placement
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
@@ -73,6 +76,8 @@ class LlamaConfig:
             )
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r}; one of {list(ACTIVATIONS)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.norm not in NORMS:
             raise ValueError(f"unknown norm {self.norm!r}; one of {list(NORMS)}")
         if self.sliding_windows and len(self.sliding_windows) != self.n_layers:
@@ -89,11 +94,19 @@ NORMS = {
 }
 
 
+def llama_hidden_size(d_model: int, multiple_of: int = 32) -> int:
+    """The SwiGLU hidden size by Llama's rule: 2/3 of 4·d_model (the three matrices then hold
+    as many weights as a 4·d_model MLP's two), rounded up to a multiple of ``multiple_of``
+    (Llama's is 256, for its far wider models; 128 wide gives 352, 384 wide 1024)."""
+    return -(-int(8 * d_model / 3) // multiple_of) * multiple_of
+
+
 class LlamaBlock(nn.Module):
     """x + attention(norm1(x)), then + feed_forward(norm2(x)); no biases unless configured.
 
     With ``parallel_residual`` (GPT-NeoX) both read the block's input:
-    x + attention(norm1(x)) + feed_forward(norm2(x)).
+    x + attention(norm1(x)) + feed_forward(norm2(x)). ``dropout`` (training only) acts on the
+    attention weights and on what each branch adds to the residual stream, as in GPT.
     """
 
     def __init__(self, config: LlamaConfig, rotary: RotaryPositions) -> None:
@@ -109,27 +122,37 @@ class LlamaBlock(nn.Module):
             qkv_bias=config.qkv_bias,
             out_bias=config.out_bias,
             qk_norm_eps=config.norm_eps if config.qk_norm else None,
+            dropout=config.dropout,
         )
         self.norm2 = NORMS[config.norm](config.d_model, config.norm_eps)
         mlp = GatedFeedForward if config.gated else FeedForward
         self.feed_forward = mlp(config.d_model, config.d_ff, config.activation, config.mlp_bias)
+        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, *, mask: Tensor | None, cache: KVCache | None) -> Tensor:
         """x: (B, T, D) -> (B, T, D), causal; ``mask`` broadcasts to (B, H, T, S)."""
         attended = self.attention(self.norm1(x), mask=mask, causal=True, cache=cache)
+        attended = self.dropout(attended)
         if self.parallel_residual:
-            return x + attended + self.feed_forward(self.norm2(x))
+            return x + attended + self.dropout(self.feed_forward(self.norm2(x)))
         x = x + attended
-        return x + self.feed_forward(self.norm2(x))
+        return x + self.dropout(self.feed_forward(self.norm2(x)))
 
 
 class Llama(Decoder):
-    """Decoder of the Llama family; ``forward(input_ids, targets)`` gives logits and loss."""
+    """Decoder of the Llama family; ``forward(input_ids, targets)`` gives logits and loss.
+
+    Construction leaves torch's default initialisation: loading builds the network empty on
+    the meta device and fills every parameter from the checkpoint. A network to train from
+    scratch is given GPT-2's initialisation by :meth:`reset_parameters` (as ``selfattn train
+    --arch llama`` does); :class:`~selfattn.models.gpt.GPT` calls it on construction.
+    """
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
         rotary = RotaryPositions(
             config.head_dim, config.rope_theta, config.rope_scaling, config.rotary_dim
         )
@@ -162,6 +185,7 @@ class Llama(Decoder):
         x = self.token_embedding(input_ids)  # (B, T, D)
         if self.config.embedding_scale is not None:  # rounded to the dtype first, as Gemma's
             x = x * torch.tensor(self.config.embedding_scale).to(x.dtype)
+        x = self.dropout(x)
         padding = None
         if attention_mask is not None:
             padding = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S): keys that exist

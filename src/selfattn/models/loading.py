@@ -996,7 +996,7 @@ def build_llama(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
     drop_tied_head(tensors, "lm_head.weight", "embed_tokens.weight", config, folder)
     network = Llama(config)
     rules = phi3_rules(network) if raw["model_type"] == "phi3" else llama_rules(network)
-    return network, rules, rotary_info(config, raw), None
+    return network, rules, ModelConfig.for_decoder(config, raw["model_type"]), None
 
 
 def build_gpt_neox(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
@@ -1004,7 +1004,8 @@ def build_gpt_neox(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built
     config = neox_config(raw)
     drop_tied_head(tensors, "embed_out.weight", "embed_in.weight", config, folder)
     network = Llama(config)
-    return network, neox_rules(network), rotary_info(config, raw), None
+    info = ModelConfig.for_decoder(config, raw["model_type"])
+    return network, neox_rules(network), info, None
 
 
 def drop_tied_head(
@@ -1038,20 +1039,6 @@ def eos_token_ids(raw: dict, folder: Path, vocab_size: int) -> tuple[int, ...]:
                 f"(0 to {vocab_size - 1}); restore the checkpoint's original {source.name}"
             )
     return ids
-
-
-def rotary_info(config: LlamaConfig, raw: dict) -> ModelConfig:
-    """The description of a :class:`Llama` of any of the families it serves."""
-    return ModelConfig(
-        kind="decoder",
-        model_type=raw["model_type"],
-        n_layers=config.n_layers,
-        n_heads=config.n_heads,
-        d_model=config.d_model,
-        max_positions=config.max_positions,
-        vocab_size=config.vocab_size,
-        sliding_windows=config.sliding_windows,
-    )
 
 
 BUILDERS = {

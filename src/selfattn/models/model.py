@@ -28,6 +28,7 @@ from selfattn.errors import SelfAttnError
 from selfattn.layers import AttentionModule
 from selfattn.models.bert import Bert, EncoderOutput
 from selfattn.models.gpt import Decoder, DecoderOutput, GPTConfig
+from selfattn.models.llama import LlamaConfig
 from selfattn.recording import Capture, Recording, in_range, record
 from selfattn.text import Encoding, Span, Tokenizer, Word
 
@@ -51,16 +52,28 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()  # tokens that end a generation (decoders)
 
     @classmethod
-    def for_decoder(cls, config: GPTConfig, model_type: str) -> ModelConfig:
-        """The description of a :class:`GPT` (a GPT-2 checkpoint, or one trained here)."""
+    def for_decoder(cls, config: GPTConfig | LlamaConfig, model_type: str) -> ModelConfig:
+        """The description of a :class:`GPT` (a GPT-2 checkpoint, or one trained here) or a
+        :class:`Llama` (of any family it serves, or one trained here)."""
+        if isinstance(config, GPTConfig):
+            return cls(
+                kind="decoder",
+                model_type=model_type,
+                n_layers=config.n_layer,
+                n_heads=config.n_head,
+                d_model=config.n_embd,
+                max_positions=config.block_size,
+                vocab_size=config.vocab_size,
+            )
         return cls(
             kind="decoder",
             model_type=model_type,
-            n_layers=config.n_layer,
-            n_heads=config.n_head,
-            d_model=config.n_embd,
-            max_positions=config.block_size,
+            n_layers=config.n_layers,
+            n_heads=config.n_heads,
+            d_model=config.d_model,
+            max_positions=config.max_positions,
             vocab_size=config.vocab_size,
+            sliding_windows=config.sliding_windows,
         )
 
 

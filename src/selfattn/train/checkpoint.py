@@ -5,8 +5,9 @@ Layout of ``OUT/`` (what ``selfattn train --out OUT`` writes)::
     OUT/LATEST                   name of the current checkpoint directory, replaced atomically
     OUT/.lock                    locked by the run writing OUT (see ``lock``), not a checkpoint
     OUT/step-0002000-<id>/
-        model.safetensors        weights (the tied embedding / head saved once)
-        config.json              model config, training config, preset name, data file
+        model.safetensors        weights (GPT's tied embedding / head saved once)
+        config.json              model type (gpt or llama) and config, training config,
+                                 preset name, data file
         tokenizer.json           the character vocabulary
         optimizer.safetensors    AdamW's per-parameter tensors (moments, step counts)
         rng.safetensors          generator states per rank, for an exact resume
@@ -40,10 +41,12 @@ from torch import Tensor, nn
 
 from selfattn.errors import SelfAttnError
 from selfattn.models.gpt import GPT, GPTConfig
+from selfattn.models.llama import Llama, LlamaConfig
 from selfattn.models.model import Model, ModelConfig, set_backend
 from selfattn.text import Tokenizer
 from selfattn.train.data import CharTokenizer
 from selfattn.train.loop import TrainConfig
+from selfattn.train.presets import DecoderConfig, architecture
 
 FORMAT = "selfattn-train-checkpoint"
 LATEST = "LATEST"
@@ -51,13 +54,14 @@ LATEST = "LATEST"
 # the Rust debug form "Os { code: 28, ... }".
 OS_ERROR = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")
 T = TypeVar("T")  # what a checkpoint file reads as
+Network = GPT | Llama
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """What a checkpoint was trained as: model, training settings, preset name, data file."""
 
-    model: GPTConfig
+    model: DecoderConfig
     train: TrainConfig
     preset: str
     data: str
@@ -65,7 +69,7 @@ class RunConfig:
     def to_json(self) -> dict:
         return {
             "format": FORMAT,
-            "model_type": "gpt",
+            "model_type": architecture(self.model),
             "model": dataclasses.asdict(self.model),
             "train": dataclasses.asdict(self.train),
             "preset": self.preset,
@@ -74,9 +78,16 @@ class RunConfig:
 
     @classmethod
     def from_json(cls, data: dict) -> RunConfig:
-        return cls(
-            GPTConfig(**data["model"]), TrainConfig(**data["train"]), data["preset"], data["data"]
-        )
+        """The configs of ``config.json``; a ``model_type`` other than gpt and llama is a
+        ValueError (the file was changed)."""
+        model_type, model = data["model_type"], data["model"]
+        if model_type == "gpt":
+            config: DecoderConfig = GPTConfig(**model)
+        elif model_type == "llama":  # JSON's lists back to the tuples a config holds
+            config = LlamaConfig(**{**model, "sliding_windows": tuple(model["sliding_windows"])})
+        else:
+            raise ValueError(f"model_type {model_type!r} is neither 'gpt' nor 'llama'")
+        return cls(config, TrainConfig(**data["train"]), data["preset"], data["data"])
 
 
 @dataclass
@@ -140,7 +151,7 @@ def save_checkpoint(
 
 def load_checkpoint(
     path: Path, device: torch.device | str = "cpu"
-) -> tuple[GPT, CharTokenizer, RunConfig, TrainingState]:
+) -> tuple[Network, CharTokenizer, RunConfig, TrainingState]:
     """The model (eval mode), tokenizer, configs and training state of a checkpoint.
 
     ``path`` is a training output directory (its latest checkpoint is read) or one checkpoint
@@ -160,9 +171,15 @@ def load_checkpoint(
     return model, tokenizer, config, state
 
 
+def build_network(config: DecoderConfig) -> Network:
+    """The network of ``config``: a GPT already holds GPT-2's initialisation, a Llama torch's
+    default one (training gives it GPT-2's with ``reset_parameters``; loading overwrites it)."""
+    return GPT(config) if isinstance(config, GPTConfig) else Llama(config)
+
+
 def _load_trained(
     directory: Path, device: torch.device | str
-) -> tuple[GPT, CharTokenizer, RunConfig]:
+) -> tuple[Network, CharTokenizer, RunConfig]:
     """What running the model needs: the network (eval mode), its tokenizer and configs,
     read from config.json, tokenizer.json and model.safetensors only."""
     saved_config = _read(directory, "config.json", _read_json)
@@ -185,7 +202,7 @@ def _load_trained(
             f"{tokenizer.vocab_size} characters for a vocabulary of {config.model.vocab_size} "
             "in config.json",
         )
-    model = GPT(config.model)
+    model = build_network(config.model)
     _read(
         directory,
         "model.safetensors",
@@ -273,7 +290,7 @@ def load_model(path: Path, device: torch.device | str = "cpu", backend: str = "a
     """A checkpoint as a :class:`selfattn.models.model.Model`: what explain, generate and the
     viewers use. Reads the model's files only: the optimizer and random state may be absent."""
     network, tokenizer, config = _load_trained(checkpoint_dir(path), device)
-    info = ModelConfig.for_decoder(config.model, "gpt")
+    info = ModelConfig.for_decoder(config.model, architecture(config.model))
     model = Model(network, info, name=str(path), tokenizer=Tokenizer(tokenizer.to_hf()))
     set_backend(model, backend)
     return model.eval()

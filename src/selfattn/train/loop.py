@@ -77,10 +77,14 @@ class TrainConfig:
                 raise ValueError(f"{self._setting(name)} must be in [0, 1) (AdamW's betas)")
 
     def _setting(self, name: str) -> str:
-        """A field as `selfattn train` takes it, then as Python does: "--lr 0.1 (learning_rate=
-        in Python)", for messages that Python callers and the command line share."""
-        flag = "lr" if name == "learning_rate" else name.replace("_", "-")
-        return f"--{flag} {getattr(self, name)} ({name}= in Python)"
+        return setting(name, getattr(self, name))
+
+
+def setting(name: str, value: object) -> str:
+    """A setting as `selfattn train` takes it, then as Python does: "--lr 0.1 (learning_rate=
+    in Python)", for messages that Python callers and the command line share."""
+    flag = "lr" if name == "learning_rate" else name.replace("_", "-")
+    return f"--{flag} {value} ({name}= in Python)"
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:

@@ -2,6 +2,8 @@
 
 ``shakespeare-char-cpu`` is nanoGPT's CPU configuration for shakespeare_char (the benchmark),
 ``shakespeare-char`` its GPU one, ``tiny`` a model that trains in seconds for tests and demos.
+Each trains either architecture (``arch``): nanoGPT's GPT (learned positions, LayerNorm, GELU
+MLP, tied head) or a Llama (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head).
 """
 
 from __future__ import annotations
@@ -11,9 +13,20 @@ from dataclasses import dataclass
 
 from selfattn.errors import SelfAttnError
 from selfattn.models.gpt import GPTConfig
-from selfattn.train.loop import TrainConfig
+from selfattn.models.llama import LlamaConfig, llama_hidden_size
+from selfattn.train.loop import TrainConfig, setting
 
-MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "dropout", "bias", "activation")
+ARCHITECTURES = ("gpt", "llama")
+MODEL_FIELDS = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "dropout", "bias", "activation")
+LLAMA_NORM_EPS = 1e-5  # Llama 2's and Llama 3's rms_norm_eps
+LLAMA_ROPE_THETA = 10000.0  # Llama 2's
+
+DecoderConfig = GPTConfig | LlamaConfig
+
+
+def architecture(config: DecoderConfig) -> str:
+    """The ``arch`` (and a checkpoint's ``model_type``) of a decoder config: gpt or llama."""
+    return "gpt" if isinstance(config, GPTConfig) else "llama"
 
 
 @dataclass(frozen=True)
@@ -28,22 +41,75 @@ class Preset:
     train: TrainConfig
     dropout: float = 0.0
     bias: bool = False
-    activation: str = "gelu"
+    activation: str | None = None  # None: the architecture's (gpt: exact GELU, llama: SiLU)
+    arch: str = "gpt"  # one of ARCHITECTURES
+    n_kv_head: int | None = None  # llama: key/value heads shared by the query heads (n_head)
 
     def __post_init__(self) -> None:
-        self.model_config(vocab_size=1)  # GPTConfig checks the sizes
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(
+                f"{setting('arch', self.arch)} is not an architecture; choose "
+                f"{' or '.join(ARCHITECTURES)}"
+            )
+        if self.n_kv_head is not None:
+            self._check_kv_heads()
+        if self.arch == "llama" and self.n_head > 0 and self.n_embd % (2 * self.n_head):
+            raise ValueError(
+                f"{setting('n_embd', self.n_embd)} must be a multiple of 2 × "
+                f"{setting('n_head', self.n_head)}: each head is n_embd / n_head wide, and RoPE "
+                "turns pairs of its dims"
+            )
+        self.model_config(vocab_size=1)  # GPTConfig or LlamaConfig checks the sizes
 
-    def model_config(self, vocab_size: int) -> GPTConfig:
-        """The decoder for a vocabulary of ``vocab_size``; positions = the training block size."""
-        return GPTConfig(
+    def _check_kv_heads(self) -> None:
+        """--n-kv-head: Llama's only, and dividing the query heads into equal groups."""
+        kv_heads = setting("n_kv_head", self.n_kv_head)
+        if self.arch != "llama":
+            raise ValueError(
+                f"{kv_heads} is for --arch llama (GPT's heads each have their own keys and "
+                "values); add --arch llama or drop it"
+            )
+        if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
+            divisors = [str(n) for n in range(1, self.n_head + 1) if self.n_head % n == 0]
+            raise ValueError(
+                f"{kv_heads} must divide {setting('n_head', self.n_head)} (each key/value head "
+                f"serves the same number of query heads); choose one of {', '.join(divisors)}"
+            )
+
+    def model_config(self, vocab_size: int) -> DecoderConfig:
+        """The decoder for a vocabulary of ``vocab_size``; positions = the training block size.
+
+        A Llama has RMSNorm (eps 1e-5), RoPE (theta 10000) on whole heads, a SwiGLU hidden
+        size by :func:`~selfattn.models.llama.llama_hidden_size` (a multiple of 32 near
+        8/3·n_embd), biases only if ``bias``, and an untied head.
+        """
+        if self.arch == "gpt":
+            return GPTConfig(
+                vocab_size=vocab_size,
+                block_size=self.train.block_size,
+                n_layer=self.n_layer,
+                n_head=self.n_head,
+                n_embd=self.n_embd,
+                bias=self.bias,
+                dropout=self.dropout,
+                activation=self.activation or "gelu",
+            )
+        return LlamaConfig(
             vocab_size=vocab_size,
-            block_size=self.train.block_size,
-            n_layer=self.n_layer,
-            n_head=self.n_head,
-            n_embd=self.n_embd,
-            bias=self.bias,
+            d_model=self.n_embd,
+            n_layers=self.n_layer,
+            n_heads=self.n_head,
+            n_kv_heads=self.n_kv_head or self.n_head,
+            head_dim=self.n_embd // self.n_head if self.n_head > 0 else 0,
+            d_ff=llama_hidden_size(self.n_embd),
+            max_positions=self.train.block_size,
+            norm_eps=LLAMA_NORM_EPS,
+            rope_theta=LLAMA_ROPE_THETA,
+            activation=self.activation or "silu",
+            qkv_bias=self.bias,
+            out_bias=self.bias,
+            mlp_bias=self.bias,
             dropout=self.dropout,
-            activation=self.activation,
         )
 
     def override(self, **changes: object) -> Preset:
@@ -65,9 +131,23 @@ class Preset:
             raise SelfAttnError(f"invalid training settings: {error}") from None
 
     @classmethod
-    def from_configs(cls, name: str, model: GPTConfig, train: TrainConfig) -> Preset:
+    def from_configs(cls, name: str, model: DecoderConfig, train: TrainConfig) -> Preset:
         """The preset a checkpoint was trained with, rebuilt from its saved configs."""
-        sizes = {key: getattr(model, key) for key in MODEL_FIELDS}
+        if isinstance(model, GPTConfig):
+            fields = ("n_layer", "n_head", "n_embd", "dropout", "bias", "activation")
+            sizes = {key: getattr(model, key) for key in fields}
+        else:
+            grouped = model.n_kv_heads != model.n_heads
+            sizes = {
+                "arch": "llama",
+                "n_layer": model.n_layers,
+                "n_head": model.n_heads,
+                "n_kv_head": model.n_kv_heads if grouped else None,
+                "n_embd": model.d_model,
+                "dropout": model.dropout,
+                "bias": model.qkv_bias,
+                "activation": model.activation,
+            }
         return cls(name=name, description="from a checkpoint", train=train, **sizes)
 
 

@@ -1,4 +1,5 @@
-"""Train a character-level GPT on a text file: what ``selfattn train`` runs, on one process or many.
+"""Train a character-level GPT or Llama on a text file: what ``selfattn train`` runs, on one
+process or many.
 
 This is where the pieces meet: presets and overrides, the data, the model, the optimizer, the
 checkpoints (with an exact resume) and torch.distributed. The loop itself stays model-agnostic.
@@ -6,6 +7,7 @@ checkpoints (with an exact resume) and torch.distributed. The loop itself stays 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -17,12 +19,14 @@ from rich.console import Console
 from torch import Tensor
 
 from selfattn.errors import SelfAttnError
-from selfattn.models.gpt import GPT, GPTConfig
+from selfattn.models.llama import Llama
 from selfattn.train import distributed, lock
 from selfattn.train.checkpoint import (
     LATEST,
+    Network,
     RunConfig,
     TrainingState,
+    build_network,
     checkpoint_dir,
     damaged,
     has_checkpoint,
@@ -33,14 +37,19 @@ from selfattn.train.checkpoint import (
 )
 from selfattn.train.data import CharTokenizer, RandomBatches, TextData, read_text
 from selfattn.train.loop import TrainResult, configure_optimizer, train
-from selfattn.train.presets import DEFAULT_PRESET, Preset, get_preset
+from selfattn.train.presets import (
+    DEFAULT_PRESET,
+    DecoderConfig,
+    Preset,
+    get_preset,
+)
 
 
 @dataclass
 class TrainedRun:
     """The trained model (on its device, eval mode), its tokenizer and configs, and the result."""
 
-    model: GPT
+    model: Network
     tokenizer: CharTokenizer
     config: RunConfig
     result: TrainResult
@@ -56,11 +65,13 @@ def train_gpt(
     device: str = "auto",
     console: Console | None = None,
 ) -> TrainedRun:
-    """Train (or with ``resume``, continue) a GPT on ``data``, writing checkpoints to ``out``.
+    """Train (or with ``resume``, continue) a decoder on ``data``, writing checkpoints to ``out``.
 
     The settings are the preset's (default ``shakespeare-char-cpu``; when resuming, the
     checkpoint's) with ``overrides`` applied (model fields and :class:`TrainConfig` fields),
     except that a resumed run keeps the checkpoint's seed: its generator states continue.
+    ``overrides={"arch": "llama"}`` trains a Llama instead of a GPT (``"n_kv_head"`` sets its
+    key/value heads); resuming keeps the checkpoint's architecture and refuses another.
     Under torchrun each rank trains on its own batches; rank 0 writes and prints. ``out`` is
     locked while the run lasts: a second run into it is refused.
     """
@@ -118,7 +129,9 @@ def _train_gpt(
         _, tokenizer, saved, _ = checkpoint
         overrides = _keep_saved_seed(overrides, saved.train.seed, console)
         base = Preset.from_configs(saved.preset, saved.model, saved.train)
-        preset = (get_preset(preset_name) if preset_name else base).override(**overrides)
+        chosen = get_preset(preset_name) if preset_name else base
+        _check_same_arch(out, base.arch, overrides.get("arch", chosen.arch))
+        preset = chosen.override(**overrides)
         data = _resumed_data(data_path, preset.train.block_size, tokenizer, saved.data)
     else:
         preset = get_preset(preset_name or DEFAULT_PRESET).override(**overrides)
@@ -144,7 +157,7 @@ def _train_gpt(
         _check_same_model(out, saved.model, config.model)
         model.train()
     else:
-        model = GPT(config.model).to(context.device)
+        model = new_network(config.model).to(context.device)
         state = None
     torch.manual_seed(settings.seed + context.rank)  # distinct dropout per rank
     batches = RandomBatches(
@@ -185,6 +198,15 @@ def _train_gpt(
         console=console,
     )
     return TrainedRun(model.eval(), data.tokenizer, config, result)
+
+
+def new_network(config: DecoderConfig) -> Network:
+    """A network to train from scratch, drawn (from torch's generator) with GPT-2's
+    initialisation: GPT draws it on construction, a Llama by its ``reset_parameters``."""
+    network = build_network(config)
+    if isinstance(network, Llama):
+        network.reset_parameters()
+    return network
 
 
 def _resumed_data(
@@ -297,25 +319,25 @@ def _load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, out: Pa
         ) from None
 
 
-def _check_same_model(out: Path, saved: GPTConfig, wanted: GPTConfig) -> None:
-    """Refuse to resume a checkpoint into a model of another shape, naming what differs."""
+def _check_same_arch(out: Path, saved: str, wanted: object) -> None:
+    """Refuse to resume a checkpoint of one architecture as another, before any setting of
+    the other is checked."""
+    if wanted != saved:
+        raise SelfAttnError(
+            f"the checkpoint in {out} is a {saved} model and this run a {wanted} one (--arch, "
+            f"arch= in Python); resume with --arch {saved} or train into a new --out"
+        )
+
+
+def _check_same_model(out: Path, saved: DecoderConfig, wanted: DecoderConfig) -> None:
+    """Refuse to resume a checkpoint into a model of another shape (of the same
+    architecture, which ``_check_same_arch`` made sure of), naming what differs."""
     if saved == wanted:
         return
-    fields = (
-        "vocab_size",
-        "block_size",
-        "n_layer",
-        "n_head",
-        "n_embd",
-        "bias",
-        "dropout",
-        "activation",
-        "layer_norm_eps",
-    )
     diffs = ", ".join(
-        f"{name} {getattr(saved, name)} vs {getattr(wanted, name)}"
-        for name in fields
-        if getattr(saved, name) != getattr(wanted, name)
+        f"{field.name} {getattr(saved, field.name)} vs {getattr(wanted, field.name)}"
+        for field in dataclasses.fields(saved)
+        if getattr(saved, field.name) != getattr(wanted, field.name)
     )
     raise SelfAttnError(
         f"the checkpoint in {out} is from another configuration ({diffs}: checkpoint vs this "
