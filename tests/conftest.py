@@ -43,6 +43,21 @@ def browser():
         browser.close()
 
 
+TRAINING_TEXT = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+    "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\n"
+    "Resolved. resolved.\n\n"
+) * 12
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A small training text file (a tiny char model learns it in seconds)."""
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text(TRAINING_TEXT)
+    return path
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models run fastest, and steadiest on a busy machine, on one thread."""

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from typer.testing import CliRunner
 
 import selfattn
-from conftest import spawn_ranks
+from conftest import TRAINING_TEXT, spawn_ranks
 from selfattn.cli import TRAIN_HELP, app
 from selfattn.errors import SelfAttnError
 from selfattn.models.gpt import GPT, GPTConfig, sample
@@ -53,21 +53,9 @@ from selfattn.train import (
 from selfattn.train import checkpoint as checkpoint_module
 from selfattn.train import loop as loop_module
 from selfattn.train import run as run_module
+from selfattn.train.run import new_network
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: fastest on one thread
-
-CORPUS = (
-    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
-    "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\n"
-    "Resolved. resolved.\n\n"
-) * 12
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text(CORPUS)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -483,18 +471,25 @@ class _GlobalBatch:
         return torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])
 
 
-def test_two_process_ddp_matches_one_process_with_the_global_batch(corpus, tmp_path):
-    """gloo DDP, 2 ranks × batch 4: identical ranks; = 1 process × batch 8 within 1e-5."""
-    overrides = {"max_iters": 8, "batch_size": 4, "eval_interval": 8}
+@pytest.mark.parametrize(
+    "architecture", [{}, {"arch": "llama", "n_head": 4, "n_kv_head": 2}], ids=["gpt", "llama"]
+)
+def test_two_process_ddp_matches_one_process_with_the_global_batch(corpus, tmp_path, architecture):
+    """gloo DDP, 2 ranks × batch 4: identical ranks; = 1 process × batch 8 within 1e-5; for
+    the GPT and for a Llama (grouped-query, untied head: both embedding and head saved)."""
+    overrides = {**architecture, "max_iters": 8, "batch_size": 4, "eval_interval": 8}
     spawn_ranks(_ddp_worker, 2, corpus, tmp_path, overrides, seconds=120)
     rank0 = load_file(str(tmp_path / "rank0.safetensors"))
     rank1 = load_file(str(tmp_path / "rank1.safetensors"))
+    assert rank0.keys() == rank1.keys()
+    saved = {"token_embedding.weight", "lm_head.weight"} & rank0.keys()
+    assert len(saved) == (2 if architecture else 1)  # GPT's are tied: saved once
     assert all(torch.equal(rank0[key], rank1[key]) for key in rank0)
 
     data = TextData.from_file(corpus, 16)
     preset = get_preset("tiny").override(**overrides)
     torch.manual_seed(preset.train.seed)
-    model = GPT(preset.model_config(data.tokenizer.vocab_size))
+    model = new_network(preset.model_config(data.tokenizer.vocab_size))
     config = preset.train
     result = train(
         model, configure_optimizer(model, config), _GlobalBatch(data, config.seed), config
@@ -621,7 +616,7 @@ def test_a_non_ascii_vocabulary_trains_and_loads_under_an_ascii_locale(tmp_path)
     trains, saves and loads, and the JSON files are UTF-8 (they used to be written in the
     locale's encoding: UnicodeEncodeError here, other bytes under Latin-1)."""
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text(CORPUS.replace("e", "è") + "日本\n", encoding="utf-8")
+    corpus.write_text(TRAINING_TEXT.replace("e", "è") + "日本\n", encoding="utf-8")
     out = tmp_path / "out"
     locale = {"LANG": "C", "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
     result = subprocess.run(
@@ -1209,7 +1204,7 @@ def test_characters_outside_the_vocabulary_are_named_briefly(corpus, trained, tm
     assert "not in the model's vocabulary: '一丁" in line and "and 280 more" in line
     assert len(line) < 200, line
     other = tmp_path / "other.txt"
-    other.write_text(CORPUS.replace("Citizen", "Bürger"))
+    other.write_text(TRAINING_TEXT.replace("Citizen", "Bürger"))
     args = ["train", "--data", str(other), "--out", str(trained), "--resume", "--max-iters", "31"]
     line = _error_line(args)
     assert f"{other} has characters that the checkpoint's vocabulary lacks ('gü')" in line

@@ -1,11 +1,11 @@
 """Training a Llama from scratch (`selfattn train --arch llama`): the network is Hugging Face's
-Llama, it learns, its checkpoints load back and resume exactly, DDP, refusals, the commands.
+Llama, it learns, its checkpoints load back and resume exactly, refusals, the commands (DDP:
+tests/test_train.py runs its two-process test for both architectures).
 
 Tolerances (float32): logits against Hugging Face's ``LlamaForCausalLM`` built from the same
 config with the trained weights copied in, 1e-5 absolute (the same function; only the order
 of float sums differs); save → load, and resume against a straight run, bit-exact (same ops,
-same generator states on CPU); two DDP ranks bit-identical, and equal to one process reading
-both ranks' batches within 1e-5, as for the GPT (tests/test_train.py).
+same generator states on CPU).
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from conftest import spawn_ranks
 from selfattn import server
 from selfattn.cli import app
 from selfattn.errors import SelfAttnError
@@ -28,26 +26,17 @@ from selfattn.models.llama import Llama, LlamaConfig, llama_hidden_size
 from selfattn.models.loading import llama_rules
 from selfattn.train import (
     TextData,
-    configure_optimizer,
     get_preset,
     load_checkpoint,
     load_model,
-    train,
     train_gpt,
 )
 from selfattn.train.run import new_network
-from test_train import CORPUS, _ddp_worker, _error_line, _GlobalBatch
+from test_train import _error_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: fastest on one thread
 
 LLAMA = {"arch": "llama", "n_head": 4, "n_kv_head": 2}  # tiny: 2 layers, 32 wide; heads of 8
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text(CORPUS)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -251,27 +240,3 @@ def test_an_unknown_model_type_in_a_checkpoint_names_its_config(llama_run, tmp_p
     with pytest.raises(SelfAttnError) as error:
         load_model(copy)
     assert "config.json: model_type 'rwkv' is neither 'gpt' nor 'llama'" in str(error.value)
-
-
-def test_two_process_ddp_matches_one_process_with_the_global_batch(corpus, tmp_path):
-    """gloo DDP, 2 ranks × batch 4: identical ranks; = 1 process × batch 8 within 1e-5."""
-    overrides = {**LLAMA, "max_iters": 8, "batch_size": 4, "eval_interval": 8}
-    spawn_ranks(_ddp_worker, 2, corpus, tmp_path, overrides, seconds=120)
-    rank0 = load_file(str(tmp_path / "rank0.safetensors"))
-    rank1 = load_file(str(tmp_path / "rank1.safetensors"))
-    assert rank0.keys() == rank1.keys() and "lm_head.weight" in rank0  # untied: both saved
-    assert all(torch.equal(rank0[key], rank1[key]) for key in rank0)
-
-    data = TextData.from_file(corpus, 16)
-    preset = get_preset("tiny").override(**overrides)
-    torch.manual_seed(preset.train.seed)
-    model = new_network(preset.model_config(data.tokenizer.vocab_size))
-    config = preset.train
-    result = train(
-        model, configure_optimizer(model, config), _GlobalBatch(data, config.seed), config
-    )
-    single = model.state_dict()
-    for key, value in rank0.items():
-        torch.testing.assert_close(value, single[key], atol=1e-5, rtol=0, msg=key)
-    ddp_val = float((tmp_path / "rank0.val").read_text())
-    assert abs(ddp_val - result.history[-1]["val"]) < 1e-5
