@@ -344,6 +344,8 @@ def test_trace_from_a_fused_backend_is_a_clear_error():
         ({"v": (4, 2)}, "same length"),
         ({"backend": "nope"}, "unknown attention backend"),
         ({"similarity": "euclid"}, "unknown similarity"),
+        ({"causal": "no"}, "causal must be True or False, got 'no'"),
+        ({"causal": torch.tensor(False)}, "causal must be True or False"),
         ({"mask": torch.ones(5, 5, dtype=torch.bool)}, "does not broadcast.*that size or 1"),
         ({"q": (2, 3, 4), "k": (1, 3, 4), "v": (1, 3, 2)}, "same leading.*repeat_interleave"),
         ({"mask": torch.ones(3, 3, dtype=torch.long)}, "boolean"),

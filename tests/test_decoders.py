@@ -129,6 +129,25 @@ def test_encode_on_a_decoder_names_the_fix(gpt2):
     assert "'minilm'" in message and "run(text).word_vector(word)" in message
 
 
+def test_a_prompt_that_is_no_text_gets_one_line(gpt2):
+    """Before: TypeError "sequence item 0: expected str instance, int found" from inside the
+    tokenizer."""
+    for generate in (gpt2.generate, gpt2.generate_recorded):
+        with pytest.raises(selfattn.errors.SelfAttnError, match="prompt must be a str, got list"):
+            generate([5, 6, 7], 3)
+
+
+def test_a_grouped_decoder_takes_an_empty_batch(mistral):  # noqa: F811
+    """Before: "cannot reshape tensor of 0 elements into shape [0, 3, -1, 8]" in its
+    GroupedQueryAttention; GPT-2 already gave empty logits."""
+    model = mistral.model
+    assert model(torch.zeros(0, 3, dtype=torch.long)).logits.shape == (
+        0,
+        3,
+        model.config.vocab_size,
+    )
+
+
 def test_generate_continues_with_a_gpt2_folder_as_the_library_does(gpt2_folder, gpt2):
     """`selfattn generate --model FOLDER` prints the prompt and what Model.generate writes
     (exact: greedy, and sampling with a seed)."""

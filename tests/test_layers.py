@@ -651,6 +651,73 @@ def test_grouped_query_attention_refuses_heads_that_do_not_group():
         GroupedQueryAttention(10, 3)
 
 
+def test_grouped_query_attention_takes_an_empty_batch_or_sequence():
+    """Before: "cannot reshape tensor of 0 elements into shape [0, 7, -1, 4]" (the head split
+    asked view() for -1 heads of nothing); an empty batch or sequence gives an empty output,
+    as MultiHeadAttention's does."""
+    layer = GroupedQueryAttention(12, 6, n_kv_heads=2, head_dim=4)
+    assert layer(torch.randn(0, 7, 12), causal=True).shape == (0, 7, 12)
+    assert layer(torch.randn(2, 0, 12), causal=True, cache=KVCache()).shape == (2, 0, 12)
+
+
+def test_grouped_query_attention_masks_per_query_head_or_refuses_another_head_count():
+    """A mask's head axis is 1 or one per query head (6), each head getting its own rows
+    (float64, 1e-12 to SDPA over the key/value heads repeated); 2 or 3 on that axis is
+    refused in one line, as broadcasting to 6 heads refuses it. Before: 3 passed silently
+    as a mask per head of each group (heads 0 and 3 shared one), 2 failed in unflatten."""
+    torch.manual_seed(14)
+    layer = GroupedQueryAttention(12, 6, n_kv_heads=2, head_dim=4).double()
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    mask = torch.rand(2, 6, 5, 5) > 0.4
+    mask[..., 0] = True
+    query = layer.rotary(layer.split_heads(layer.W_q(x)))
+    key = layer.rotary(layer.split_heads(layer.W_k(x))).repeat_interleave(3, dim=1)
+    value = layer.split_heads(layer.W_v(x)).repeat_interleave(3, dim=1)
+    heads = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+    expected = layer.W_o(heads.transpose(1, 2).reshape(2, 5, 24))
+    torch.testing.assert_close(layer(x, mask=mask), expected, atol=1e-12, rtol=0)
+    for count in (3, 2):
+        with pytest.raises(ValueError, match=rf"has {count} on its head axis .* 6 query heads; "):
+            layer(x, mask=mask[:, :count])
+
+
+def test_an_input_that_is_no_tensor_gets_one_line():
+    """Before: AttributeError "'list' object has no attribute 'dim'" (and "'dict' object has no
+    attribute 'extend'" for a cache that is no KVCache)."""
+    rows = [[0.0] * 8] * 3
+    for layer in (SelfAttention(8), MultiHeadAttention(8, 2), GroupedQueryAttention(8, 2)):
+        with pytest.raises(TypeError, match=r"x must be a torch\.Tensor .*, got list; "):
+            layer(rows)
+    for layer in (MultiHeadAttention(8, 2), GroupedQueryAttention(8, 2)):
+        with pytest.raises(TypeError, match=r"cache must be a selfattn\.KVCache .*, got dict"):
+            layer(torch.randn(1, 3, 8), cache={})
+    with pytest.raises(TypeError, match=r"record\(\) takes the models .*, got str"):
+        record("encoder").__enter__()
+
+
+@pytest.mark.parametrize("positions", [SinusoidalPositions(10, 8), LearnedPositions(10, 8)])
+def test_positions_of_another_width_get_one_line(positions):
+    """Before: torch's "The size of tensor a (6) must match the size of tensor b (8)"."""
+    with pytest.raises(ValueError, match=r"shape \(\.\.\., length, 8\) .* got \(2, 5, 6\)"):
+        positions(torch.randn(2, 5, 6))
+
+
+def test_rotary_positions_of_another_head_size_are_refused():
+    """Before: RotaryPositions(2) in a layer of 4-dim heads silently turned only their first
+    two dims (partial RoPE nobody asked for), RotaryPositions(8) on 16-dim rows did the same,
+    and RotaryPositions(8) on 4-dim heads failed with torch's "The size of tensor a (4) must
+    match the size of tensor b (8)"."""
+    with pytest.raises(ValueError, match=r"rotary turns heads of 2 dims .* head_dim=4; "):
+        GroupedQueryAttention(16, 4, rotary=RotaryPositions(2))
+    with pytest.raises(ValueError, match=r"rotary turns heads of 8 dims .* head_dim=4; "):
+        GroupedQueryAttention(16, 4, rotary=RotaryPositions(8))
+    for width in (16, 4):
+        with pytest.raises(ValueError, match=rf"\(\.\.\., length, 8\) .*, got \(1, 3, {width}\)"):
+            RotaryPositions(8)(torch.randn(1, 3, width))
+    partial = GroupedQueryAttention(16, 4, rotary=RotaryPositions(4, rotary_dim=2))
+    assert partial(torch.randn(1, 3, 16)).shape == (1, 3, 16)  # partial RoPE, as asked
+
+
 def test_rms_norm_and_swiglu_by_hand():
     norm = RMSNorm(4, eps=0.0)
     torch.testing.assert_close(norm(torch.tensor([3.0, 4.0, 0.0, 0.0])), torch.tensor(
@@ -660,6 +727,12 @@ def test_rms_norm_and_swiglu_by_hand():
     x = torch.randn(2, 3)
     expected = mlp.down(torch.nn.functional.silu(mlp.gate(x)) * mlp.up(x))
     torch.testing.assert_close(mlp(x), expected)
+
+
+def test_rms_norm_of_another_width_is_one_line():
+    """RMSNorm(8) on 6-wide rows broadcast its weight and failed in torch's words."""
+    with pytest.raises(ValueError, match=r"RMSNorm\(8\) got x of shape \(2, 6\); .* must be 8"):
+        RMSNorm(8)(torch.randn(2, 6))
 
 
 def test_partial_rope_passes_the_unturned_dims_and_scores_by_position_difference():

@@ -289,7 +289,7 @@ def test_run_refuses_what_it_cannot_do(minilm):
         run.attention(0, "mean")
     with pytest.raises(SelfAttnError, match="decoder"):
         minilm.generate("hello")
-    with pytest.raises(SelfAttnError, match="batch_size must be at least 1, got 0"):
+    with pytest.raises(SelfAttnError, match="batch_size must be a whole number >= 1, got 0"):
         minilm.encode(["hello"], batch_size=0)
 
 
@@ -420,3 +420,87 @@ def test_loading_and_running_a_model_imports_no_compiler():
     env = os.environ | {"HF_HUB_OFFLINE": "1"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_token_inputs_on_another_device_or_without_tokens_get_one_line(minilm):
+    """Before: ids on the CPU for a model elsewhere ran on (a meta model silently gave meta
+    outputs; a GPU one fails deep in an index_select), and a (1, 0) batch failed with
+    "index 0 is out of bounds for dimension 1 with size 0" in the pooler."""
+    ids = torch.tensor([minilm.tokenizer.encode(MONEY_1).ids])
+    with pytest.raises(SelfAttnError, match=r"input_ids have no tokens \(shape \(1, 0\)\); "):
+        minilm(ids[:, :0])
+    assert minilm(ids[:0]).last_hidden_state.shape == (0, ids.shape[1], 384)  # an empty batch
+    with pytest.raises(SelfAttnError, match=r"attention_mask is on meta but input_ids are on cpu"):
+        minilm(ids, torch.ones_like(ids, device="meta"))
+    away = selfattn.load("minilm", device="meta")
+    with pytest.raises(SelfAttnError, match=r"input_ids is on cpu but the model is on meta; "):
+        away(ids)
+
+
+def test_a_whole_model_compiles_with_fullgraph_and_runs_after_compile():
+    """Before: torch.compile(model, fullgraph=True) failed on the token ids' range check (a
+    data-dependent int()), and after model.compile() run() recorded nothing and failed with
+    "list index out of range". Compiled outputs equal eager ones within 1e-5; run() after
+    compile() runs eager and gives the uncompiled model's weights exactly."""
+    model = selfattn.load("minilm")
+    ids = torch.tensor([model.tokenizer.encode(MONEY_1).ids])
+    with torch.no_grad():
+        expected = model(ids).last_hidden_state
+        compiled = torch.compile(model, fullgraph=True, backend="eager")(ids).last_hidden_state
+    torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=0)
+    before = model.run(MONEY_1).attention(5, 7)
+    model.compile(backend="eager")
+    assert torch.equal(model.run(MONEY_1).attention(5, 7), before)
+
+
+def test_encode_refuses_what_is_not_text_in_one_line(minilm):
+    """Before: TypeError "'int' object is not iterable", the tokenizer's "TextEncodeInput must
+    be Union[...]" and "'float' object cannot be interpreted as an integer"."""
+    for texts, got in [
+        (7, "int"),
+        ([1, 2], "list holding int"),
+        (["a", None], "list holding NoneType"),
+    ]:
+        with pytest.raises(SelfAttnError, match=f"encode takes a str or a list of str, got {got}"):
+            minilm.encode(texts)
+    with pytest.raises(SelfAttnError, match=r"batch_size must be a whole number >= 1, got 2\.5"):
+        minilm.encode(["hello"], batch_size=2.5)
+    assert minilm.encode(("a", "b")).shape == (2, 384)  # any iterable of str will do
+
+
+def test_show_says_where_the_page_is_when_no_browser_opens(minilm, monkeypatch, tmp_path, capsys):
+    """Before: with no browser (a server, a container) show() wrote a file and said nothing."""
+    monkeypatch.setattr("webbrowser.open", lambda url: False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    minilm.run(MONEY_1).show()
+    note = capsys.readouterr().err
+    assert (
+        note.startswith("note: no web browser to open here; the page is ") and note.count("\n") == 1
+    )
+    (page,) = tmp_path.glob("*.html")
+    assert str(page) in note
+
+
+def test_runs_and_recordings_compare_by_identity(minilm):
+    """Before: `capture in captures`, `rec == other` and `runs.index(run)` on two runs of one
+    text raised torch's "Boolean value of Tensor with more than one value is ambiguous"
+    (dataclass equality compared their tensors), and a Recording was unhashable."""
+    first, second = minilm.run(MONEY_1), minilm.run(MONEY_1)
+    assert [first, second].index(second) == 1 and first != second
+    assert second.captures[0] not in list(first.captures) and first.captures != second.captures
+    assert len({first, second, first.captures, second.captures}) == 4
+
+
+def test_a_loaded_model_deep_copies_and_pickles():
+    """copy.deepcopy and pickle of a loaded model failed on its tokenizer's lock ("cannot
+    pickle '_thread.lock' object"); each copy now runs as the original does, exactly."""
+    import copy
+    import pickle
+
+    model = selfattn.load()
+    expected = model.run("I went to the bank").hidden_states[-1]
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert copied.tokenizer._lock is not model.tokenizer._lock
+        torch.testing.assert_close(
+            copied.run("I went to the bank").hidden_states[-1], expected, atol=0, rtol=0
+        )

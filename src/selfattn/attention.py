@@ -462,6 +462,8 @@ def make_call(
     dropout_p: float,
 ) -> AttentionCall:
     """Check shapes, dtypes and options once, with one-line errors, and resolve the scale."""
+    if not isinstance(causal, bool):  # "no" or a tensor would read as True
+        raise ValueError(f"causal must be True or False, got {causal!r}")
     if similarity not in SIMILARITIES:
         raise ValueError(f"unknown similarity {similarity!r}; choose 'dot' or 'cosine'")
     for name, tensor in (("query", query), ("key", key), ("value", value)):

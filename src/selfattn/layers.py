@@ -82,7 +82,7 @@ class AttentionModule(nn.Module):
         if groups > 1:
             grouped_query = query.unflatten(-3, (-1, groups))  # (..., Hkv, G, T, D)
             key, value = (_repeat_heads(x, groups) for x in (key, value))  # (..., Hkv, G, S, D)
-            grouped_mask = _grouped_mask(mask, groups)
+            grouped_mask = _grouped_mask(mask, query.shape[-3], groups)
         output = attention(
             grouped_query,
             key,
@@ -119,13 +119,22 @@ def _repeat_heads(x: Tensor, groups: int) -> Tensor:
     return x.unsqueeze(-3).expand(*x.shape[:-2], groups, *x.shape[-2:])
 
 
-def _grouped_mask(mask: Tensor | None, groups: int) -> Tensor | None:
+def _grouped_mask(mask: Tensor | None, heads: int, groups: int) -> Tensor | None:
     """A mask for (..., H, T, S) scores as the grouped call's (..., Hkv, G, T, S) needs it: a
-    head axis of H split into (Hkv, G), one of 1 given a G axis of 1; (T, S) masks unchanged."""
-    if mask is None or mask.dim() < 3:
-        return mask
+    head axis of H split into (Hkv, G), one of 1 given a G axis of 1; (T, S) masks unchanged.
+
+    A head axis of another size is refused, as broadcasting to H heads would refuse it: split
+    into (Hkv, G) it could otherwise pass for a mask per head of a group (3 of 6 heads)."""
+    if not isinstance(mask, Tensor) or mask.dim() < 3:
+        return mask  # the core names what is wrong with a mask that is no tensor
     if mask.shape[-3] == 1:
         return mask.unsqueeze(-3)
+    if mask.shape[-3] != heads:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} has {mask.shape[-3]} on its head axis (dim -3) "
+            f"but this layer has {heads} query heads; give that axis size {heads} (one per "
+            "query head) or 1 (the same for every head)"
+        )
     return mask.unflatten(-3, (-1, groups))
 
 
@@ -147,6 +156,11 @@ def _check_input(x: Tensor, weight: Tensor, *, batched: bool, name: str = "x") -
     """
     d_model = weight.shape[-1]
     shape, dims = ("(batch, length, d_model)", 3) if batched else ("(..., length, d_model)", 2)
+    if not isinstance(x, Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor of shape {shape}, got {type(x).__name__}; "
+            f"convert it with torch.as_tensor({name}, dtype={weight.dtype})"
+        )
     if x.dim() < dims or (batched and x.dim() > dims):
         fix = (
             f"add the missing leading dim with {name}.unsqueeze(0)"
@@ -169,6 +183,15 @@ def _check_input(x: Tensor, weight: Tensor, *, batched: bool, name: str = "x") -
         raise ValueError(
             f"{name} is on {x.device} but this layer is on {weight.device}; move one: "
             f"{name}.to('{weight.device}') or layer.to('{x.device}')"
+        )
+
+
+def _check_cache(cache: object) -> None:
+    """A one-line TypeError for a ``cache=`` that is not a :class:`KVCache`."""
+    if cache is not None and not isinstance(cache, KVCache):
+        raise TypeError(
+            f"cache must be a selfattn.KVCache (one per layer, KVCache() to start), got "
+            f"{type(cache).__name__}"
         )
 
 
@@ -261,6 +284,7 @@ class MultiHeadAttention(AttentionModule):
         and values are appended to the cached ones and causal alignment is bottom-right.
         """
         _check_input(x, self.W_q.weight, batched=True)
+        _check_cache(cache)
         if context is not None:
             _check_input(context, self.W_k.weight, batched=True, name="context")
             if context.shape[0] != x.shape[0]:
@@ -347,6 +371,12 @@ class GroupedQueryAttention(AttentionModule):
         self.W_o = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
         self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
         self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
+        if rotary is not None and rotary.head_dim != head_dim:
+            raise ValueError(
+                f"rotary turns heads of {rotary.head_dim} dims but this layer's heads have "
+                f"head_dim={head_dim}; pass RotaryPositions({head_dim}) (rotary_dim=... to turn "
+                "only part of each head)"
+            )
         self.rotary = RotaryPositions(head_dim) if rotary is None else rotary
 
     def extra_repr(self) -> str:
@@ -356,8 +386,8 @@ class GroupedQueryAttention(AttentionModule):
         )
 
     def split_heads(self, x: Tensor) -> Tensor:
-        b, t, _ = x.shape
-        return x.view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, heads, T, hd)
+        b, t, width = x.shape  # heads spelled out: view(..., -1, ...) fails on 0 elements
+        return x.view(b, t, width // self.head_dim, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
 
     def forward(
         self,
@@ -372,6 +402,7 @@ class GroupedQueryAttention(AttentionModule):
         ``mask`` broadcasts to (B, H, T, S), True = may attend.
         """
         _check_input(x, self.W_q.weight, batched=True)
+        _check_cache(cache)
         query = self.split_heads(self.W_q(x))  # (B, H, T, hd)
         key = self.split_heads(self.W_k(x))  # (B, Hkv, T, hd)
         value = self.split_heads(self.W_v(x))  # (B, Hkv, T, hd)
@@ -406,7 +437,7 @@ class SinusoidalPositions(nn.Module):
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """x: (..., T, d_model) -> x plus the encodings of positions offset .. offset+T-1."""
-        return x + _positions(self.table, x.shape[-2], offset, self.max_len).to(x.dtype)
+        return x + _positions(self.table, x, offset, self.max_len).to(x.dtype)
 
 
 class LearnedPositions(nn.Module):
@@ -418,10 +449,19 @@ class LearnedPositions(nn.Module):
         self.embedding = nn.Embedding(max_len, d_model)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        return x + _positions(self.embedding.weight, x.shape[-2], offset, self.max_len)
+        return x + _positions(self.embedding.weight, x, offset, self.max_len)
 
 
-def _positions(table: Tensor, length: int, offset: int, max_len: int) -> Tensor:
+def _positions(table: Tensor, x: Tensor, offset: int, max_len: int) -> Tensor:
+    """The rows of ``table`` for x's tokens, after one-line checks of x and ``offset``."""
+    width = table.shape[-1]
+    if not isinstance(x, Tensor) or x.dim() < 2 or x.shape[-1] != width:
+        got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(
+            f"x must have shape (..., length, {width}) for these {width}-dim positions, got "
+            f"{got}; give the positions the embeddings' width"
+        )
+    length = x.shape[-2]
     if offset < 0:
         raise ValueError(
             f"offset must be >= 0 (the position of the first token), got {offset}; "
@@ -514,6 +554,12 @@ class RotaryPositions(nn.Module):
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """x (..., T, D) rotated as the tokens at positions offset .. offset+T-1."""
+        if not isinstance(x, Tensor) or x.dim() < 2 or x.shape[-1] != self.head_dim:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(
+                f"x must have shape (..., length, {self.head_dim}) for these rotary positions "
+                f"(head_dim={self.head_dim}), got {got}; rotate one head's queries or keys"
+            )
         positions = torch.arange(offset, offset + x.shape[-2], device=x.device).float()
         angles = torch.outer(positions, self.frequencies(x.device))  # (T, R/2)
         angles = torch.cat([angles, angles], dim=-1)  # (T, R): dims i and i + R/2 share one
@@ -583,6 +629,12 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, unit_offset={self.unit_offset}"
 
     def forward(self, x: Tensor) -> Tensor:
+        width = self.weight.shape[0]
+        if x.shape[-1] != width:
+            raise ValueError(
+                f"RMSNorm({width}) got x of shape {tuple(x.shape)}; it normalises the last dim, "
+                f"which must be {width}"
+            )
         wide = x.to(torch.promote_types(x.dtype, torch.float32))
         normed = wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         if self.unit_offset:

@@ -26,7 +26,7 @@ from selfattn.attention import AttentionTrace, attention
 from selfattn.errors import SelfAttnError
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, repr=False, eq=False)  # tensors: compared by identity
 class Capture:
     """One attention call: q/k/v as ``(B, H, T, D)`` plus what is needed to recompute it."""
 
@@ -125,7 +125,7 @@ def _squeeze_trace(trace: AttentionTrace, one_head: bool) -> AttentionTrace:
     return AttentionTrace(**fields, scale=trace.scale, similarity=trace.similarity)
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)  # tensors: compared by identity
 class Recording:
     """The captures of one ``record()`` block, in call order; ``rec[i]`` is the i-th call."""
 
@@ -184,6 +184,11 @@ def record(*models: nn.Module) -> Iterator[Recording]:
     """
     recording = Recording()
     for model in models:
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"record() takes the models to name the captures by (torch.nn.Module), got "
+                f"{type(model).__name__}; pass none to record every attention call"
+            )
         for name, module in model.named_modules():
             _refuse_compiled(module, name)
             recording.names[id(module)] = name or type(module).__name__

@@ -180,6 +180,14 @@ class Tokenizer:
         # Sentencepiece-style: "▁" stands for a space, "<0xE6>" for a byte (Llama 2, Mistral).
         self.metaspace = backend.decoder is not None and METASPACE in decoder_json(backend)
 
+    def __getstate__(self) -> dict:
+        """Everything but the lock (a lock cannot be pickled): copy.deepcopy and pickle of
+        a model work, each copy with a lock of its own."""
+        return {key: value for key, value in self.__dict__.items() if key != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
         try:

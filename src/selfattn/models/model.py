@@ -10,6 +10,7 @@ states, and attention weights and traces recomputed on demand for the layers and
 
 from __future__ import annotations
 
+import operator
 import reprlib
 import sys
 from collections.abc import Iterator, Sequence
@@ -56,24 +57,20 @@ class ModelConfig:
         """The description of a :class:`GPT` (a GPT-2 checkpoint, or one trained here) or a
         :class:`Llama` (of any family it serves, or one trained here)."""
         if isinstance(config, GPTConfig):
-            return cls(
-                kind="decoder",
-                model_type=model_type,
-                n_layers=config.n_layer,
-                n_heads=config.n_head,
-                d_model=config.n_embd,
-                max_positions=config.block_size,
-                vocab_size=config.vocab_size,
-            )
+            layers, heads, width = config.n_layer, config.n_head, config.n_embd
+            positions, windows = config.block_size, ()
+        else:
+            layers, heads, width = config.n_layers, config.n_heads, config.d_model
+            positions, windows = config.max_positions, config.sliding_windows
         return cls(
             kind="decoder",
             model_type=model_type,
-            n_layers=config.n_layers,
-            n_heads=config.n_heads,
-            d_model=config.d_model,
-            max_positions=config.max_positions,
+            n_layers=layers,
+            n_heads=heads,
+            d_model=width,
+            max_positions=positions,
             vocab_size=config.vocab_size,
-            sliding_windows=config.sliding_windows,
+            sliding_windows=windows,
         )
 
 
@@ -106,8 +103,10 @@ def pool(hidden: Tensor, mask: Tensor, pooling: str) -> Tensor:
     return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
 
 
-def _check_ids(name: str, ids: Tensor, limit: int) -> None:
-    """A one-line error unless ``ids`` is an integer tensor (batch, length) of values < limit."""
+def _check_ids(name: str, ids: Tensor, limit: int, device: torch.device) -> None:
+    """A one-line error unless ``ids`` is an integer tensor (batch, length) of values < limit,
+    on the model's ``device``. The values are not read inside a ``torch.compile`` graph (a
+    data-dependent check would break it, and ``fullgraph=True`` refuses that)."""
     if not isinstance(ids, Tensor):
         raise SelfAttnError(f"{name} must be a torch.Tensor, got {type(ids).__name__}")
     if ids.dim() != 2:
@@ -118,7 +117,12 @@ def _check_ids(name: str, ids: Tensor, limit: int) -> None:
         )
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise SelfAttnError(f"{name} must hold integers (token ids), got {ids.dtype}; use .long()")
-    if ids.numel() == 0:
+    if ids.device != device:
+        raise SelfAttnError(
+            f"{name} is on {ids.device} but the model is on {device}; move it: "
+            f"{name}.to(model.device)"
+        )
+    if ids.numel() == 0 or torch.compiler.is_compiling():
         return
     low, high = (int(value) for value in torch.aminmax(ids))  # one pass, one device sync
     if not 0 <= low <= high < limit:
@@ -135,9 +139,14 @@ def _check_like_ids(name: str, tensor: Tensor, input_ids: Tensor) -> None:
         raise SelfAttnError(
             f"{name} must have input_ids' shape {tuple(input_ids.shape)}, got {got}"
         )
+    if tensor.device != input_ids.device:
+        raise SelfAttnError(
+            f"{name} is on {tensor.device} but input_ids are on {input_ids.device}; move it: "
+            f"{name}.to(input_ids.device)"
+        )
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, repr=False, eq=False)  # tensors: compared by identity
 class Run:
     """One text through the model: tokens, words, hidden states and the recorded attention.
 
@@ -259,7 +268,7 @@ class Run:
         display({"text/html": page}, raw=True)
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, repr=False, eq=False)  # tensors: compared by identity
 class GenerationStep:
     """One step of a generation: the forward pass that chose one new token.
 
@@ -276,7 +285,7 @@ class GenerationStep:
         return f"GenerationStep(query={self.query}, keys {self.start}..{self.query})"
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, repr=False, eq=False)  # tensors: compared by identity
 class Generation:
     """A prompt, its continuation, and per new token the attention that chose it.
 
@@ -400,6 +409,32 @@ def _character_end(tokenizer: Tokenizer, ids: list[int], pieces: list[str], star
     return start + 1
 
 
+def _whole(value: object) -> bool:
+    """Whether ``value`` is an integer (a NumPy one too)."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _texts(texts: object) -> list[str]:
+    """``texts`` (any iterable of str) as a list; a one-line error for anything else."""
+    try:
+        listed = list(texts)
+    except TypeError:
+        listed, got = None, type(texts).__name__
+    wrong = [] if listed is None else [text for text in listed if not isinstance(text, str)]
+    if wrong:
+        got = f"{type(texts).__name__} holding {type(wrong[0]).__name__}"
+    if listed is None or wrong:
+        raise SelfAttnError(
+            f"encode takes a str or a list of str, got {got}; pass the texts themselves "
+            "(token ids: call the model on them)"
+        )
+    return listed
+
+
 def _in_notebook() -> bool:
     """Whether this runs in an IPython kernel (Jupyter, VS Code, Colab), which shows HTML;
     a script or a terminal IPython only prints what it is given to display."""
@@ -409,13 +444,23 @@ def _in_notebook() -> bool:
 
 
 def _open_in_browser(page: str) -> None:
-    """Write ``page`` to a temporary file and open it in the web browser."""
+    """Write ``page`` to a temporary file and open it in the web browser; where none opens
+    (a server, a container), say on stderr where the page is."""
     import tempfile
     import webbrowser
 
     with tempfile.NamedTemporaryFile("w", encoding="utf-8", suffix=".html", delete=False) as file:
         file.write(page)
-    webbrowser.open(f"file://{file.name}")
+    try:
+        opened = webbrowser.open(f"file://{file.name}")
+    except webbrowser.Error:
+        opened = False
+    if not opened:
+        print(
+            f"note: no web browser to open here; the page is {file.name} (open it in one, "
+            "or save it with run.html())",
+            file=sys.stderr,
+        )
 
 
 class Model(nn.Module):
@@ -472,12 +517,18 @@ class Model(nn.Module):
                 f"{self.name} ({self.config.model_type}) has no token types; call it without "
                 "token_type_ids"
             )
-        _check_ids("input_ids", input_ids, self.config.vocab_size)
+        _check_ids("input_ids", input_ids, self.config.vocab_size, self.device)
+        if input_ids.shape[1] == 0:
+            raise SelfAttnError(
+                f"input_ids have no tokens (shape {tuple(input_ids.shape)}); pass at least one "
+                "token per sequence"
+            )
         if attention_mask is not None:
             _check_like_ids("attention_mask", attention_mask, input_ids)
         if token_type_ids is not None:
             _check_like_ids("token_type_ids", token_type_ids, input_ids)
-            _check_ids("token_type_ids", token_type_ids, self.network.config.type_vocab_size)
+            types = self.network.config.type_vocab_size
+            _check_ids("token_type_ids", token_type_ids, types, input_ids.device)
 
     def set_backend(self, backend: str) -> None:
         """Run every attention module on ``backend`` (``"auto"``, ``"sdpa"``, ``"explicit"``...)."""
@@ -511,7 +562,9 @@ class Model(nn.Module):
             )
         input_ids = torch.tensor([encoding.ids], device=self.device)
         with torch.no_grad(), record(self.network) as recording:
-            output = self(input_ids)
+            # forward, not self(...): after model.compile() the call would run its graph,
+            # which records nothing; one text runs eager (compiled blocks are refused).
+            output = self.forward(input_ids)
         hidden_states = torch.stack(output.hidden_states).squeeze(1)  # (L+1, T, D)
         logits = output.logits[0].cpu() if isinstance(output, DecoderOutput) else None
         # A run is read on the CPU, whatever the model's device: what explains it builds its
@@ -550,9 +603,9 @@ class Model(nn.Module):
                 f"{', '.join(self.sentence.not_computed)}, which encode does not compute "
                 "(its embeddings would differ); use sentence-transformers for them"
             )
-        if batch_size < 1:
-            raise SelfAttnError(f"batch_size must be at least 1, got {batch_size}")
-        texts = [texts] if isinstance(texts, str) else list(texts)
+        if isinstance(batch_size, bool) or not _whole(batch_size) or batch_size < 1:
+            raise SelfAttnError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
+        texts = [texts] if isinstance(texts, str) else _texts(texts)
         tokenizer = self._require_tokenizer()
         ids = tokenizer.encode_ids(texts, max_length=self.sentence.max_seq_length)
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]), reverse=True)
@@ -663,6 +716,11 @@ class Model(nn.Module):
         if self.config.kind != "decoder":
             raise SelfAttnError(
                 f"generate needs a decoder (GPT or Llama family); {self.name} is an encoder"
+            )
+        if not isinstance(prompt, str):
+            raise SelfAttnError(
+                f"the prompt must be a str, got {type(prompt).__name__}; pass the text to "
+                "continue (token ids: model.network.generate(input_ids, n))"
             )
         encoding = self._require_tokenizer().encode(prompt)
         if not encoding.ids:
