@@ -1225,7 +1225,8 @@ def test_a_warning_while_writing_a_figure_is_one_note(tmp_path, monkeypatch):
     import warnings
 
     def save(explanation, path):
-        warnings.warn("no installed font has 🙂: the figure shows them as boxes", stacklevel=2)
+        note = "no installed font has 🙂 (U+1F642): the figure shows their code points"
+        warnings.warn(note, stacklevel=2)
         path.write_bytes(b"")
 
     monkeypatch.setattr(report, "save_heatmap", save)
@@ -1233,7 +1234,10 @@ def test_a_warning_while_writing_a_figure_is_one_note(tmp_path, monkeypatch):
     result = invoke("explain", "I like 🙂 a lot", "--word", "like", "--png", str(png))
     assert result.exit_code == 0, result.output
     lines = result.stderr.strip().splitlines()
-    assert "note: smile.png: no installed font has 🙂: the figure shows them as boxes" in lines
+    assert (
+        "note: smile.png: no installed font has 🙂 (U+1F642): the figure shows their code points"
+        in lines
+    )
     assert not any("Warning" in line or "warnings.warn" in line for line in lines), lines
 
 

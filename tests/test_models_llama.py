@@ -712,23 +712,27 @@ def test_generation_ends_at_the_end_of_text_token_as_hugging_faces(llama_folder,
 
 
 @pytest.mark.parametrize("file", ["config.json", "generation_config.json"])
-@pytest.mark.parametrize("eos", ["vocab", -1, "2", 1.0, True, [1, "vocab"]])
-def test_an_end_of_text_id_outside_the_vocabulary_is_refused(llama_folder, tmp_path, file, eos):
-    """An eos_token_id that is no token of the model (past the vocabulary, negative, a
-    string) loaded, and generation then never stopped; it is refused naming the file."""
+def test_end_of_text_ids_past_the_vocabulary_are_left_out_and_others_refused(
+    llama_folder, tmp_path, file
+):
+    """transformers writes GPT-2's eos id 50256 into the config of a model of any vocabulary:
+    ids past it (or negative) are left out, as no step can choose them; one that is not an
+    integer (a string, a float, a bool) is refused naming the file."""
     vocab_size = json.loads((llama_folder / "config.json").read_text())["vocab_size"]
-    eos = [vocab_size if i == "vocab" else i for i in eos] if isinstance(eos, list) else eos
-    eos = vocab_size if eos == "vocab" else eos
-    folder = rewritten(
-        llama_folder, tmp_path, {"eos_token_id": eos} if file == "config.json" else {}
-    )
-    if file == "generation_config.json":
-        (folder / file).write_text(json.dumps({"eos_token_id": eos}))
-    with pytest.raises(
-        SelfAttnError,
-        match=rf"{file}: eos_token_id .* is not a token id of this model \(0 to {vocab_size - 1}\)",
-    ):
-        selfattn.load(folder)
+
+    def loaded(eos):
+        folder = tmp_path / f"eos{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        rewritten(llama_folder, folder, {"eos_token_id": eos} if file == "config.json" else {})
+        if file == "generation_config.json":
+            (folder / file).write_text(json.dumps({"eos_token_id": eos}))
+        return selfattn.load(folder)
+
+    assert loaded([1, vocab_size, 50256, -1]).config.eos_token_ids == (1,)
+    assert loaded(vocab_size).config.eos_token_ids == ()
+    for eos in ("2", 1.0, True, [1, "2"]):
+        with pytest.raises(SelfAttnError, match=rf"{file}: eos_token_id .* is not a token id"):
+            loaded(eos)
 
 
 def test_dtype_auto_keeps_the_checkpoints_own(llama_folder, tmp_path):

@@ -732,39 +732,58 @@ def test_a_ring_of_one_runs_no_collective(one_rank_group, monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
 
 
-def test_the_blocks_read_contiguous_heads_of_strided_shards(one_rank_group, monkeypatch):
+@pytest.mark.parametrize("backend", ["chunked", pytest.param("triton", marks=needs_triton)])
+def test_the_triton_blocks_read_contiguous_heads_and_chunked_reads_views(
+    one_rank_group, monkeypatch, backend
+):
     """q, k, v as views of one packed (1, n, 3, H, D) projection (folding B = 1 and H keeps
     their strides), and the output's gradient strided too (the output goes back to
-    (1, n, H·Dv) through a transpose): every query, key, value and output gradient the block
-    kernels get, forward and backward, is contiguous, a head spanning n·D elements rather
-    than n·3·H·D (the Triton kernels address a head in int32). Output and gradients within
-    1e-10 of explicit attention on the same views."""
-    contiguous = []
+    (1, n, H·Dv) through a transpose). The Triton blocks get every query, key, value and
+    output gradient contiguous, forward and backward, a head spanning n·D elements rather
+    than n·3·H·D (they address a head in int32); the chunked tiles read the caller's query
+    in place, no copy. Output and gradients against explicit attention on the same views:
+    1e-10 (chunked, float64), TRITON_TOLERANCE (Triton, float32)."""
+    if backend == "triton":
+        from selfattn.kernels import triton_attention as kernels
+
+        names, dtype, tolerance = (
+            ("block_forward", "block_backward"),
+            torch.float32,
+            TRITON_TOLERANCE,
+        )
+    else:
+        kernels, names = ring, ("tile_forward", "tile_backward")
+        dtype, tolerance = torch.float64, dict(atol=1e-10, rtol=0)
+    read = []
 
     def reading(function, tensors: slice):
-        def read(*args, **kwargs):
-            contiguous.extend(x.is_contiguous() for x in args[tensors])
+        def reader(*args, **kwargs):
+            read.extend(args[tensors])
             return function(*args, **kwargs)
 
-        return read
+        return reader
 
-    monkeypatch.setattr(ring, "tile_forward", reading(ring.tile_forward, slice(0, 3)))
-    monkeypatch.setattr(ring, "tile_backward", reading(ring.tile_backward, slice(0, 4)))
+    for name, tensors in zip(names, (slice(0, 3), slice(0, 4)), strict=True):
+        monkeypatch.setattr(kernels, name, reading(getattr(kernels, name), tensors))
     n, heads, d = 9, 4, 5
-    packed = torch.randn(1, n, 3, heads, d, dtype=torch.float64)
-    upstream = torch.randn(1, n, heads * d, dtype=torch.float64)
+    packed = torch.randn(1, n, 3, heads, d, dtype=dtype)
+    upstream = torch.randn(1, n, heads * d, dtype=dtype)
 
     def run(attend) -> list[torch.Tensor]:
         leaf = packed.clone().requires_grad_()
         output = attend(*(x.transpose(1, 2) for x in leaf.unbind(2)))
         output.transpose(1, 2).reshape(1, n, heads * d).backward(upstream)
-        return [output.detach(), leaf.grad]
+        return [output.detach(), leaf.grad, leaf]
 
-    got = run(functools.partial(ring_attention, causal=True))
-    want = run(functools.partial(attention, causal=True, backend="explicit"))
-    assert contiguous == [True] * 7
+    *got, leaf = run(functools.partial(ring_attention, causal=True, backend=backend))
+    *want, _ = run(functools.partial(attention, causal=True, backend="explicit"))
+    assert len(read) == 7
+    if backend == "triton":
+        assert all(x.is_contiguous() for x in read)
+    else:
+        assert read[0].untyped_storage().data_ptr() == leaf.untyped_storage().data_ptr()
     for actual, expected in zip(got, want, strict=True):
-        torch.testing.assert_close(actual, expected, atol=1e-10, rtol=0)
+        torch.testing.assert_close(actual, expected, **tolerance)
 
 
 @needs_triton
@@ -789,7 +808,9 @@ def test_triton_is_chosen_by_the_span_the_blocks_read(monkeypatch):
         return make_call(*(x.transpose(1, 2) for x in qkv.unbind(2)), None, True, "dot", None, 0)
 
     def ring_backend(call) -> str:
-        return ring._chosen_backend(call, ring._block_inputs(call), "triton")
+        chosen, inputs = ring._chosen_backend(call, ring._block_inputs(call), "triton")
+        assert all(x.is_contiguous() for x in inputs)
+        return chosen
 
     with FakeTensorMode():
         in_place = triton_why_not(views_of_packed(600_000))

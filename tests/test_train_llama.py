@@ -73,6 +73,10 @@ def test_the_initialisation_is_gpt2s_with_norms_at_one():
     torch.manual_seed(0)
     preset = get_preset("shakespeare-char-cpu").override(arch="llama")
     network = new_network(preset.model_config(vocab_size=65))
+    with torch.no_grad():  # a trained network's norms: reset_parameters puts them back at 1
+        for name, parameter in network.named_parameters():
+            parameter.fill_(3.0) if "norm" in name else None
+    network.reset_parameters()
     residual = 0.02 / (2 * 4) ** 0.5
     for name, parameter in network.named_parameters():
         if "norm" in name:
@@ -81,6 +85,32 @@ def test_the_initialisation_is_gpt2s_with_norms_at_one():
         expected = residual if name.endswith(("W_o.weight", "down.weight")) else 0.02
         assert parameter.mean().abs() < 0.1 * expected, name
         assert abs(parameter.std().item() / expected - 1) < 0.1, name
+
+
+def test_dropout_acts_where_the_gpts_does():
+    """In training, dropout drops the embeddings, the attention weights and what each
+    branch adds to the residual stream (GPT's places): with p = 0.5, one embedding, and per
+    block the attention weights and the two branches; in eval mode none, so the output is
+    the p = 0 network's exactly."""
+    preset = get_preset("tiny").override(**LLAMA, dropout=0.5)
+    torch.manual_seed(0)
+    network = new_network(preset.model_config(vocab_size=20))
+    plain = new_network(preset.override(dropout=0.0).model_config(vocab_size=20))
+    plain.load_state_dict(network.state_dict())
+    inputs = torch.randint(0, 20, (2, 9))
+    dropped = []
+    for module in network.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.register_forward_hook(lambda m, i, o: dropped.append(torch.equal(i[0], o)))
+    network.eval()
+    torch.testing.assert_close(network(inputs).logits, plain.eval()(inputs).logits, atol=0, rtol=0)
+    assert dropped and all(dropped)  # eval: identity everywhere
+    dropped.clear()
+    network.train()
+    network(inputs)
+    assert dropped.count(False) == 1 + 2 * preset.n_layer  # each dropout changed its input
+    attentions = [block.attention for block in network.blocks]
+    assert [attention.dropout for attention in attentions] == [0.5] * preset.n_layer
 
 
 def test_logits_equal_hugging_faces_llama_with_the_same_weights(llama_run, corpus):

@@ -117,6 +117,17 @@ def test_no_package_is_named_when_its_fonts_are_installed(only_dejavu, monkeypat
     assert messages == ["no installed font has 我 (U+6211): the figure shows their code points"]
 
 
+def test_the_note_names_only_characters_of_the_labels_drawn(only_dejavu):
+    """Past 64 tokens every n-th is labelled: a 🙂 among the others is not drawn, and the
+    note said it was; it names what the figure shows only."""
+    tokens = ["x", "🙂", *["y"] * 128]
+    fig, messages = drawn_with_warnings(tokens, "long")
+    shown = [label.get_text() for label in fig.axes[0].get_yticklabels()]
+    assert len(shown) < len(tokens) and "U+1F642" not in shown and messages == []
+    _, messages = drawn_with_warnings(["🙂", *["y"] * 129], "long")  # token 0 is labelled
+    assert [message.split(":")[0] for message in messages] == ["no installed font has 🙂 (U+1F642)"]
+
+
 def test_a_fallback_font_draws_what_the_first_font_lacks(tmp_path, monkeypatch):
     # U+231A WATCH: not in DejaVu Sans, in STIXGeneral (which matplotlib ships): drawn as is.
     monkeypatch.setattr(figures, "FALLBACK_FONTS", ("STIXGeneral",))

@@ -198,10 +198,9 @@ def _sdpa(call: AttentionCall) -> Tensor:
     query, key, value = (as_4d(x) for x in (query, key, value))
     bias = None
     if call.mask is not None and call.mask.dtype != torch.bool:
-        bias = lowest_as_minus_inf(call.mask)
-        if _overflows(bias, query.dtype):  # e.g. -1e5 in float16: run in float32
+        if _overflows(call.mask, query.dtype):  # e.g. -1e5 in float16: run in float32
             query, key, value = (x.float() for x in (query, key, value))
-        bias = bias.to(query.dtype)
+        bias = call.mask.to(query.dtype)
 
     is_causal = call.causal and t == s and call.mask is None
     causal_free = call.causal and t == 1  # one query after the cache: it sees every key
@@ -216,8 +215,9 @@ def _sdpa(call: AttentionCall) -> Tensor:
     if allowed is not None:
         empty_rows = ~allowed.any(dim=-1, keepdim=True)
         allowed = allowed | empty_rows
-    if bias is not None:
-        blocked = torch.isneginf(bias) if allowed is None else torch.isneginf(bias) | ~allowed
+    if bias is not None:  # -inf or finfo.min (lowest_as_minus_inf) in the mask's own dtype
+        hidden = call.mask <= torch.finfo(call.mask.dtype).min
+        blocked = hidden if allowed is None else hidden | ~allowed
         bias_empty = blocked.all(dim=-1, keepdim=True)
         bias = torch.where(bias_empty, torch.zeros_like(bias), bias)
         empty_rows = bias_empty if empty_rows is None else empty_rows | bias_empty
@@ -243,7 +243,8 @@ def _sdpa(call: AttentionCall) -> Tensor:
 
 
 def _overflows(mask: Tensor, dtype: torch.dtype) -> bool:
-    """Whether a float mask has finite values beyond ``dtype``'s range (inf once cast).
+    """Whether a float mask has finite values beyond ``dtype``'s range (inf once cast), but
+    for its dtype's lowest, which masks as -inf does (:func:`lowest_as_minus_inf`).
 
     While torch.compile traces, whether it could: a graph cannot branch on tensor data, so a
     compiled call with a wider mask always runs in float32 (as accurate, never less).
@@ -252,7 +253,7 @@ def _overflows(mask: Tensor, dtype: torch.dtype) -> bool:
         return False
     if torch.compiler.is_compiling():
         return True
-    finite = mask.masked_fill(~torch.isfinite(mask), 0)
+    finite = mask.masked_fill(~torch.isfinite(mask) | (mask <= torch.finfo(mask.dtype).min), 0)
     return bool(finite.abs().amax() > torch.finfo(dtype).max) if finite.numel() else False
 
 

@@ -159,8 +159,8 @@ def ring_attention(
                 f"a NCCL group sends CUDA tensors, got {query.device}; move the shards with "
                 ".to('cuda') or use a gloo group for CPU tensors"
             )
-        inputs = _block_inputs(call)
-        return call, _chosen_backend(call, inputs, backend), inputs
+        chosen, inputs = _chosen_backend(call, _block_inputs(call), backend)
+        return call, chosen, inputs
 
     call, chosen, inputs = ring.agree_on(checked_call, layout, query)
     lead, n, dv = query.shape[:-2], query.shape[-2], value.shape[-1]
@@ -223,29 +223,33 @@ def _chunks(rank: int, size: int, length: int, layout: str) -> tuple[int, list[i
 
 def _block_inputs(call: AttentionCall) -> list[Tensor]:
     """Query, key and value as the blocks read them: L2-normalised for cosine, the leading
-    dims folded into one, ``(N, n, D)``, and contiguous, so that a head spans n·D elements
-    whatever the caller's strides (a copy only of strided shards, such as views of one packed
-    qkv projection; keys and values travel contiguous anyway)."""
+    dims folded into one, ``(N, n, D)`` (a view where the strides allow)."""
     from selfattn.attention import normalize_for_similarity
 
     query, key = normalize_for_similarity(call)
     lead = math.prod(query.shape[:-2])
-    return [x.reshape(lead, *x.shape[-2:]).contiguous() for x in (query, key, call.value)]
+    return [x.reshape(lead, *x.shape[-2:]) for x in (query, key, call.value)]
 
 
-def _chosen_backend(call: AttentionCall, inputs: Sequence[Tensor], backend: str) -> str:
-    """The kernel this rank's blocks run on for ``backend`` (module docstring), given the
-    query, key and value they read (:func:`_block_inputs`), or a one-line ValueError: an
-    unknown name, or ``"triton"`` where it does not apply."""
+def _chosen_backend(
+    call: AttentionCall, inputs: list[Tensor], backend: str
+) -> tuple[str, list[Tensor]]:
+    """The kernel this rank's blocks run on for ``backend`` (module docstring) and the
+    query, key and value it reads (:func:`_block_inputs`), or a one-line ValueError: an
+    unknown name, or ``"triton"`` where it does not apply. The Triton blocks read them
+    contiguous, so that a head spans n·D elements whatever the caller's strides (a copy only
+    of strided shards, such as views of one packed qkv projection); chunked reads views."""
     if backend not in ("auto", *_KERNELS):
         raise ValueError(f"unknown backend {backend!r}; choose 'auto', 'chunked' or 'triton'")
-    if backend == "auto":
-        fits = call.query.is_cuda and _triton_why_not(call, inputs) is None
-        return "triton" if fits else "chunked"
-    reason = _triton_why_not(call, inputs) if backend == "triton" else None
-    if reason is not None:
+    if backend == "chunked" or (backend == "auto" and not call.query.is_cuda):
+        return "chunked", inputs
+    contiguous = [x.contiguous() for x in inputs]
+    reason = _triton_why_not(call, contiguous)
+    if reason is None:
+        return "triton", contiguous
+    if backend == "triton":
         raise ValueError(reason)
-    return backend
+    return "chunked", inputs
 
 
 def _triton_why_not(call: AttentionCall, inputs: Sequence[Tensor]) -> str | None:
@@ -745,9 +749,9 @@ class _RingAttention(torch.autograd.Function):
             "ring", grad_output, query, key, value,
             instead="selfattn.attention(..., backend='explicit') on the whole sequence",
         )  # fmt: skip
-        # Contiguous, as the inputs: strided (an output transposed back to (B, n, H, Dv)), a
-        # head of it could span more than the Triton kernels' int32 offsets reach.
-        grad_output = grad_output.contiguous()
+        if ctx.blocks.kernel is _TritonBlock:  # contiguous, as its inputs: strided (an output
+            # transposed back to (B, n, H, Dv)), a head could pass the int32 offsets' reach
+            grad_output = grad_output.contiguous()
         grads = _ring_backward(grad_output, query, key, value, key_mask, output, lse, ctx.blocks)
         return (
             *(grad.to(x.dtype) for grad, x in zip(grads, (query, key, value), strict=True)),

@@ -1023,8 +1023,9 @@ def drop_tied_head(
 def eos_token_ids(raw: dict, folder: Path, vocab_size: int) -> tuple[int, ...]:
     """The tokens that end a generation: ``generation_config.json``'s ``eos_token_id`` (one
     id or a list, as Llama 3's instruct models list three), else ``config.json``'s, as
-    Hugging Face's generate reads them; () for none. An id that is not a token of the
-    vocabulary is refused: generation would never stop at it."""
+    Hugging Face's generate reads them; () for none. Ids past the vocabulary are left out:
+    no step can choose them (transformers writes GPT-2's 50256 into the config of a GPT-2
+    of any vocabulary). One that is not an integer is refused."""
     generation_file = folder / "generation_config.json"
     generation = (
         read_json(generation_file, "generation settings") if generation_file.is_file() else {}
@@ -1033,12 +1034,12 @@ def eos_token_ids(raw: dict, folder: Path, vocab_size: int) -> tuple[int, ...]:
     ids = generation.get("eos_token_id", raw.get("eos_token_id"))
     ids = tuple(ids) if isinstance(ids, list) else () if ids is None else (ids,)
     for token_id in ids:
-        if type(token_id) is not int or not 0 <= token_id < vocab_size:
+        if type(token_id) is not int:
             raise SelfAttnError(
-                f"{source}: eos_token_id {token_id!r} is not a token id of this model "
-                f"(0 to {vocab_size - 1}); restore the checkpoint's original {source.name}"
+                f"{source}: eos_token_id {token_id!r} is not a token id (an integer); "
+                f"restore the checkpoint's original {source.name}"
             )
-    return ids
+    return tuple(token_id for token_id in ids if 0 <= token_id < vocab_size)
 
 
 BUILDERS = {

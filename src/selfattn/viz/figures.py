@@ -18,7 +18,7 @@ import contextlib
 import itertools
 import unicodedata
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -81,21 +81,27 @@ def heatmap_figure(
             f"weights must have shape (rows, columns) = ({len(row_labels)}, {len(col_labels)}), "
             f"got {matrix.shape}"
         )
+    missing: set[str] = set()
+
+    def shown(text: str) -> str:  # only the labels drawn: every n-th token of a long text
+        missing.update(character for character in text if ord(character) not in drawn)
+        return _drawable(text, drawn)
+
     with plt.rc_context(_style()):
         drawn = _drawn_code_points()
-        missing = {c for text in (*row_labels, *col_labels, title) for c in text} - {
-            chr(point) for point in drawn
-        }
-        if missing:
-            warnings.warn(_missing_glyphs_note(missing), MissingGlyphsWarning, stacklevel=2)
-        rows, cols = (
-            [_drawable(label, drawn) for label in labels] for labels in (row_labels, col_labels)
-        )
-        return _heatmap(matrix, rows, cols, _drawable(title, drawn), query_row)
+        fig = _heatmap(matrix, row_labels, col_labels, shown(title), query_row, shown)
+    if missing:
+        warnings.warn(_missing_glyphs_note(missing), MissingGlyphsWarning, stacklevel=2)
+    return fig
 
 
 def _heatmap(
-    matrix, row_labels: Sequence[str], col_labels: Sequence[str], title: str, query_row: int | None
+    matrix,
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    title: str,
+    query_row: int | None,
+    shown: Callable[[str], str],
 ) -> Figure:
     rows, cols = matrix.shape
     side = min(max(3.0, 0.32 * max(rows, cols)), 12.0)
@@ -103,8 +109,10 @@ def _heatmap(
     image = ax.imshow(matrix, cmap=CMAP, vmin=min(0.0, float(matrix.min())), aspect="equal")
     fig.colorbar(image, ax=ax, shrink=0.8, label="weight")
     first = query_row or 0  # thinned labels are counted from the query, which keeps its own
-    _tick_labels(ax.set_xticks, col_labels, first, rotation=60, ha="right", rotation_mode="anchor")
-    _tick_labels(ax.set_yticks, row_labels, first)
+    _tick_labels(
+        ax.set_xticks, col_labels, first, shown, rotation=60, ha="right", rotation_mode="anchor"
+    )
+    _tick_labels(ax.set_yticks, row_labels, first, shown)
     ax.set_xlabel("keys (columns)")
     ax.set_ylabel("queries (rows)")
     ax.set_title(title)
@@ -115,12 +123,14 @@ def _heatmap(
     return fig
 
 
-def _tick_labels(set_ticks, labels: Sequence[str], first: int, **text) -> None:
+def _tick_labels(
+    set_ticks, labels: Sequence[str], first: int, shown: Callable[[str], str], **text
+) -> None:
     """Label every token, or when there are too many to read every n-th one, counted from
-    ``first`` both ways."""
+    ``first`` both ways; each label as ``shown`` writes it."""
     step = max(1, -(-len(labels) // MAX_TICK_LABELS))
     positions = list(range(first % step, len(labels), step))
-    set_ticks(positions, [labels[i] for i in positions], fontsize="small", **text)
+    set_ticks(positions, [shown(labels[i]) for i in positions], fontsize="small", **text)
 
 
 def _style() -> dict:
