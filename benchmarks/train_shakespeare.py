@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from selfattn import record
 from selfattn.models.gpt import GPT, GPTConfig
-from selfattn.train import RandomBatches, TextData, TrainConfig, configure_optimizer, train_gpt
+from selfattn.train import RandomBatches, TextData, TrainConfig, configure_optimizer, train_decoder
 from selfattn.train.data import read_text
 from selfattn.train.loop import BatchSource, learning_rate
 from selfattn.viz.figures import heatmap_figure, save_figure
@@ -428,7 +428,7 @@ def main() -> None:
     out = args.out or Path(tempfile.mkdtemp(prefix="shakespeare-char-"))
     start = time.perf_counter()
     overrides = {"max_iters": args.max_iters, "seed": args.seed, "arch": args.arch}
-    run = train_gpt(
+    run = train_decoder(
         args.data, out, preset="shakespeare-char-cpu", overrides=overrides, device="cpu",
         console=console,
     )  # fmt: skip

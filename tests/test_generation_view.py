@@ -25,7 +25,7 @@ from conftest import OfflinePage, needs_chromium
 from selfattn.cli import app
 from selfattn.models.model import Generation, GenerationStep
 from selfattn.recording import record
-from selfattn.train import load_model, train_gpt
+from selfattn.train import load_model, train_decoder
 from selfattn.viz.generation import generation_page, generation_payload
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: fastest on one thread
@@ -43,7 +43,7 @@ def trained(tmp_path_factory):
     data = tmp_path_factory.mktemp("data") / "corpus.txt"
     data.write_text(CORPUS)
     out = tmp_path_factory.mktemp("run") / "out"
-    train_gpt(data, out, preset="tiny", overrides={"max_iters": 30}, device="cpu")
+    train_decoder(data, out, preset="tiny", overrides={"max_iters": 30}, device="cpu")
     return out
 
 

@@ -419,12 +419,12 @@ PROMPT = "First "
 def decoder(tmp_path_factory):
     """A char GPT (tiny preset: 2 layers, 2 heads, block 16) trained 30 steps, as `selfattn
     serve --checkpoint` loads it."""
-    from selfattn.train import load_model, train_gpt
+    from selfattn.train import load_model, train_decoder
 
     data = tmp_path_factory.mktemp("data") / "corpus.txt"
     data.write_text(CORPUS)
     out = tmp_path_factory.mktemp("run") / "out"
-    train_gpt(data, out, preset="tiny", overrides={"max_iters": 30}, device="cpu")
+    train_decoder(data, out, preset="tiny", overrides={"max_iters": 30}, device="cpu")
     return load_model(out)
 
 

@@ -48,7 +48,7 @@ from selfattn.train import (
     load_model,
     save_checkpoint,
     train,
-    train_gpt,
+    train_decoder,
 )
 from selfattn.train import checkpoint as checkpoint_module
 from selfattn.train import loop as loop_module
@@ -62,7 +62,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: fastest on on
 def trained(corpus, tmp_path_factory) -> Path:
     """A tiny model trained for 30 steps; its --out directory."""
     out = tmp_path_factory.mktemp("run") / "out"
-    train_gpt(corpus, out, preset="tiny", overrides={"max_iters": 30}, device="cpu")
+    train_decoder(corpus, out, preset="tiny", overrides={"max_iters": 30}, device="cpu")
     return out
 
 
@@ -201,9 +201,9 @@ def test_a_run_ending_with_a_non_finite_training_loss_is_not_saved():
 
 def test_resume_gives_the_same_losses_as_straight_training(corpus, tmp_path):
     """20 steps + resume to 40 == 40 straight steps: every loss and weight bit-exact."""
-    straight = train_gpt(corpus, tmp_path / "a", preset="tiny", overrides={"max_iters": 40})
-    first = train_gpt(corpus, tmp_path / "b", preset="tiny", overrides={"max_iters": 20})
-    second = train_gpt(corpus, tmp_path / "b", overrides={"max_iters": 40}, resume=True)
+    straight = train_decoder(corpus, tmp_path / "a", preset="tiny", overrides={"max_iters": 40})
+    first = train_decoder(corpus, tmp_path / "b", preset="tiny", overrides={"max_iters": 20})
+    second = train_decoder(corpus, tmp_path / "b", overrides={"max_iters": 40}, resume=True)
     assert second.result.start_step == 20
     assert first.result.losses + second.result.losses == straight.result.losses
     for (name, a), b in zip(
@@ -225,8 +225,8 @@ def test_a_resume_trains_with_the_adamw_settings_it_is_given(
     checkpoint's weight decay back (config.json said 0)."""
     out = tmp_path / "out"
     settings = {"max_iters": 20, "eval_interval": 10}
-    train_gpt(corpus, out, preset="tiny", overrides={**settings, "max_iters": 10})
-    resumed = train_gpt(corpus, out, overrides={**settings, setting: value}, resume=True)
+    train_decoder(corpus, out, preset="tiny", overrides={**settings, "max_iters": 10})
+    resumed = train_decoder(corpus, out, overrides={**settings, setting: value}, resume=True)
 
     def change_at_step_eleven(model, config):
         optimizer = configure_optimizer(model, config)
@@ -246,7 +246,7 @@ def test_a_resume_trains_with_the_adamw_settings_it_is_given(
         return optimizer
 
     monkeypatch.setattr(run_module, "configure_optimizer", change_at_step_eleven)
-    straight = train_gpt(corpus, tmp_path / "straight", preset="tiny", overrides=settings)
+    straight = train_decoder(corpus, tmp_path / "straight", preset="tiny", overrides=settings)
     assert getattr(load_checkpoint(out)[2].train, setting) == value
     for (name, a), b in zip(
         straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
@@ -261,7 +261,7 @@ def _ctrl_c_at_step_15(corpus: Path, out: Path, monkeypatch) -> None:
     """Train EVERY_TEN into ``out`` until Ctrl-C stops it after step 15 (it saves step 15)."""
     with monkeypatch.context() as patch:
         patch.setattr(loop_module, "_stop_requested", lambda stop, step, *_: step == 15)
-        run = train_gpt(corpus, out, preset="tiny", overrides=EVERY_TEN)
+        run = train_decoder(corpus, out, preset="tiny", overrides=EVERY_TEN)
     assert run.result.interrupted and load_checkpoint(out)[3].step == 15
 
 
@@ -271,10 +271,10 @@ def test_a_run_interrupted_between_evaluations_resumes_to_the_same_history(
     """Ctrl-C at step 15, resume to 30: the evaluation history equals 30 straight steps', float
     for float (CPU, same seed: the same ops on the same values). Step 20's train loss, the mean
     of steps 11-20, used to be the mean of 16-20: the checkpoint now holds steps 11-15's losses."""
-    straight = train_gpt(corpus, tmp_path / "straight", preset="tiny", overrides=EVERY_TEN)
+    straight = train_decoder(corpus, tmp_path / "straight", preset="tiny", overrides=EVERY_TEN)
     out = tmp_path / "out"
     _ctrl_c_at_step_15(corpus, out, monkeypatch)
-    resumed = train_gpt(corpus, out, overrides=EVERY_TEN, resume=True)
+    resumed = train_decoder(corpus, out, overrides=EVERY_TEN, resume=True)
     assert [record["step"] for record in resumed.result.history] == [0, 10, 20, 30]
     assert resumed.result.history == straight.result.history
     assert load_checkpoint(out)[3].history == straight.result.history
@@ -286,14 +286,14 @@ def test_a_checkpoint_without_its_losses_since_the_last_evaluation_still_resumes
     """A step-15 checkpoint from before state.json held the losses of steps 11-15: the resume
     runs, and step 20's evaluation records its validation loss but no train loss (the mean of
     16-20 would claim to be that of 11-20); step 30's is whole again, equal to a straight run's."""
-    straight = train_gpt(corpus, tmp_path / "straight", preset="tiny", overrides=EVERY_TEN)
+    straight = train_decoder(corpus, tmp_path / "straight", preset="tiny", overrides=EVERY_TEN)
     out = tmp_path / "out"
     _ctrl_c_at_step_15(corpus, out, monkeypatch)
     state_file = checkpoint_module.checkpoint_dir(out) / "state.json"
     state = json.loads(state_file.read_text())
     state.pop("losses_since_eval", None)
     state_file.write_text(json.dumps(state))
-    history = train_gpt(corpus, out, overrides=EVERY_TEN, resume=True).result.history
+    history = train_decoder(corpus, out, overrides=EVERY_TEN, resume=True).result.history
     expected = straight.result.history
     assert history[2] == {"step": 20, "val": expected[2]["val"]}
     assert history[:2] + history[3:] == expected[:2] + expected[3:]
@@ -304,7 +304,7 @@ def test_a_seed_given_on_resume_is_noted_and_not_recorded(corpus, tmp_path):
     (it said 7, a seed that was never used: the saved generator states go on either way, so
     the weights equal those of a resume with the run's own --seed 1337, which gets no note)."""
     noted, same = tmp_path / "noted", tmp_path / "same"
-    train_gpt(corpus, noted, preset="tiny", overrides={"max_iters": 10})
+    train_decoder(corpus, noted, preset="tiny", overrides={"max_iters": 10})
     save_checkpoint(same, *load_checkpoint(noted))
     args = ["train", "--data", str(corpus), "--resume", "--max-iters", "20"]
     result = CliRunner().invoke(app, [*args, "--out", str(noted), "--seed", "7"])
@@ -393,7 +393,9 @@ def test_ctrl_c_before_the_first_step_saves_step_zero_and_resumes_exactly(
     saved" but saved nothing (no --resume possible). Now step 0 is saved, and resuming it to 20
     steps gives the losses, weights and evaluation history of 20 straight steps."""
     args = ["train", "--data", str(corpus), "--preset", "tiny"]
-    straight = train_gpt(corpus, tmp_path / "straight", preset="tiny", overrides={"max_iters": 20})
+    straight = train_decoder(
+        corpus, tmp_path / "straight", preset="tiny", overrides={"max_iters": 20}
+    )
     out = tmp_path / "out"
     with monkeypatch.context() as patch:
         patch.setattr(loop_module, "_stop_requested", lambda stop, step, *_: step == 0)
@@ -401,7 +403,7 @@ def test_ctrl_c_before_the_first_step_saves_step_zero_and_resumes_exactly(
     assert result.exit_code == 130, result.output
     assert f"Interrupted at step 0: checkpoint saved in {out}" in result.output
     assert load_checkpoint(out)[3].step == 0
-    resumed = train_gpt(corpus, out, overrides={"max_iters": 20}, resume=True)
+    resumed = train_decoder(corpus, out, overrides={"max_iters": 20}, resume=True)
     assert resumed.result.losses == straight.result.losses
     assert resumed.result.history == straight.result.history  # one step-0 evaluation, same val
     for (name, a), b in zip(
@@ -455,7 +457,7 @@ def _ddp_worker(rank: int, port: int, corpus: Path, out: Path, overrides: dict) 
         WORLD_SIZE="2",
     )  # fmt: skip
     torch.set_num_threads(1)
-    run = train_gpt(corpus, out / "ckpt", preset="tiny", overrides=overrides, device="cpu")
+    run = train_decoder(corpus, out / "ckpt", preset="tiny", overrides=overrides, device="cpu")
     save_model(run.model, str(out / f"rank{rank}.safetensors"))  # tied weight once
     (out / f"rank{rank}.val").write_text(repr(run.result.history[-1]["val"]))
 
@@ -581,7 +583,7 @@ def _ddp_locked_out_worker(rank: int, port: int, corpus: Path, out: Path) -> Non
         WORLD_SIZE="2",
     )  # fmt: skip
     try:
-        train_gpt(corpus, out, preset="tiny", overrides={"max_iters": 2}, device="cpu")
+        train_decoder(corpus, out, preset="tiny", overrides={"max_iters": 2}, device="cpu")
         outcome = "trained"
     except SelfAttnError as error:
         outcome = str(error)
@@ -604,9 +606,9 @@ def test_ddp_ranks_all_stop_when_the_out_is_locked(corpus, tmp_path):
 UTF8_SCRIPT = """
 import sys
 from pathlib import Path
-from selfattn.train import load_checkpoint, train_gpt
+from selfattn.train import load_checkpoint, train_decoder
 corpus, out = Path(sys.argv[1]), Path(sys.argv[2])
-train_gpt(corpus, out, preset="tiny", overrides={"max_iters": 2, "eval_iters": 1}, device="cpu")
+train_decoder(corpus, out, preset="tiny", overrides={"max_iters": 2, "eval_iters": 1}, device="cpu")
 print(ascii(load_checkpoint(out)[1].chars))
 """
 
@@ -709,7 +711,7 @@ def test_out_naming_one_checkpoint_folder_is_refused(corpus, trained):
 
 def test_an_unknown_override_lists_the_valid_names(corpus, tmp_path):
     with pytest.raises(SelfAttnError) as error:
-        train_gpt(corpus, tmp_path / "out", preset="tiny", overrides={"max_iter": 3})
+        train_decoder(corpus, tmp_path / "out", preset="tiny", overrides={"max_iter": 3})
     message = str(error.value)
     assert "\n" not in message and "unknown training setting(s) 'max_iter'" in message
     assert "max_iters" in message and "n_embd" in message and "learning_rate" in message
@@ -734,7 +736,7 @@ def test_a_resume_with_nothing_to_do_prints_one_line_and_no_bar(corpus, trained)
     text = " ".join(result.output.split())  # the console wraps long lines
     assert text.startswith("Nothing to do: ") and text.endswith("(--max-iters)."), text
     assert "already at step 30" in text and "nan" not in text and "tok/s" not in text, text
-    run = train_gpt(corpus, trained, overrides={"max_iters": 30}, resume=True, device="cpu")
+    run = train_decoder(corpus, trained, overrides={"max_iters": 30}, resume=True, device="cpu")
     assert run.result.step == run.result.start_step == 30 and run.result.losses == []
     assert run.result.history[-1]["step"] == 30 and not run.result.interrupted
 
@@ -866,7 +868,7 @@ def test_a_diverging_run_stops_before_overwriting_its_checkpoint(corpus, tmp_pat
     are accepted (a bare lower --lr, below --min-lr, was refused as an invalid setting)."""
     out = tmp_path / "out"
     overrides = {"max_iters": 6, "eval_interval": 3, "eval_iters": 1}
-    train_gpt(corpus, out, preset="tiny", overrides=overrides, device="cpu")
+    train_decoder(corpus, out, preset="tiny", overrides=overrides, device="cpu")
     args = ["train", "--data", str(corpus), "--out", str(out), "--resume", "--max-iters", "12"]
     line = _error_line([*args, "--lr", "1e6", "--min-lr", "1e6"])
     kept = "checkpoint of step 6 is kept: resume it with a lower --lr, e.g. "
@@ -972,7 +974,7 @@ def _ddp_full_disk_worker(rank: int, port: int, corpus: Path, out: Path) -> None
 
     run_module.save_checkpoint = full  # (a spawned process of its own)
     try:
-        train_gpt(corpus, out / "ckpt", preset="tiny", overrides={"max_iters": 4}, device="cpu")
+        train_decoder(corpus, out / "ckpt", preset="tiny", overrides={"max_iters": 4}, device="cpu")
         outcome = "trained"
     except SelfAttnError as error:
         outcome = str(error)
@@ -1219,7 +1221,7 @@ def test_ctrl_c_before_training_prints_on_rank_zero_only(monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(selfattn.train, "train_gpt", interrupted)
+    monkeypatch.setattr(selfattn.train, "train_decoder", interrupted)
     args = ["train", "--data", "x.txt", "--out", "o"]
     monkeypatch.setenv("RANK", "1")
     assert CliRunner().invoke(app, args).output == ""
@@ -1316,7 +1318,7 @@ def test_the_default_prompt_is_refused_in_one_line_by_a_model_without_new_lines(
     corpus = tmp_path / "one_line.txt"
     corpus.write_text("to be or not to be, that is the question " * 40)
     out = tmp_path / "out"
-    train_gpt(corpus, out, preset="tiny", overrides={"max_iters": 2}, device="cpu")
+    train_decoder(corpus, out, preset="tiny", overrides={"max_iters": 2}, device="cpu")
     line = _error_line(["generate", "--checkpoint", str(out)])
     assert "the default PROMPT, a new line, is not in this model's vocabulary" in line
     result = CliRunner().invoke(app, ["generate", "--checkpoint", str(out), "to ", "--seed", "0",
@@ -1350,7 +1352,7 @@ def test_ctrl_c_outside_the_steps_says_what_is_left(trained, corpus, tmp_path, m
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(selfattn.train, "train_gpt", interrupted)
+    monkeypatch.setattr(selfattn.train, "train_decoder", interrupted)
     for out, said in ((trained, "the last checkpoint in"), (tmp_path / "new", "nothing saved")):
         result = CliRunner().invoke(app, ["train", "--data", str(corpus), "--out", str(out)])
         assert result.exit_code == 130 and said in result.output, result.output

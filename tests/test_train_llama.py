@@ -29,7 +29,7 @@ from selfattn.train import (
     get_preset,
     load_checkpoint,
     load_model,
-    train_gpt,
+    train_decoder,
 )
 from selfattn.train.run import new_network
 from test_train import _error_line
@@ -43,7 +43,9 @@ LLAMA = {"arch": "llama", "n_head": 4, "n_kv_head": 2}  # tiny: 2 layers, 32 wid
 def llama_run(corpus, tmp_path_factory):
     """A tiny Llama (4 query heads sharing 2 key/value heads) trained 30 steps, and its --out."""
     out = tmp_path_factory.mktemp("run") / "out"
-    run = train_gpt(corpus, out, preset="tiny", overrides={**LLAMA, "max_iters": 30}, device="cpu")
+    run = train_decoder(
+        corpus, out, preset="tiny", overrides={**LLAMA, "max_iters": 30}, device="cpu"
+    )
     return run, out
 
 
@@ -166,13 +168,13 @@ def test_resume_gives_the_same_losses_as_straight_training(corpus, tmp_path):
     """20 steps + resume to 40 == 40 straight steps, with dropout: every loss and weight
     bit-exact (the dropout masks come from the saved generator too)."""
     settings = {**LLAMA, "dropout": 0.1}
-    straight = train_gpt(
+    straight = train_decoder(
         corpus, tmp_path / "a", preset="tiny", overrides={**settings, "max_iters": 40}
     )
-    first = train_gpt(
+    first = train_decoder(
         corpus, tmp_path / "b", preset="tiny", overrides={**settings, "max_iters": 20}
     )
-    second = train_gpt(corpus, tmp_path / "b", overrides={"max_iters": 40}, resume=True)
+    second = train_decoder(corpus, tmp_path / "b", overrides={"max_iters": 40}, resume=True)
     assert second.result.start_step == 20 and isinstance(second.model, Llama)
     assert first.result.losses + second.result.losses == straight.result.losses
     for (name, a), b in zip(
@@ -252,9 +254,9 @@ def test_a_resume_as_the_other_architecture_is_refused(llama_run, corpus, tmp_pa
     assert "is a llama model and this run a gpt one" in line, line
 
     gpt = tmp_path / "gpt"
-    train_gpt(corpus, gpt, preset="tiny", overrides={"max_iters": 2}, device="cpu")
+    train_decoder(corpus, gpt, preset="tiny", overrides={"max_iters": 2}, device="cpu")
     with pytest.raises(SelfAttnError) as error:
-        train_gpt(corpus, gpt, overrides={"arch": "llama", "max_iters": 4}, resume=True)
+        train_decoder(corpus, gpt, overrides={"arch": "llama", "max_iters": 4}, resume=True)
     assert "is a gpt model and this run a llama one" in str(error.value)
     assert "\n" not in str(error.value)
     line = _error_line([*base, "--out", str(out), "--n-kv-head", "1"])  # same arch, other shape

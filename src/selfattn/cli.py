@@ -198,7 +198,7 @@ def train(
     """Train a character-level GPT (or with --arch llama, a Llama) on a text file; `torchrun
     --nproc_per_node=N -m selfattn train ...` trains on N processes with DistributedDataParallel."""
     from selfattn.errors import SelfAttnError
-    from selfattn.train import train_gpt
+    from selfattn.train import train_decoder
 
     given = {
         "max_iters": max_iters, "batch_size": batch_size, "block_size": block_size,
@@ -213,7 +213,7 @@ def train(
         raise _fail(f"unknown device {device!r}; choose auto, cpu or cuda", 2)
     overrides = {key: value for key, value in given.items() if value is not None}
     try:
-        run = train_gpt(
+        run = train_decoder(
             data, out, preset=preset, overrides=overrides, resume=resume, device=device,
             console=console,
         )  # fmt: skip

@@ -1,7 +1,7 @@
 """Training transformers from scratch: character data, a model-agnostic loop, checkpoints, DDP.
 
-``train_gpt`` is what ``selfattn train`` runs (a GPT, or with ``overrides={"arch": "llama"}`` a
-Llama); ``load_checkpoint`` gives back a trained model, its tokenizer, configs and training
+``train_decoder`` is what ``selfattn train`` runs (a GPT, or with ``overrides={"arch":
+"llama"}`` a Llama); ``load_checkpoint`` gives back a trained model, its tokenizer, configs and training
 state (to resume); ``load_model`` gives the model alone as the viewers'
 :class:`~selfattn.models.model.Model` (for ``generate``, ``explain``, ``serve``).
 """
@@ -16,7 +16,7 @@ from selfattn.train.checkpoint import (
 from selfattn.train.data import CharTokenizer, RandomBatches, TextData
 from selfattn.train.loop import TrainConfig, TrainResult, configure_optimizer, evaluate, train
 from selfattn.train.presets import PRESETS, Preset, get_preset
-from selfattn.train.run import TrainedRun, train_gpt
+from selfattn.train.run import TrainedRun, train_decoder
 
 __all__ = [
     "PRESETS",
@@ -36,5 +36,5 @@ __all__ = [
     "load_model",
     "save_checkpoint",
     "train",
-    "train_gpt",
+    "train_decoder",
 ]

@@ -55,7 +55,7 @@ class TrainedRun:
     result: TrainResult
 
 
-def train_gpt(
+def train_decoder(
     data: Path,
     out: Path,
     *,
@@ -78,7 +78,7 @@ def train_gpt(
     context = distributed.setup(device)
     try:
         with ExitStack() as locks:
-            return _train_gpt(
+            return _train_decoder(
                 context,
                 Path(data),
                 Path(out),
@@ -104,7 +104,7 @@ def _out_of_memory(error: RuntimeError) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
 
 
-def _train_gpt(
+def _train_decoder(
     context: distributed.Context,
     data_path: Path,
     out: Path,
