@@ -178,6 +178,24 @@ def test_view_is_the_page_payload(client, model):
     assert (data["layers"], data["heads"], data["length"]) == (6, 12, 11)
 
 
+def test_view_says_why_it_chose_the_layer_and_head_it_chose(client, model):
+    """Explore opened on the head the server chose (layer 0, head 4 for "bank") without a word
+    on why; the payload now carries explain's choice, naming Explore's menus."""
+    from selfattn.explain import explain_text
+
+    data = client.post("/api/view", json={"text": BANK, "word": "bank"}).json()
+    _, explanation = explain_text(model, BANK, word="bank")
+    assert data["selection"] == {"layer": 0, "head": 4, "query": 5}
+    assert data["choice"] == (
+        str(explanation.choice).removesuffix("--layer/--head") + "the layer menu or the head menu"
+    )
+    assert data["choice"].startswith("chosen: 'bank' puts the most weight here, 0.71")
+    layer_only = client.post("/api/view", json={"text": BANK, "word": "bank", "layer": 1})
+    assert layer_only.json()["choice"].endswith("; pick another with the head menu")
+    asked = {"text": BANK, "word": "bank", "layer": 1, "head": 2}
+    assert "choice" not in client.post("/api/view", json=asked).json()
+
+
 def test_models_describes_the_loaded_model(client):
     data = client.get("/api/models").json()
     assert data["models"] == [

@@ -800,6 +800,86 @@ def test_a_server_that_does_not_answer_is_said_so(browser, base_url):
     )
 
 
+def test_a_run_that_takes_a_while_says_so_on_screen_in_its_own_view(browser, base_url):
+    """A slow or stalled server showed nothing: the click on Explore left the page as it was
+    (the running line was for screen readers only). Now a line says the view runs, counts
+    the seconds after a while, follows its view through the tabs and goes with the answer."""
+    watched = Watched(browser, base_url)
+    page = watched.page
+    held = []
+    page.route("**/api/view", lambda route: held.append(route))  # no answer yet
+    watched.explore(BANK)
+    page.wait_for_selector("#progress", state="visible", timeout=5_000)
+    assert page.text_content("#progress") == "Explore: running the model…"
+    page.wait_for_function(
+        "() => / [2-9] s$/.test(document.getElementById('progress').textContent)", timeout=6_000
+    )
+    page.click("#tab-compare")  # the run belongs to Explore
+    assert not page.is_visible("#progress")
+    page.click("#tab-explore")
+    assert page.is_visible("#progress")
+    assert page.text_content("#progress").startswith("Explore: running the model… ")
+    held[0].continue_()
+    watched.wait("#app")
+    assert not page.is_visible("#progress")
+    page.unroute("**/api/view")
+    watched.explore(RIVER)  # a quick run: its result, no line flashing by
+    watched.wait("#app")
+    assert not page.is_visible("#progress")
+    watched.check_clean()
+
+
+def test_explore_says_why_it_opened_on_the_head_it_chose(browser, base_url):
+    """A word without a layer and head opened on layer 0, head 4 without a word on why (the
+    command line says "chosen: ..."); the reason shows while that layer and head are on."""
+    watched = Watched(browser, base_url)
+    page = watched.page
+    watched.explore(BANK, "bank")
+    watched.wait("#app")
+    expected = api(base_url, "/api/view", {"text": BANK, "word": "bank"})["choice"]
+    assert page.is_visible("#choice") and page.text_content("#choice") == expected
+    assert expected.startswith("chosen: 'bank' puts the most weight here")
+    page.select_option("#head", "5")
+    assert not page.is_visible("#choice")
+    page.select_option("#head", "4")
+    assert page.is_visible("#choice")
+    watched.open(f"/?text={quote(BANK)}&word=bank&layer=0&head=4")  # as asked: no reason
+    watched.wait("#app")
+    assert not page.is_visible("#choice")
+    watched.check_clean()
+
+
+def test_a_space_token_is_shown_as_the_command_line_shows_it(browser, decoder_url):
+    """A character model's space token was blank in Explore (the strip, the step table, the
+    list of keys, the selection) and in Similarity & scale: a key without a name. It is "␣",
+    as `selfattn explain` and the Generate view show it."""
+    text = "the bank"  # token 3: " "
+    watched = Watched(browser, decoder_url, f"/?text={quote(text)}&word=bank&layer=1&head=0")
+    watched.wait("#app")
+    page = watched.page
+    assert page.text_content(".token[data-index='3']") == "␣"
+    assert page.text_content("#steps tr[data-key='3'] bdi") == "␣"
+    assert page.text_content("#top-keys li[data-key='3'] .tok") == "␣"
+    page.click(".token[data-index='3']")
+    assert page.text_content("#selection") == "layer 1 · head 0 · query 3 “␣”"
+    watched.open(f"/?view=ablation&text={quote(text)}&word=bank&layer=1&head=0&scale=1")
+    watched.wait("#ablation-result")
+    assert page.text_content("#ablation-table tr[data-key='3'] .key") == "3 ␣"
+    watched.check_clean()
+
+
+def test_similarity_and_scale_shows_a_tiny_scale_as_given(browser, base_url):
+    """A scale of 1e-30 read "scale 0.0000" (Explore writes 1.000e-30)."""
+    address = f"/?view=ablation&text={quote(BANK)}&word=bank&scale=1e-30"
+    watched = Watched(browser, base_url, address)
+    watched.wait("#ablation-result")
+    line = watched.page.eval_on_selector(
+        "#ablation-entropy-recomputed", "(e) => e.parentElement.textContent"
+    )
+    assert line.startswith("recomputed: cosine, scale 1.000e-30 · entropy "), line
+    watched.check_clean()
+
+
 @pytest.mark.parametrize("width", [400, 320])  # 320: the narrowest phones (WCAG's reflow)
 def test_a_narrow_window_does_not_scroll_sideways(browser, base_url, width):
     watched = Watched(browser, base_url)

@@ -464,12 +464,24 @@ def _explain(model: Model, body: ExplainRequest) -> Response:
     return as_json(explanation.to_json())
 
 
+# Explore's names for the layer and head: the menus over its map, not Similarity & scale's fields
+EXPLORE_NAMES = {"layer": "the layer menu", "head": "the head menu"}
+
+
+def explore_naming(options: tuple[str, ...]) -> str:
+    """Options as Explore names them: "the layer menu or the head menu"."""
+    return " or ".join(EXPLORE_NAMES.get(name, PAGE_NAMES.get(name, name)) for name in options)
+
+
 def _view(model: Model, body: Selection) -> Response:
     run, explanation = explaining.explain_text(
         model, body.text, word=body.word, index=body.index, occurrence=body.occurrence,
         layer=body.layer, head=body.head,
     )  # fmt: skip
-    return as_json(report.page_data(run, explanation))
+    payload = report.page_data(run, explanation)
+    if body.layer is None or body.head is None:  # the server chose: the page says why
+        payload["choice"] = worded(explanation.choice, explore_naming)
+    return as_json(payload)
 
 
 def _compare(model: Model, body: CompareRequest) -> Response:

@@ -11,7 +11,7 @@
   const {
     h, fmt, decodeTensor, readPalette, channels, clip, paintToken, headName, readHash, noteHash, renderEmbedded, renders, applySelection,
     markChosen, onPixelRatioChange, onColourChange, keepBandInView, buildControls, buildLegend, topKeys, drawLegend, sizedContext,
-    drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents, windowOf, outsideWindow,
+    drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents, windowOf, outsideWindow, shown,
   } = window.selfattn;
   const TOP_KEYS = 6; // keys listed for the chosen strip; the rest is one line of left-over weight
 
@@ -54,13 +54,6 @@
 
   // ---------- helpers ----------
 
-  /** A control character written out: a line break as ↵, a tab as ⇥, the others as \x06 (in any font). */
-  const escaped = (c) => ({ "\n": "↵", "\t": "⇥" })[c] ?? `\\x${c.charCodeAt(0).toString(16).padStart(2, "0")}`;
-  /** A token as a label: control characters visible, a token of white space only as ␣ each, the rest as written. */
-  function shown(token) {
-    const visible = token.replace(/[\u0000-\u001f\u007f]/g, escaped);
-    return (/^\s+$/.test(visible) ? visible.replace(/\s/g, "␣") : visible) || "∅";
-  }
   const quoted = (model, j) => `${j} “${shown(model.tokens[j])}”`;
 
   /** Cell width, strip height and label margins for `columns` keys. */

@@ -18,7 +18,7 @@
   const BANK = ["I went to the bank to deposit money.", "We sat on the bank of the river and watched the water."];
   const RETRIES = 3; // on 503 "busy", after the server's Retry-After
 
-  const { h, fmt } = window.selfattn; // from view.js: DOM building (text only) and numbers
+  const { h, fmt, fmtScale, shown: asShown } = window.selfattn; // from view.js: DOM building (text only), numbers, a token as shown
 
   // ---------- the server ----------
 
@@ -50,6 +50,19 @@
   const TITLES = { explore: "Explore", compare: "Compare a word", ablation: "Similarity & scale", generate: "Generate" }; // as on the tabs
   const tickets = {}; // view -> its latest request
   const failures = {}; // view -> the error its latest request ended in, shown again when its tab opens
+  const running = {}; // view -> when its request in flight began (performance.now())
+  const SHOW_AFTER = 300; // ms: a run still going then is said on screen
+  const COUNT_AFTER = 2; // seconds: a run still going then shows how long it has waited
+
+  /** The open view's run in flight, on screen: what runs and, past a moment, for how long (a slow or stalled server). */
+  function showProgress() {
+    const since = running[openView];
+    const waited = since === undefined ? 0 : performance.now() - since;
+    const seconds = Math.floor(waited / 1000);
+    const on = since !== undefined && waited >= SHOW_AFTER - 10; // (a timer's own rounding)
+    say("progress", on ? `${TITLES[openView]}: running the model…${seconds >= COUNT_AFTER ? ` ${seconds} s` : ""}` : "");
+  }
+  setInterval(() => openView && running[openView] !== undefined && showProgress(), 1000);
 
   /** Run `work` for one view: marks its result busy, shows errors, drops answers overtaken by a newer request. */
   async function request(view, work) {
@@ -61,6 +74,8 @@
     delete failures[view];
     showError("");
     $("status").textContent = `${TITLES[view]}: running the model…`; // for screen readers
+    running[view] = performance.now();
+    setTimeout(showProgress, SHOW_AFTER); // a quick run shows its result without a line flashing by
     try {
       const data = await work.fetch();
       if (ticket !== tickets[view]) return;
@@ -75,7 +90,11 @@
       target.dataset.ready = "error";
       if (view === openView) showError(error.message);
     } finally {
-      if (ticket === tickets[view]) target.removeAttribute("aria-busy");
+      if (ticket === tickets[view]) {
+        target.removeAttribute("aria-busy");
+        delete running[view];
+        showProgress();
+      }
     }
   }
 
@@ -89,6 +108,8 @@
     (view === "generate" ? window.selfattn.generation : window.selfattn).clear(target);
     target.removeAttribute("aria-busy");
     delete target.dataset.ready;
+    delete running[view];
+    if (view === openView) showProgress();
   }
 
   // ---------- the address bar ----------
@@ -283,8 +304,8 @@
     );
   }
 
-  /** A token as prose names it: “bank”, or '🙂' ([UNK]) by the text it stands for (already quoted). */
-  const quotedName = (data, i) => (data.names[i] === data.tokens[i] ? `“${data.tokens[i]}”` : data.names[i]);
+  /** A token as prose names it: “bank”, “␣” (a space), or '🙂' ([UNK]) by the text it stands for (already quoted). */
+  const quotedName = (data, i) => (data.names[i] === data.tokens[i] ? `“${asShown(data.tokens[i])}”` : asShown(data.names[i]));
 
   /** Which match of the word was followed, where not the first: " (occurrence 1)", " (last occurrence)". */
   const occurrenceLabel = (occurrence) => (occurrence === 0 ? "" : occurrence === -1 ? " (last occurrence)" : ` (occurrence ${occurrence})`);
@@ -323,7 +344,7 @@
 
   function entropyLine(id, label, steps) {
     const how = steps.similarity === "cosine" ? "cosine" : "dot product";
-    return h("p", { class: "entropy" }, h("b", {}, label), ` ${how}, scale ${fmt(steps.scale)} · entropy `, h("b", { id, "data-value": String(steps.entropy_bits) }, `${bits(steps)} bits`));
+    return h("p", { class: "entropy" }, h("b", {}, label), ` ${how}, scale ${fmtScale(steps.scale)} · entropy `, h("b", { id, "data-value": String(steps.entropy_bits) }, `${bits(steps)} bits`));
   }
 
   /** The recomputed weights against the model's by their entropies as shown, as the terminal's report words it: the same digits are "as spread as". */
@@ -353,7 +374,7 @@
           class: [j === data.query.index ? "self" : "", masked.has(j) ? "masked" : ""].join(" ").trim(),
           ...(masked.has(j) ? { title: `masked: query ${data.query.index} may not attend key ${j}; weight 0 in both` } : {}),
         },
-        h("td", { class: "key" }, h("span", { class: "idx" }, String(j)), " ", name),
+        h("td", { class: "key" }, h("span", { class: "idx" }, String(j)), " ", asShown(name)),
         h("td", { class: "num", "data-model": String(data.weights[j]) }, weight(data.weights[j], j)),
         bar(data.weights[j], "model"),
         h("td", { class: "num strong", "data-recomputed": String(alt.weights[j]) }, weight(alt.weights[j], j)),
@@ -474,6 +495,7 @@
   function showView(view) {
     openView = view;
     showError(failures[view]); // an error belongs to the view it came from
+    showProgress(); // and so does a run in flight
     for (const name of Object.keys(VIEWS)) {
       $(`view-${name}`).hidden = name !== view;
       $(`tab-${name}`).classList.toggle("active", name === view);

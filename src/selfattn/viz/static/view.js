@@ -241,6 +241,17 @@
     el.style.color = colour ? inkOn(colour) : "";
   }
 
+  /** A control character written out: a line break as ↵, a tab as ⇥, the others as \x06 (in any font). */
+  const escaped = (c) => ({ "\n": "↵", "\t": "⇥" })[c] ?? `\\x${c.charCodeAt(0).toString(16).padStart(2, "0")}`;
+  /**
+   * A token as the page shows it, as the command line does: control characters visible, a token of white
+   * space only as ␣ each (a character model's space, a BPE's line break), the rest as written.
+   */
+  function shown(token) {
+    const visible = token.replace(/[\u0000-\u001f\u007f]/g, escaped);
+    return (/^\s+$/.test(visible) ? visible.replace(/\s/g, "␣") : visible) || "∅";
+  }
+
   const clamp = (x, n) => Math.max(0, Math.min(n - 1, x | 0));
   const headName = (head) => (head === "mean" ? "mean of heads" : `head ${head}`);
 
@@ -296,6 +307,9 @@
     const signal = explorers.start(root);
     const model = {
       ...payload,
+      // every label of a token, as shown: a space or a line break visible, not blank
+      tokens: payload.tokens.map(shown),
+      names: (payload.names ?? payload.tokens).map(shown),
       query: decodeTensor(payload.query, payload.dtype),
       key: decodeTensor(payload.key, payload.dtype),
       value: decodeTensor(payload.value, payload.dtype),
@@ -333,6 +347,7 @@
       const headText = headName(state.head);
       ui.selection.textContent = `layer ${state.layer} · ${headText} · query ${tokenName(state.query)}`;
       ui.queryNote.hidden = !model.note || state.query !== model.selection.query;
+      ui.choice.hidden = !model.choice || state.layer !== model.selection.layer || state.head !== model.selection.head;
       tokenEls.forEach((el, i) => markChosen(el, i === state.query, "aria-selected"));
       thumbs.forEach((el) => markChosen(el, +el.dataset.layer === state.layer && +el.dataset.head === state.head, "aria-checked"));
       if (state.head === "mean") thumbs[state.layer * model.heads].tabIndex = 0; // Tab still reaches the model view
@@ -620,6 +635,8 @@
     const selection = h("p", { id: idOf("selection"), class: "selection", "aria-live": "polite" });
     // what the first query is of the word asked for (a phrase's first token, a piece): shown while it is the query
     const queryNote = h("p", { id: idOf("query-note"), class: "note", hidden: "" }, model.note || "");
+    // why the page opened on its layer and head, where the live explorer chose them (payload.choice): shown while they are on screen
+    const choice = h("p", { id: idOf("choice"), class: "note", hidden: "" }, model.choice || "");
     // a value of the address's hash that the page has not (layer=9, head=x), and what it shows instead
     const hashNotice = h("p", { id: idOf("hash-notice"), class: "notice", role: "status", hidden: "" });
     const header = h(
@@ -637,6 +654,7 @@
       ),
       h("div", { class: "controls" }, layer, head, shadeBy),
       selection,
+      choice,
       queryNote,
       hashNotice,
       h(
@@ -709,7 +727,7 @@
         grid,
       ),
     );
-    return { page, idOf, layer, head, shadeBy, sort, selection, queryNote, hashNotice, lines, flow, strip, summary, map, tip, legend, stepsBody, stepsFoot, stepTitle, stepNote, output, grid };
+    return { page, idOf, layer, head, shadeBy, sort, selection, choice, queryNote, hashNotice, lines, flow, strip, summary, map, tip, legend, stepsBody, stepsFoot, stepTitle, stepNote, output, grid };
   }
 
   function buildTokens(model, flow) {
@@ -1058,7 +1076,7 @@
   // render, clear, h and fmt are shared with the live explorer (serve.js), which loads after this file;
   // h, fmt and the rest with the page of attention during generation (generation.js).
   window.selfattn = {
-    render, clear: explorers.clear, h, fmt, decodeTensor, readPalette, channels, clip, paintToken, headName,
+    render, clear: explorers.clear, h, fmt, fmtScale, shown, decodeTensor, readPalette, channels, clip, paintToken, headName,
     readHash, noteHash, renderEmbedded, renders, applySelection, markChosen, onPixelRatioChange, onColourChange, keepBandInView,
     buildControls, buildLegend, topKeys, drawLegend, sizedContext, drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents,
     windowOf, outsideWindow,
