@@ -55,6 +55,11 @@ def test_find_matches_whole_words_case_insensitively(wordpiece):
         encoding.find("money")
     with pytest.raises(SelfAttnError, match="empty"):
         encoding.find("  ")
+    numbered = wordpiece.encode(" ".join(f"w{i}" for i in range(40)) + " w0")
+    with pytest.raises(SelfAttnError) as error:  # a long text: 30 of its words, then a count
+        numbered.find("money")
+    listed = ", ".join(f"w{i}" for i in range(30))
+    assert str(error.value).endswith(f"the words are: {listed}, … and 10 more")
 
 
 @pytest.mark.parametrize(

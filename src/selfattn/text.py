@@ -42,6 +42,7 @@ CJK = (
 )
 LETTERS = rf"[^\W{CJK}]"  # a letter or digit that is not a CJK ideograph
 APOSTROPHE = str.maketrans("’", "'")  # l'amico finds l’amico, and l’amico l'amico
+LISTED_WORDS = 30  # a "not in the text" error names at most this many of its words
 METASPACE = "\u2581"  # "▁": a space, in sentencepiece-style vocabularies
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte fallback
 
@@ -74,7 +75,10 @@ class Encoding:
         check_word(word)
         matches = self._matches(word)
         if not matches:
-            listed = ", ".join(dict.fromkeys(w.text for w in self.words))
+            distinct = list(dict.fromkeys(w.text for w in self.words))
+            listed = ", ".join(distinct[:LISTED_WORDS])
+            if len(distinct) > LISTED_WORDS:
+                listed += f", … and {len(distinct) - LISTED_WORDS} more"
             raise SelfAttnError(f"the word {word!r} is not in the text; the words are: {listed}")
         if not -len(matches) <= occurrence < len(matches):
             count = f"{len(matches)} time" + ("s" if len(matches) > 1 else "")
