@@ -131,10 +131,16 @@ def test_encode_on_a_decoder_names_the_fix(gpt2):
 
 def test_a_prompt_that_is_no_text_gets_one_line(gpt2):
     """Before: TypeError "sequence item 0: expected str instance, int found" from inside the
-    tokenizer."""
-    for generate in (gpt2.generate, gpt2.generate_recorded):
-        with pytest.raises(selfattn.errors.SelfAttnError, match="prompt must be a str, got list"):
-            generate([5, 6, 7], 3)
+    tokenizer. generate takes a list of prompts now; generate_recorded records one."""
+    error = selfattn.errors.SelfAttnError
+    with pytest.raises(
+        error, match=r"^generate takes a str or a list of str, got list holding int"
+    ):
+        gpt2.generate([5, 6, 7], 3)
+    with pytest.raises(error, match=r"^the prompt must be a str, got int"):
+        gpt2.generate_recorded(5, 3)
+    with pytest.raises(error, match=r"^generate_recorded records one prompt \(a str\), got a list"):
+        gpt2.generate_recorded(["the bank", "a river"], 3)
 
 
 def test_a_grouped_decoder_takes_an_empty_batch(mistral):  # noqa: F811

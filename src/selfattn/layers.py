@@ -396,8 +396,11 @@ class GroupedQueryAttention(AttentionModule):
         mask: Tensor | None = None,
         causal: bool = False,
         cache: KVCache | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor:
-        """x: (B, T, D) -> (B, T, D); its tokens sit at positions len(cache) .. len(cache)+T-1.
+        """x: (B, T, D) -> (B, T, D); its tokens sit at positions len(cache) .. len(cache)+T-1,
+        or at ``positions`` (B, T) where given (a left-padded batch's rows start at 0 after
+        their padding).
 
         ``mask`` broadcasts to (B, H, T, S), True = may attend.
         """
@@ -409,7 +412,9 @@ class GroupedQueryAttention(AttentionModule):
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         offset = 0 if cache is None else len(cache)
-        query, key = self.rotary(query, offset), self.rotary(key, offset)
+        if positions is not None:
+            positions = positions.unsqueeze(-2)  # (B, 1, T): the same for every head
+        query, key = self.rotary(query, offset, positions), self.rotary(key, offset, positions)
         if cache is not None:
             key, value = cache.extend(key, value)  # (B, Hkv, S, hd)
         output = self.attend(query, key, value, mask, causal)  # (B, H, T, hd)
@@ -552,17 +557,20 @@ class RotaryPositions(nn.Module):
         frequencies = 1.0 / self.theta**exponents
         return frequencies if self.scaling is None else self.scaling.apply(frequencies)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """x (..., T, D) rotated as the tokens at positions offset .. offset+T-1."""
+    def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        """x (..., T, D) rotated as the tokens at positions offset .. offset+T-1, or at
+        ``positions`` (..., T), broadcast against x's leading dims: each row of a left-padded
+        batch numbers its own tokens from 0."""
         if not isinstance(x, Tensor) or x.dim() < 2 or x.shape[-1] != self.head_dim:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(
                 f"x must have shape (..., length, {self.head_dim}) for these rotary positions "
                 f"(head_dim={self.head_dim}), got {got}; rotate one head's queries or keys"
             )
-        positions = torch.arange(offset, offset + x.shape[-2], device=x.device).float()
-        angles = torch.outer(positions, self.frequencies(x.device))  # (T, R/2)
-        angles = torch.cat([angles, angles], dim=-1)  # (T, R): dims i and i + R/2 share one
+        if positions is None:
+            positions = torch.arange(offset, offset + x.shape[-2], device=x.device)
+        angles = positions.float().unsqueeze(-1) * self.frequencies(x.device)  # (..., T, R/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (..., T, R): dims i and i + R/2 share one
         turning, passing = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         first, second = turning.chunk(2, dim=-1)
         half_turned = torch.cat([-second, first], dim=-1)  # each pair (a, b) -> (-b, a)

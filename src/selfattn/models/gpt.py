@@ -57,8 +57,9 @@ class Decoder(nn.Module, ABC):
     """What generation needs of a decoder network, shared by :class:`GPT` and the Llama family.
 
     A subclass has ``blocks`` (one :class:`KVCache` each), ``max_positions``, and a
-    ``forward(input_ids, caches=...)`` that gives a :class:`DecoderOutput`, its tokens placed
-    after the cached ones; one without ``max_positions`` cannot be made.
+    ``forward(input_ids, attention_mask=..., position_ids=..., caches=...)`` that gives a
+    :class:`DecoderOutput`, its tokens placed after the cached ones unless ``position_ids``
+    say otherwise; one without ``max_positions`` cannot be made.
     """
 
     blocks: nn.ModuleList
@@ -71,16 +72,18 @@ class Decoder(nn.Module, ABC):
         masks: list[Tensor | None],
         caches: list[KVCache] | None,
         targets: Tensor | None,
-        **block_options: bool,
+        logits_to_keep: int = 0,
+        **block_options: bool | Tensor | None,
     ) -> DecoderOutput:
         """The blocks over the embedded tokens x (B, T, D), block i under ``masks[i]`` and its
-        cache, then the final norm and the head: logits, the loss against ``targets``, and
-        every hidden state (x first)."""
+        cache, then the final norm and the head: logits (of the last ``logits_to_keep``
+        tokens only, unless 0), the loss against ``targets``, and every hidden state (x
+        first)."""
         hidden_states = [x]
         for i, block in enumerate(self.blocks):
             x = block(x, mask=masks[i], cache=caches[i] if caches else None, **block_options)
             hidden_states.append(x)
-        logits = self.lm_head(self.final_norm(x))  # (B, T, vocab)
+        logits = self.lm_head(self.final_norm(x[:, -logits_to_keep:]))  # (B, T or kept, vocab)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
@@ -116,12 +119,17 @@ class Decoder(nn.Module, ABC):
         input_ids: Tensor,
         max_new_tokens: int,
         *,
+        attention_mask: Tensor | None = None,
         temperature: float = 1.0,
         top_k: int | None = None,
         seed: int | None = None,
         use_cache: bool = True,
     ) -> Tensor:
         """Append ``max_new_tokens`` tokens to ``input_ids`` (B, T); temperature 0 is greedy.
+
+        Rows of different lengths are padded on the left and marked by ``attention_mask``
+        (B, T), 0 for padding, as Hugging Face's ``padding_side="left"`` does: each row reads
+        only its own tokens, numbered from 0, so it continues as it would alone.
 
         With the key/value cache each step feeds only the new token (bottom-right causal
         alignment lets it see every cached key). Once the context outgrows ``max_positions`` the
@@ -130,6 +138,7 @@ class Decoder(nn.Module, ABC):
         steps = self.generate_steps(
             input_ids,
             max_new_tokens,
+            attention_mask=attention_mask,
             temperature=temperature,
             top_k=top_k,
             seed=seed,
@@ -144,6 +153,7 @@ class Decoder(nn.Module, ABC):
         input_ids: Tensor,
         max_new_tokens: int,
         *,
+        attention_mask: Tensor | None = None,
         temperature: float = 1.0,
         top_k: int | None = None,
         seed: int | None = None,
@@ -152,25 +162,59 @@ class Decoder(nn.Module, ABC):
         """:meth:`generate` one token at a time: yields the ids (B, T + n) after each new token.
 
         Each ``next()`` runs exactly one forward pass, the one that chose the new token, so a
-        caller can look at it (``with record(model): next(steps)``).
+        caller can look at it (``with record(model): next(steps)``). In a left-padded batch
+        the window slides for all rows once the longest outgrows ``max_positions``: each row
+        then reads its last ``max_positions`` tokens (or all it has), as it would alone.
         """
         check_sampling(max_new_tokens, temperature, top_k)
+        padding = left_padding(input_ids, attention_mask)
         generator = None
         if seed is not None:
             generator = torch.Generator(device=input_ids.device).manual_seed(seed)
         window = self.max_positions
+        # Columns that pad every row are never read: the context starts at the longest row.
+        start = 0 if padding is None else input_ids.shape[1] - int(padding.sum(-1).max())
         caches: list[KVCache] | None = None
         ids = input_ids
         for _ in range(max_new_tokens):
             if use_cache and caches is not None and len(caches[0]) < window:
-                step_ids = ids[:, -1:]
+                width = 1
             else:
                 caches = [KVCache() for _ in self.blocks] if use_cache else None
-                step_ids = ids[:, -window:]
-            logits = self(step_ids, caches=caches).logits[:, -1, :]  # (B, vocab)
+                width = min(ids.shape[1] - start, window)
+            inputs = {}
+            if padding is not None:
+                seen = len(caches[0]) if caches else 0  # tokens already in the cache
+                keys = padding[:, -(seen + width) :]  # (B, S): the keys this step reads
+                positions = (keys.cumsum(-1) - 1).clamp(min=0)[:, -width:]  # padding at 0
+                inputs = {"attention_mask": keys, "position_ids": positions}
+            output = self(ids[:, -width:], caches=caches, logits_to_keep=1, **inputs)
+            logits = output.logits[:, -1, :]  # (B, vocab)
             next_id = sample(logits, temperature, top_k, generator)
             ids = torch.cat([ids, next_id], dim=1)
+            if padding is not None:
+                padding = F.pad(padding, (0, 1), value=True)
             yield ids
+
+
+def left_padding(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:
+    """The mask of real tokens (B, T), bool, or None where there is no padding; one line for
+    a mask that is not input_ids' shape or pads anywhere but on the left of a row."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
+        mask = attention_mask
+        got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+        raise SelfAttnError(
+            f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got {got}"
+        )
+    real = attention_mask.to(device=input_ids.device, dtype=torch.bool)
+    if real.numel() and not bool((real[:, 1:] >= real[:, :-1]).all() & real[:, -1].all()):
+        raise SelfAttnError(
+            "attention_mask must pad on the left: 0s, then 1s to each row's end (Hugging "
+            "Face's padding_side='left'); pad the prompts on the left"
+        )
+    return None if bool(real.all()) else real
 
 
 class GPT(Decoder):
@@ -206,15 +250,24 @@ class GPT(Decoder):
         targets: Tensor | None = None,
         *,
         attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
         caches: list[KVCache] | None = None,
+        logits_to_keep: int = 0,
     ) -> DecoderOutput:
-        """input_ids (B, T); attention_mask (B, S) with 1 for real tokens; caches per block."""
-        offset = len(caches[0]) if caches else 0
-        x = self.dropout(self.positions(self.token_embedding(input_ids), offset))  # (B, T, C)
+        """input_ids (B, T); attention_mask (B, S) with 1 for real tokens; position_ids (B, T),
+        by default those after the cached tokens (Hugging Face's); caches per block; the
+        logits of the last ``logits_to_keep`` tokens only (0: all), as generation needs."""
+        x = self.token_embedding(input_ids)  # (B, T, C)
+        if position_ids is None:
+            x = self.positions(x, len(caches[0]) if caches else 0)
+        else:
+            x = x + self.positions.embedding(position_ids)
+        x = self.dropout(x)
         mask = None
         if attention_mask is not None:
             mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S): keys that exist
-        return self.decode(x, [mask] * len(self.blocks), caches, targets, causal=True)
+        masks = [mask] * len(self.blocks)
+        return self.decode(x, masks, caches, targets, logits_to_keep, causal=True)
 
     @property
     def max_positions(self) -> int:

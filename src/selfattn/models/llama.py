@@ -129,9 +129,19 @@ class LlamaBlock(nn.Module):
         self.feed_forward = mlp(config.d_model, config.d_ff, config.activation, config.mlp_bias)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, *, mask: Tensor | None, cache: KVCache | None) -> Tensor:
-        """x: (B, T, D) -> (B, T, D), causal; ``mask`` broadcasts to (B, H, T, S)."""
-        attended = self.attention(self.norm1(x), mask=mask, causal=True, cache=cache)
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        mask: Tensor | None,
+        cache: KVCache | None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
+        """x: (B, T, D) -> (B, T, D), causal; ``mask`` broadcasts to (B, H, T, S); the tokens'
+        ``positions`` (B, T) where they do not follow the cache's (a left-padded batch)."""
+        attended = self.attention(
+            self.norm1(x), mask=mask, causal=True, cache=cache, positions=positions
+        )
         attended = self.dropout(attended)
         if self.parallel_residual:
             return x + attended + self.dropout(self.feed_forward(self.norm2(x)))
@@ -172,9 +182,13 @@ class Llama(Decoder):
         targets: Tensor | None = None,
         *,
         attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
         caches: list[KVCache] | None = None,
+        logits_to_keep: int = 0,
     ) -> DecoderOutput:
-        """input_ids (B, T); attention_mask (B, S) with 1 for real tokens; caches per block."""
+        """input_ids (B, T); attention_mask (B, S) with 1 for real tokens; position_ids (B, T),
+        by default those after the cached tokens (Hugging Face's); caches per block; the
+        logits of the last ``logits_to_keep`` tokens only (0: all), as generation needs."""
         offset = len(caches[0]) if caches else 0
         length = offset + input_ids.shape[1]
         if length > self.max_positions:
@@ -194,7 +208,8 @@ class Llama(Decoder):
             window: _combined(padding, window_mask(window, input_ids.shape[1], length, x.device))
             for window in set(windows)
         }
-        return self.decode(x, [masks[window] for window in windows], caches, targets)
+        block_masks = [masks[window] for window in windows]
+        return self.decode(x, block_masks, caches, targets, logits_to_keep, positions=position_ids)
 
 
 def window_mask(

@@ -347,15 +347,15 @@ class Generation:
 
 def _recorded_steps(
     network: nn.Module, steps: Iterator[Tensor]
-) -> Iterator[tuple[int, GenerationStep]]:
-    """Run ``steps`` (one forward pass each, see Decoder.generate_steps), each under its own
-    recording; give each step's new token id and its query's attention."""
+) -> Iterator[tuple[Tensor, GenerationStep]]:
+    """Run ``steps`` of one prompt (one forward pass each, see Decoder.generate_steps), each
+    under its own recording; give each step's new token id (1,) and its query's attention."""
     while True:
         with record(network) as recording:
             ids = next(steps, None)
         if ids is None:
             return
-        yield int(ids[0, -1]), _last_query_step(recording, query=ids.shape[1] - 2)
+        yield ids[:, -1], _last_query_step(recording, query=ids.shape[1] - 2)
 
 
 def _last_query_step(recording: Recording, query: int) -> GenerationStep:
@@ -418,8 +418,15 @@ def _whole(value: object) -> bool:
     return True
 
 
-def _texts(texts: object) -> list[str]:
-    """``texts`` (any iterable of str) as a list; a one-line error for anything else."""
+IDS_INSTEAD = {  # what to call with token ids instead of texts
+    "encode": "call the model on them",
+    "generate": "model.network.generate(input_ids, n)",
+}
+
+
+def _texts(texts: object, method: str = "encode") -> list[str]:
+    """``texts`` (any iterable of str) as a list; a one-line error, naming ``method``, for
+    anything else."""
     try:
         listed = list(texts)
     except TypeError:
@@ -429,8 +436,8 @@ def _texts(texts: object) -> list[str]:
         got = f"{type(texts).__name__} holding {type(wrong[0]).__name__}"
     if listed is None or wrong:
         raise SelfAttnError(
-            f"encode takes a str or a list of str, got {got}; pass the texts themselves "
-            "(token ids: call the model on them)"
+            f"{method} takes a str or a list of str, got {got}; pass the texts themselves "
+            f"(token ids: {IDS_INSTEAD[method]})"
         )
     return listed
 
@@ -635,28 +642,46 @@ class Model(nn.Module):
 
     def generate(
         self,
-        prompt: str,
+        prompt: str | Sequence[str],
         max_new_tokens: int = 50,
         *,
         temperature: float = 1.0,
         top_k: int | None = None,
         seed: int | None = None,
         use_cache: bool = True,
-    ) -> str:
-        """The text a decoder writes after ``prompt`` (the continuation only); temperature 0
-        is greedy, ``seed`` makes sampling repeatable. It ends early at the model's
-        end-of-text token (``config.eos_token_ids``), as Hugging Face's generate does."""
-        prompt_ids = self._prompt_encoding(prompt).ids
+    ) -> str | list[str]:
+        """The text a decoder writes after ``prompt`` (the continuation only), or a list of
+        them for a list of prompts; temperature 0 is greedy, ``seed`` makes sampling
+        repeatable. A text ends early at the model's end-of-text token
+        (``config.eos_token_ids``), as Hugging Face's generate ends it.
+
+        Many prompts run as one batch, one forward pass per step: padded on the left, each
+        row reading only its own tokens numbered from 0, so a greedy row is what that prompt
+        alone gives. The steps stop once every row has ended.
+        """
+        prompts = [prompt] if isinstance(prompt, str) else _texts(prompt, "generate")
+        if not prompts:
+            raise SelfAttnError("generate got an empty list of prompts; pass at least one text")
+        prompt_ids = [
+            self._prompt_encoding(text, i, len(prompts)).ids for i, text in enumerate(prompts)
+        ]
+        rows = [torch.tensor(ids) for ids in prompt_ids]
+        input_ids, real = (
+            pad_sequence(padded, batch_first=True, padding_side="left").to(self.device)
+            for padded in (rows, [torch.ones_like(row, dtype=torch.bool) for row in rows])
+        )  # (B, T): ids padded with 0 on the left, True where a prompt's tokens are
         steps = self.network.generate_steps(
-            torch.tensor([prompt_ids], device=self.device),
+            input_ids,
             max_new_tokens,
+            attention_mask=real,
             temperature=temperature,
             top_k=top_k,
             seed=seed,
             use_cache=use_cache,
         )
-        new_ids = [new_id for new_id, _ in self._until_end((int(ids[0, -1]), ids) for ids in steps)]
-        return self._continuation(prompt_ids, prompt_ids + new_ids)
+        new_ids, _ = self._until_end(((ids[:, -1], None) for ids in steps), len(prompts))
+        texts = [self._continuation(p, p + n) for p, n in zip(prompt_ids, new_ids, strict=True)]
+        return texts[0] if isinstance(prompt, str) else texts
 
     def generate_recorded(
         self,
@@ -668,7 +693,7 @@ class Model(nn.Module):
         seed: int | None = None,
         use_cache: bool = True,
     ) -> Generation:
-        """:meth:`generate`, keeping per new token the attention that chose it.
+        """:meth:`generate` of one prompt, keeping per new token the attention that chose it.
 
         Same arguments, same continuation (the same seed gives the same tokens). Each step's
         q, k and v are recorded while the cached generation runs; the step's query row is
@@ -676,6 +701,11 @@ class Model(nn.Module):
         of the recording is dropped. Past the model's positions the window slides: a step's
         keys then start after the prompt's first tokens (``GenerationStep.start``).
         """
+        if isinstance(prompt, (list, tuple)):
+            raise SelfAttnError(
+                f"generate_recorded records one prompt (a str), got a {type(prompt).__name__}; "
+                "record each on its own (model.generate(prompts) continues many, unrecorded)"
+            )
         encoding = self._prompt_encoding(prompt)
         new_steps = self.network.generate_steps(
             torch.tensor([encoding.ids], device=self.device),
@@ -685,34 +715,42 @@ class Model(nn.Module):
             seed=seed,
             use_cache=use_cache,
         )
-        recorded = self._until_end(_recorded_steps(self.network, new_steps))
-        new_ids = [new_id for new_id, _ in recorded]
+        (new_ids,), steps = self._until_end(_recorded_steps(self.network, new_steps), 1)
         return Generation(
             prompt=prompt,
             text=self._continuation(encoding.ids, encoding.ids + new_ids),
             tokens=encoding.tokens + _token_strings(self.tokenizer, new_ids),
             token_ids=encoding.ids + new_ids,
             n_prompt=len(encoding.ids),
-            steps=[step for _, step in recorded],
+            steps=steps,
             n_layers=self.config.n_layers,
             n_heads=self.config.n_heads,
             model_name=self.name,
             sliding_windows=self.config.sliding_windows,
         )
 
-    def _until_end(self, steps: Iterator[tuple[int, _T]]) -> list[tuple[int, _T]]:
-        """The (new token id, step) pairs up to and including the first token that ends the
-        text (one of ``config.eos_token_ids``, where Hugging Face's generate stops); the
-        steps after it are never run."""
+    def _until_end(
+        self, steps: Iterator[tuple[Tensor, _T]], rows: int
+    ) -> tuple[list[list[int]], list[_T]]:
+        """Each of ``rows`` rows' new token ids, up to and including its first token that ends
+        the text (one of ``config.eos_token_ids``, where Hugging Face's generate ends that
+        row), from (new ids (rows,), step) pairs, and the steps taken; once every row has
+        ended, the steps after are never run."""
+        new_ids: list[list[int]] = [[] for _ in range(rows)]
         taken = []
-        for new_id, step in steps:
-            taken.append((new_id, step))
-            if new_id in self.config.eos_token_ids:
+        ends = self.config.eos_token_ids
+        for column, step in steps:
+            taken.append(step)
+            for row, new_id in zip(new_ids, column.tolist(), strict=True):
+                if not row or row[-1] not in ends:
+                    row.append(new_id)
+            if all(row[-1] in ends for row in new_ids):
                 break
-        return taken
+        return new_ids, taken
 
-    def _prompt_encoding(self, prompt: str) -> Encoding:
-        """The prompt's tokens; one line for an encoder, or a prompt with no tokens."""
+    def _prompt_encoding(self, prompt: str, index: int = 0, count: int = 1) -> Encoding:
+        """The prompt's tokens (prompt ``index`` of ``count``); one line for an encoder, or a
+        prompt with no tokens."""
         if self.config.kind != "decoder":
             raise SelfAttnError(
                 f"generate needs a decoder (GPT or Llama family); {self.name} is an encoder"
@@ -724,7 +762,8 @@ class Model(nn.Module):
             )
         encoding = self._require_tokenizer().encode(prompt)
         if not encoding.ids:
-            raise SelfAttnError("the prompt is empty; pass some text to continue")
+            which = "the prompt" if count == 1 else f"prompt {index} (of {count}, from 0)"
+            raise SelfAttnError(f"{which} is empty; pass some text to continue")
         return encoding
 
     def _continuation(self, prompt_ids: list[int], ids: list[int]) -> str:
