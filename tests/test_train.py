@@ -9,6 +9,7 @@ sums differs).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import io
@@ -673,7 +674,7 @@ def test_bad_inputs_give_one_clear_line(corpus, trained, tmp_path):
     assert "--resume" in _error_line(["train", "--data", str(corpus), "--out", str(trained)])
     assert "nothing to resume" in _error_line([*base, "--data", str(corpus), "--resume"])
     line = _error_line([*base, "--data", str(corpus), "--n-head", "3"])
-    assert "invalid training settings" in line and "divisible by n_head (3)" in line
+    assert "invalid training settings" in line and "a multiple of --n-head 3" in line
     line = _error_line(["generate", "--checkpoint", str(tmp_path / "nowhere"), "hi"])
     assert "does not exist" in line
     assert "not in the model's vocabulary" in _error_line(
@@ -729,12 +730,16 @@ def test_load_points_a_training_folder_to_load_model(trained):
 
 
 def test_a_resume_with_nothing_to_do_prints_one_line_and_no_bar(corpus, trained):
-    """Resuming a 30-step run with --max-iters 10: only "Nothing to do", no bar, no NaN."""
+    """Resuming a 30-step run with --max-iters 10: only "Nothing to do", no bar, no NaN; the
+    line says that --max-iters counts from the first run (it read "(--max-iters)" only, to a
+    reader who took --max-iters 10 for 10 more steps)."""
     args = ["train", "--data", str(corpus), "--out", str(trained), "--resume"]
     result = CliRunner().invoke(app, [*args, "--max-iters", "10"])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())  # the console wraps long lines
-    assert text.startswith("Nothing to do: ") and text.endswith("(--max-iters)."), text
+    assert text.startswith("Nothing to do: ") and text.endswith(
+        "--max-iters 10 counts the steps since the first run; pass a larger one to train on."
+    ), text
     assert "already at step 30" in text and "nan" not in text and "tok/s" not in text, text
     run = train_decoder(corpus, trained, overrides={"max_iters": 30}, resume=True, device="cpu")
     assert run.result.step == run.result.start_step == 30 and run.result.losses == []
@@ -830,11 +835,28 @@ def test_non_finite_settings_are_refused(corpus, tmp_path, flag, value):
      (["--eval-iters", "0"], "--eval-iters 0 (eval_iters= in Python) must be at least 1"),
      (["--grad-clip", "-1"], "--grad-clip -1.0 (grad_clip= in Python) must be 0 or more"),
      (["--beta2", "1"], "--beta2 1.0 (beta2= in Python) must be in [0, 1) (AdamW's betas)"),
-     (["--beta1", "-0.1"], "--beta1 -0.1 (beta1= in Python) must be in [0, 1) (AdamW's betas)")],
+     (["--beta1", "-0.1"], "--beta1 -0.1 (beta1= in Python) must be in [0, 1) (AdamW's betas)"),
+     (["--lr-decay-iters", "0", "--warmup-iters", "0"],
+      "--lr-decay-iters 0 (lr_decay_iters= in Python) must be at least 1"),
+     (["--seed", "100000000000000"],
+      "--seed 100000000000000 (seed= in Python) is too large; choose one between -4294967295 "
+      "and 4294967295"),
+     (["--n-layer", "0"], "--n-layer 0 (n_layer= in Python) must be at least 1"),
+     (["--n-embd", "0"], "--n-embd 0 (n_embd= in Python) must be at least 1"),
+     (["--n-head", "3"],
+      "--n-embd 32 (n_embd= in Python) must be a multiple of --n-head 3 (n_head= in Python): "
+      "each head is n_embd / n_head wide; choose --n-embd 33 or a --n-head that divides it"),
+     (["--arch", "llama", "--n-head", "0"], "--n-head 0 (n_head= in Python) must be at least 1"),
+     (["--dropout", "1"],
+      "--dropout 1.0 (dropout= in Python) must be a probability in [0, 1) (0: no dropout; "
+      "nanoGPT's shakespeare_char uses 0.2)")],
 )  # fmt: skip
 def test_invalid_settings_name_their_flags_and_the_fix(corpus, tmp_path, flags, message):
     """They were named as Python fields with no fix ("need 0 <= warmup_iters < lr_decay_iters,
-    got 200 and 100"); every flag named is one of `selfattn train`'s, and nothing is created."""
+    got 200 and 100"); every flag named is one of `selfattn train`'s, and nothing is created.
+    The model's sizes were named as the configs' fields ("GPTConfig.n_layer must be positive,
+    got 0", "LlamaConfig.n_heads ..."), a seed past 64-bit generators was a traceback, and
+    --lr-decay-iters 0 advised "lower --warmup-iters below 0"."""
     out = tmp_path / "o"
     line = _error_line(["train", "--data", str(corpus), "--out", str(out), "--preset", "tiny",
                         *flags])  # fmt: skip
@@ -1378,3 +1400,151 @@ def test_adamw_betas_from_the_command_line_reach_the_optimizer(corpus, tmp_path,
     assert seen == [(0.8, 0.9), (0.8, 0.9)]
     saved = load_checkpoint(out)[2].train
     assert (saved.beta1, saved.beta2) == (0.8, 0.9)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [({"max_iters": 2.5}, "--max-iters 2.5 (max_iters= in Python) must be a whole number"),
+     ({"block_size": 8.5}, "--block-size 8.5 (block_size= in Python) must be a whole number"),
+     ({"max_iters": True}, "--max-iters True (max_iters= in Python) must be a whole number"),
+     ({"seed": 1.5}, "--seed 1.5 (seed= in Python) must be a whole number"),
+     ({"eval_interval": "10"}, "--eval-interval '10' (eval_interval= in Python) must be a whole"),
+     ({"learning_rate": "0.1"}, "--lr '0.1' (learning_rate= in Python) must be a number"),
+     ({"n_layer": 1.5}, "--n-layer 1.5 (n_layer= in Python) must be a whole number"),
+     ({"dropout": "0.1"}, "--dropout '0.1' (dropout= in Python) must be a probability in [0, 1)")],
+)  # fmt: skip
+def test_settings_of_the_wrong_type_are_one_line_naming_the_setting(
+    corpus, tmp_path, changes, message
+):
+    """From Python, 2.5 steps trained 3 (and saved step 3 of --max-iters 2.5), a float block
+    size, layer count or seed was a TypeError from torch deep inside, a string a bare "must be
+    real number, not str"."""
+    out = tmp_path / "out"
+    with pytest.raises(SelfAttnError) as error:
+        train_decoder(corpus, out, preset="tiny", overrides=changes, device="cpu")
+    assert str(error.value) == f"invalid training settings: {message}" or message in str(
+        error.value
+    ), error.value
+    assert not out.exists()
+
+
+def test_whole_floats_and_numpy_numbers_are_taken_as_the_numbers_they_are(corpus, tmp_path):
+    """nanoGPT-style configs write 5e3 for a step count: it is 5000 (an int where one goes)."""
+    numpy = pytest.importorskip("numpy")
+    config = _cycle_config(max_iters=6e1, eval_iters=numpy.int64(2), learning_rate=numpy.float32(1))
+    assert config.max_iters == 60 and type(config.max_iters) is int
+    assert type(config.eval_iters) is int and type(config.learning_rate) is float
+    run = train_decoder(
+        corpus, tmp_path / "out", preset="tiny", overrides={"max_iters": 2e0, "n_layer": 1.0},
+        device="cpu",
+    )  # fmt: skip
+    assert run.result.step == 2 and run.config.model.n_layer == 1
+    assert json.loads((checkpoint_module.checkpoint_dir(tmp_path / "out") / "config.json")
+                      .read_text())["train"]["max_iters"] == 2  # fmt: skip
+
+
+def test_a_resume_into_a_folder_whose_run_has_not_saved_yet_says_it_is_in_use(corpus, tmp_path):
+    """A run still before its first checkpoint holds its --out: a --resume into it said
+    "nothing to resume ... drop --resume", and doing so then said the folder was in use."""
+    from selfattn.train.lock import hold
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with hold(out):
+        line = _error_line(["train", "--data", str(corpus), "--out", str(out), "--resume"])
+    assert line.startswith(f"Error: --out {out} is in use by another run (pid "), line
+    line = _error_line(["train", "--data", str(corpus), "--out", str(out), "--resume"])
+    assert "nothing to resume" in line, line
+
+
+def test_a_large_text_is_encoded_without_a_python_int_per_character(monkeypatch):
+    """A 200 MB text took 23 s and 3.5 GB to start (a list of ids, then torch.tensor of it);
+    encoded in chunks through a code-point table it takes 7 s and 2.3 GB, to the same ids."""
+    from selfattn.train import data as data_module
+
+    text = "Zwölf Boxkämpfer 🥊 jagen Viktor\nquer über den großen Sylter Deich.\x00\t" * 40
+    tokenizer = data_module.CharTokenizer.from_text(text)
+    expected = tokenizer.encode(text)
+    monkeypatch.setattr(data_module, "ENCODE_CHUNK", 7)  # chunk edges inside the text
+    monkeypatch.setattr(data_module.CharTokenizer, "encode", None)  # no list of ids
+    data = TextData.from_text(text, block_size=8)
+    assert torch.cat([data.train, data.val]).tolist() == expected
+    assert data.train.dtype == torch.long
+    with pytest.raises(SelfAttnError, match="characters not in the model's vocabulary: '🎉'"):
+        tokenizer.encode_tensor("Boxkämpfer 🎉")
+
+
+def test_evaluations_show_their_batches_on_the_bar(corpus, monkeypatch):
+    """An evaluation of shakespeare-char on a CPU (200 batches of 64 × 256) takes about 16
+    minutes, and step 0's ran before the bar existed: nothing on the screen at all. The bar
+    now reads "eval 37/200" where it says "train" while one runs."""
+    labels = []
+    real_evaluate = loop_module.evaluate
+
+    def evaluate(*args, done=None, **kwargs):
+        def seen(count):
+            done(count)
+            labels.append(progress_label())
+
+        return real_evaluate(*args, done=seen, **kwargs)
+
+    bars = []
+    real_progress = loop_module._progress
+
+    @contextlib.contextmanager
+    def progress(*args):
+        with real_progress(*args) as bar:
+            bars.append(bar)
+            yield bar
+
+    def progress_label():
+        return bars[-1].tasks[0].description.strip()
+
+    monkeypatch.setattr(loop_module, "evaluate", evaluate)
+    monkeypatch.setattr(loop_module, "_progress", progress)
+    model = _Bigram()
+    config = _cycle_config(max_iters=4, eval_interval=2, eval_iters=3)
+    console = Console(file=io.StringIO(), width=120)
+    train(model, configure_optimizer(model, config), _Cycle(), config, console=console)
+    assert labels == ["eval 0/3", "eval 1/3", "eval 2/3", "train"] * 3, labels
+    counts = []
+    real_evaluate(model, _Cycle(), 2, done=counts.append)
+    assert counts == [0, 1, 2]
+
+
+def test_an_interrupted_runs_bar_ends_at_the_step_it_stopped_at(monkeypatch):
+    """Stopped at step 7 with --log-interval 5, the bar (in a log file, its only line) ended at
+    "5/20" above "Interrupted at step 7"; now at 7/20 with step 7's loss."""
+    monkeypatch.setattr(loop_module, "_stop_requested", lambda stop, step, *_: step == 7)
+    output = io.StringIO()
+    model = _Bigram()
+    config = _cycle_config(max_iters=20, eval_interval=10, eval_iters=1, log_interval=5)
+    console = Console(file=output, width=200)
+    result = train(model, configure_optimizer(model, config), _Cycle(), config, console=console)
+    bar = [line for line in output.getvalue().splitlines() if line.startswith("train")]
+    assert result.interrupted and result.step == 7
+    assert bar and " 7/20 loss " in bar[-1], output.getvalue()
+    assert f"loss {result.losses[-1]:.4f}" in bar[-1], bar[-1]
+
+
+@pytest.mark.parametrize(
+    ("saved", "running", "note"),
+    [(1, 2, "written by 1 process, this run has 2; rank 1 draws batches from a fresh seed, "
+            "the others continue theirs"),
+     (2, 1, "written by 2 processes, this run has 1; rank 1's batch stream ends (the global "
+            "batch is smaller)")],
+)  # fmt: skip
+def test_a_resume_on_another_count_of_processes_says_what_its_batches_do(
+    trained, capsys, saved, running, note
+):
+    """It said "written by 1 processes" and, resumed on fewer processes, that batches "continue
+    from fresh seeds where states are missing" when none were."""
+    state = load_checkpoint(trained)[3]
+    rng = {
+        f"rank{r}.{key.split('.', 1)[1]}": v for key, v in state.rng.items() for r in range(saved)
+    }
+    data = TextData.from_text(TRAINING_TEXT, 16)
+    batches = RandomBatches(data, 2, 16, 1337)
+    context = distributed.Context(0, running, 0, torch.device("cpu"))
+    run_module._restore_rng(rng, context, batches, Console(file=io.StringIO()), trained)
+    assert capsys.readouterr().err == f"note: the checkpoint was {note}\n"

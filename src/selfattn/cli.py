@@ -122,13 +122,16 @@ TRAIN_HELP = {
     "shakespeare-char (GPU) or tiny; with --resume, the checkpoint's. Other flags override "
     "single settings.",
     "resume": "Continue the checkpoint in --out up to --max-iters, exactly where it stopped.",
-    "max_iters": "Total optimizer steps (counted from the first run when resuming).",
+    "max_iters": "Total optimizer steps (counted from the first run when resuming). The "
+    "learning-rate schedule follows --lr-decay-iters, not this: past that step it stays at "
+    "--min-lr.",
     "batch_size": "Sequences per step and process (global batch = this × processes).",
     "block_size": "Characters per training sequence; also the model's context length.",
     "lr": "Peak learning rate, reached after the warm-up.",
     "min_lr": "Learning rate at the end of the cosine decay.",
     "warmup_iters": "Steps of linear learning-rate warm-up.",
-    "lr_decay_iters": "Step at which the cosine decay reaches --min-lr.",
+    "lr_decay_iters": "Step at which the cosine decay reaches --min-lr (and stays there); the "
+    "presets set it to their --max-iters, as nanoGPT does.",
     "weight_decay": "AdamW weight decay (on matrices and embeddings only).",
     "beta1": "AdamW's decay rate of its gradient mean, in [0, 1).",
     "beta2": "AdamW's decay rate of its squared-gradient mean, in [0, 1) (0.99 in the presets, "
@@ -235,7 +238,9 @@ def train(
         return
     if result.step == result.start_step:
         console.print(
-            f"Nothing to do: {out} is already at step {result.step} (--max-iters).",
+            f"Nothing to do: {out} is already at step {result.step}, and --max-iters "
+            f"{run.config.train.max_iters} counts the steps since the first run; pass a larger "
+            "one to train on.",
             soft_wrap=True,
         )
         return

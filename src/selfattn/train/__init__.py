@@ -1,8 +1,8 @@
 """Training transformers from scratch: character data, a model-agnostic loop, checkpoints, DDP.
 
 ``train_decoder`` is what ``selfattn train`` runs (a GPT, or with ``overrides={"arch":
-"llama"}`` a Llama); ``load_checkpoint`` gives back a trained model, its tokenizer, configs and training
-state (to resume); ``load_model`` gives the model alone as the viewers'
+"llama"}`` a Llama); ``load_checkpoint`` gives back a trained model, its tokenizer, configs
+and training state (to resume); ``load_model`` gives the model alone as the viewers'
 :class:`~selfattn.models.model.Model` (for ``generate``, ``explain``, ``serve``).
 """
 

@@ -9,12 +9,13 @@ the model is a DistributedDataParallel wrapper and the loop averages what it rep
 from __future__ import annotations
 
 import math
+import numbers
 import signal
 import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,13 +49,25 @@ class TrainConfig:
     seed: int = 1337
 
     def __post_init__(self) -> None:
-        for name in ("learning_rate", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip"):
+        counts = ("max_iters", "batch_size", "block_size", "eval_interval", "eval_iters")
+        whole = (*counts, "log_interval", "lr_decay_iters", "warmup_iters", "seed")
+        for name in whole:  # 5e3 from Python is 5000; 2.5 steps or "100" is no count
+            object.__setattr__(self, name, whole_number(name, getattr(self, name)))
+        reals = ("learning_rate", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip")
+        for name in reals:
+            if not is_number(getattr(self, name)):
+                raise ValueError(f"{setting(name, repr(getattr(self, name)))} must be a number")
+            object.__setattr__(self, name, float(getattr(self, name)))
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{self._setting(name)} must be a finite number")
-        counts = ("max_iters", "batch_size", "block_size", "eval_interval", "eval_iters")
-        for name in (*counts, "log_interval"):
+        for name in (*counts, "log_interval", "lr_decay_iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{self._setting(name)} must be at least 1")
+        if not -SEED_LIMIT < self.seed < SEED_LIMIT:  # torch's generators take 64 bits
+            raise ValueError(
+                f"{self._setting('seed')} is too large; choose one between "
+                f"-{SEED_LIMIT - 1} and {SEED_LIMIT - 1}"
+            )
         for name in ("learning_rate", "min_lr"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{self._setting(name)} must be above 0")
@@ -78,6 +91,25 @@ class TrainConfig:
 
     def _setting(self, name: str) -> str:
         return setting(name, getattr(self, name))
+
+
+SEED_LIMIT = 2**32  # batch_seed(seed, ...) stays within the 64 bits of torch's generators
+
+
+def is_number(value: object) -> bool:
+    """A real number (Python's or numpy's), not a bool (a setting of True would read as 1)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def whole_number(name: str, value: object) -> int:
+    """``value`` as the int it stands for (an integer, or a float like 5e3 with no fraction);
+    a ValueError naming the setting for anything else (2.5, "100", True)."""
+    if is_number(value):
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        if math.isfinite(value) and float(value).is_integer():
+            return int(value)
+    raise ValueError(f"{setting(name, repr(value))} must be a whole number")
 
 
 def setting(name: str, value: object) -> str:
@@ -122,15 +154,27 @@ class BatchSource(Protocol):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: BatchSource, iters: int, split: str = "val") -> float:
-    """Mean loss over ``iters`` batches of ``split`` in eval mode, averaged across ranks."""
+def evaluate(
+    model: nn.Module,
+    batches: BatchSource,
+    iters: int,
+    split: str = "val",
+    done: Callable[[int], None] | None = None,
+) -> float:
+    """Mean loss over ``iters`` batches of ``split`` in eval mode, averaged across ranks;
+    ``done(n)`` before the first batch (n = 0) and after each batch's forward pass has been
+    queued (n batches so far)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
-    for _ in range(iters):
+    if done is not None:
+        done(0)
+    for index in range(iters):
         x, y = batches.batch(split)
         total += model(x.to(device), y.to(device)).loss
+        if done is not None:
+            done(index + 1)
     model.train(was_training)
     return distributed.mean_across_ranks(total / iters).item()
 
@@ -206,15 +250,19 @@ def train(
         return result
     wall_start = time.perf_counter()
     model.train()
-    if start_step == 0 and not history:  # (a checkpoint of step 0 holds this evaluation)
-        history.append({"step": 0, "val": evaluate(model, batches, config.eval_iters)})
-        _report(console, history)
     step_losses: list[Tensor] = []
     window = 0  # index in step_losses of the first step since the last evaluation
-    carried = _carried_losses(losses_since_eval, start_step, history)  # steps before start_step
     saved_step = start_step
     saved = start_step > 0  # a resumed run's start is a checkpoint already; a fresh one's is not
-    with _stop_on_signals() as stop, _progress(console, config, start_step) as progress:
+    with ExitStack() as stack:
+        progress = stack.enter_context(_progress(console, config, start_step))
+        shown = _evaluation_shown(progress, config)
+        if start_step == 0 and not history:  # (a checkpoint of step 0 holds this evaluation)
+            history.append({"step": 0, "val": evaluate(model, batches, config.eval_iters, **shown)})
+            _report(console if progress is None else progress.console, history)
+        # steps before start_step since the last evaluation
+        carried = _carried_losses(losses_since_eval, start_step, history)
+        stop = stack.enter_context(_stop_on_signals())
         while result.step < config.max_iters:
             if _stop_requested(stop, result.step, config, device):
                 result.interrupted = True
@@ -228,21 +276,14 @@ def train(
             log = step % config.log_interval == 0 or step == config.max_iters
             last = loss.item() if log else None  # the one sync per log interval
             result.train_seconds += time.perf_counter() - tick
-            if log and progress is not None:
-                rate = (step - start_step) * result.tokens_per_step / result.train_seconds
-                progress.update(
-                    progress.task_ids[0],
-                    completed=step,
-                    loss=f"{last:.4f}",
-                    lr=lr,
-                    rate=f"{rate:,.0f}",
-                )
+            if log:
+                _show_step(progress, result, last, lr)
             if step % config.eval_interval == 0 or step == config.max_iters:
                 since_eval = _since_eval(carried, step_losses[window:])
                 record: dict[str, float] = {"step": step}
                 if since_eval is not None:
                     record["train"] = statistics.fmean(since_eval)
-                record["val"] = evaluate(model, batches, config.eval_iters)
+                record["val"] = evaluate(model, batches, config.eval_iters, **shown)
                 _check_finite(record, saved_step, config)
                 if save is not None:
                     _check_savable(model, step_losses[window:], step, saved_step, config, device)
@@ -252,6 +293,8 @@ def train(
                 if save is not None:
                     save(step, history, carried)
                     saved_step, saved = step, True
+        if result.interrupted and step_losses:  # the bar at the step stopped at, not the last log
+            _show_step(progress, result, step_losses[-1].item(), lr)
         # still inside the signal handlers: a second Ctrl-C cannot cut the interrupt's save short
         if result.interrupted and save is not None and not (saved and saved_step == result.step):
             _check_savable(model, step_losses[window:], result.step, saved_step, config, device)
@@ -259,6 +302,18 @@ def train(
     result.losses = torch.stack(step_losses).tolist() if step_losses else []
     result.wall_seconds = time.perf_counter() - wall_start
     return result
+
+
+def _show_step(progress: Progress | None, result: TrainResult, loss: float, lr: float) -> None:
+    """The bar at ``result.step``, with that step's loss and learning rate and the tokens/s so
+    far."""
+    if progress is None:
+        return
+    steps = result.step - result.start_step
+    rate = steps * result.tokens_per_step / result.train_seconds
+    progress.update(
+        progress.task_ids[0], completed=result.step, loss=f"{loss:.4f}", lr=lr, rate=f"{rate:,.0f}"
+    )
 
 
 def _carried_losses(
@@ -371,6 +426,22 @@ def _report(console: Console | None, history: list[dict[str, float]]) -> None:
     console.print(f"step {record['step']:>6}: {train}val loss {record['val']:.4f}")
 
 
+def _evaluation_shown(progress: Progress | None, config: TrainConfig) -> dict:
+    """``evaluate``'s keyword to show its batches on the bar ("eval 37/200" where "train"
+    stands): an evaluation on a CPU can take minutes (shakespeare-char's 200 batches)."""
+    if progress is None:
+        return {}
+    task = progress.task_ids[0]
+    width = len(f"eval {config.eval_iters}/{config.eval_iters}")
+
+    def done(count: int) -> None:
+        label = "train" if count == config.eval_iters else f"eval {count}/{config.eval_iters}"
+        progress.update(task, description=label.ljust(width))
+
+    done(config.eval_iters)  # "train", as wide
+    return {"done": done}
+
+
 @contextmanager
 def _progress(
     console: Console | None, config: TrainConfig, start: int
@@ -380,7 +451,7 @@ def _progress(
         yield None
         return
     progress = Progress(
-        TextColumn("[bold]train"),
+        TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]:.2e}"),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from selfattn.errors import SelfAttnError
 from selfattn.models.gpt import GPTConfig
 from selfattn.models.llama import LlamaConfig, llama_hidden_size
-from selfattn.train.loop import TrainConfig, setting
+from selfattn.train.loop import TrainConfig, is_number, setting, whole_number
 
 ARCHITECTURES = ("gpt", "llama")
 MODEL_FIELDS = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "dropout", "bias", "activation")
@@ -51,15 +51,44 @@ class Preset:
                 f"{setting('arch', self.arch)} is not an architecture; choose "
                 f"{' or '.join(ARCHITECTURES)}"
             )
+        self._check_sizes()
         if self.n_kv_head is not None:
             self._check_kv_heads()
-        if self.arch == "llama" and self.n_head > 0 and self.n_embd % (2 * self.n_head):
+        if self.arch == "gpt" and self.n_embd % self.n_head:
+            raise ValueError(
+                f"{setting('n_embd', self.n_embd)} must be a multiple of "
+                f"{setting('n_head', self.n_head)}: each head is n_embd / n_head wide; choose "
+                f"--n-embd {self._multiple(self.n_head)} or a --n-head that divides it"
+            )
+        if self.arch == "llama" and self.n_embd % (2 * self.n_head):
             raise ValueError(
                 f"{setting('n_embd', self.n_embd)} must be a multiple of 2 × "
                 f"{setting('n_head', self.n_head)}: each head is n_embd / n_head wide, and RoPE "
-                "turns pairs of its dims"
+                f"turns pairs of its dims; choose --n-embd {self._multiple(self.n_head)} or a "
+                "--n-head whose double divides it"
             )
         self.model_config(vocab_size=1)  # GPTConfig or LlamaConfig checks the sizes
+
+    def _check_sizes(self) -> None:
+        """The sizes as the flags name them (the configs would name their own fields)."""
+        kv_heads = () if self.n_kv_head is None else ("n_kv_head",)  # checked on its own
+        for name in ("n_layer", "n_head", "n_embd", *kv_heads):
+            object.__setattr__(self, name, whole_number(name, getattr(self, name)))
+            if name != "n_kv_head" and getattr(self, name) < 1:
+                raise ValueError(f"{setting(name, getattr(self, name))} must be at least 1")
+        if not is_number(self.dropout) or not 0 <= self.dropout < 1:
+            raise ValueError(
+                f"{setting('dropout', repr(self.dropout))} must be a probability in [0, 1) "
+                "(0: no dropout; nanoGPT's shakespeare_char uses 0.2)"
+            )
+        object.__setattr__(self, "dropout", float(self.dropout))
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"{setting('bias', repr(self.bias))} must be True or False")
+
+    def _multiple(self, heads: int) -> int:
+        """The multiple of ``heads`` (of 2 × heads for a Llama) nearest above n_embd."""
+        step = heads * (2 if self.arch == "llama" else 1)
+        return -(-self.n_embd // step) * step
 
     def _check_kv_heads(self) -> None:
         """--n-kv-head: Llama's only, and dividing the query heads into equal groups."""

@@ -118,11 +118,12 @@ def _train_decoder(
     checkpoint = None
     _refuse_a_step_folder(out)
     if resume:
+        if out.is_dir():  # locked first: a run still before its first save holds no checkpoint
+            locks.enter_context(_one_run_in(out, context))
         if not has_checkpoint(out):
             raise SelfAttnError(
                 f"nothing to resume: {out} holds no checkpoint; drop --resume to start a new run"
             )
-        locks.enter_context(_one_run_in(out, context))
         checkpoint = load_checkpoint(out, context.device)
 
     if checkpoint is not None:
@@ -354,6 +355,22 @@ def _rng_state(batches: RandomBatches, context: distributed.Context) -> dict[str
     return state
 
 
+def _processes(count: int) -> str:
+    return f"{count} process" if count == 1 else f"{count} processes"
+
+
+def _rank_streams(saved: int, running: int) -> str:
+    """What happens to the batch streams when a checkpoint is resumed on another count of
+    processes: ranks beyond the saved ones start fresh, the saved ones beyond this run end."""
+    if running > saved:
+        if running == saved + 1:
+            return f"rank {saved} draws batches from a fresh seed, the others continue theirs"
+        return f"ranks {saved}-{running - 1} draw batches from fresh seeds, the others go on"
+    if saved == running + 1:
+        return f"rank {running}'s batch stream ends (the global batch is smaller)"
+    return f"the batch streams of ranks {running}-{saved - 1} end (the global batch is smaller)"
+
+
 def _restore_rng(
     rng: dict[str, Tensor],
     context: distributed.Context,
@@ -367,8 +384,8 @@ def _restore_rng(
     if len(saved_ranks) != context.world_size:
         _note(
             console,
-            f"the checkpoint was written by {len(saved_ranks)} processes, this run has "
-            f"{context.world_size}; batches continue from fresh seeds where states are missing",
+            f"the checkpoint was written by {_processes(len(saved_ranks))}, this run has "
+            f"{context.world_size}; {_rank_streams(len(saved_ranks), context.world_size)}",
         )
     prefix = f"rank{context.rank}."
     mine = {key.removeprefix(prefix): value for key, value in rng.items() if key.startswith(prefix)}
