@@ -136,7 +136,7 @@ def test_batch_greedy_equals_each_prompt_alone_and_hugging_face(decoder, use_cac
 
 @pytest.mark.parametrize("decoder", ["gpt2", "mistral", "gpt_neox"], indirect=True)
 def test_the_window_slides_for_a_batch_as_for_each_prompt_alone(decoder):
-    """70 tokens after prompts of 2 to 12 tokens: GPT-2's 48 positions and the rotary
+    """70 tokens after prompts of 2 to 29 tokens: GPT-2's 48 positions and the rotary
     families' 64 (Mistral with its window of 6 too) are outgrown by the longest row first;
     every row still equals its prompt alone (whose sliding GPT-2 test_models_random checks
     against Hugging Face), with and without the cache."""
@@ -241,6 +241,26 @@ def test_a_network_refuses_a_mask_that_does_not_pad_on_the_left(gpt2_folder, mas
     with pytest.raises(SelfAttnError) as error:
         network.generate(torch.ones(2, 3, dtype=torch.long), 2, attention_mask=torch.tensor(mask))
     assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"position_ids": torch.tensor([[45, 46, 47, 48]])}, r"must lie in 0\.\.47 .*got 45\.\.48"),
+        ({"position_ids": torch.tensor([[-1, 0, 1, 2]])}, r"must lie in 0\.\.47"),
+        ({"position_ids": torch.tensor([[0, 1]])}, r"input_ids' shape \(1, 4\), got \(1, 2\)"),
+        ({"position_ids": torch.tensor([[0.0, 1, 2, 3]])}, "must hold integers"),
+        ({"logits_to_keep": -1}, r"logits_to_keep must be an int >= 0 \(0: all\), got -1"),
+        ({"logits_to_keep": 1, "targets": torch.zeros(1, 4, dtype=torch.long)}, "not both"),
+    ],
+)
+def test_a_networks_generation_arguments_are_checked(gpt2_folder, options, message):  # noqa: F811
+    """position_ids past GPT-2's table were torch's IndexError, and logits_to_keep=-1 kept
+    all but the first token's logits: each is one line (48 positions in this folder)."""
+    network = selfattn.load(gpt2_folder[0]).network
+    assert network.max_positions == 48
+    with pytest.raises(ValueError, match=message):
+        network(torch.ones(1, 4, dtype=torch.long), **options)
 
 
 def trained(network: GPT | Llama, chars: CharTokenizer) -> Model:

@@ -54,6 +54,7 @@ from selfattn.train import (
 from selfattn.train import checkpoint as checkpoint_module
 from selfattn.train import loop as loop_module
 from selfattn.train import run as run_module
+from selfattn.train.data import batch_seed
 from selfattn.train.run import new_network
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: fastest on one thread
@@ -839,8 +840,8 @@ def test_non_finite_settings_are_refused(corpus, tmp_path, flag, value):
      (["--lr-decay-iters", "0", "--warmup-iters", "0"],
       "--lr-decay-iters 0 (lr_decay_iters= in Python) must be at least 1"),
      (["--seed", "100000000000000"],
-      "--seed 100000000000000 (seed= in Python) is too large; choose one between -4294967295 "
-      "and 4294967295"),
+      "--seed 100000000000000 (seed= in Python) is out of range; choose one between "
+      "-9223344366820 and 9223344366820"),
      (["--n-layer", "0"], "--n-layer 0 (n_layer= in Python) must be at least 1"),
      (["--n-embd", "0"], "--n-embd 0 (n_embd= in Python) must be at least 1"),
      (["--n-head", "3"],
@@ -1441,6 +1442,26 @@ def test_whole_floats_and_numpy_numbers_are_taken_as_the_numbers_they_are(corpus
     assert run.result.step == 2 and run.config.model.n_layer == 1
     assert json.loads((checkpoint_module.checkpoint_dir(tmp_path / "out") / "config.json")
                       .read_text())["train"]["max_iters"] == 2  # fmt: skip
+
+
+def test_bias_takes_what_python_reads_as_a_bool():
+    """bias=1 or numpy's True (a config read from elsewhere) is True; "yes" or 2 is refused."""
+    numpy = pytest.importorskip("numpy")
+    for value in (1, numpy.True_, True):
+        assert get_preset("tiny").override(bias=value).bias is True
+    for value in ("yes", 2):
+        with pytest.raises(SelfAttnError, match=rf"bias={value!r} \(Python only\) must be True"):
+            get_preset("tiny").override(bias=value)
+
+
+@pytest.mark.parametrize("seed", [2**40, -(2**40), loop_module.SEED_LIMIT - 1])
+def test_large_seeds_that_torchs_generators_take_are_kept(seed):
+    """The seed bound is torch's (64 bits, after batch_seed's arithmetic), not 2³²: seeds up
+    to ~9.2e12 either way make every generator the run makes."""
+    config = _cycle_config(seed=seed)
+    for rank, split in ((0, "train"), (1, "val")):
+        torch.Generator().manual_seed(batch_seed(config.seed, rank, split))
+    torch.Generator().manual_seed(config.seed + 1)  # the model's, offset by rank
 
 
 def test_a_resume_into_a_folder_whose_run_has_not_saved_yet_says_it_is_in_use(corpus, tmp_path):

@@ -79,6 +79,13 @@ class Decoder(nn.Module, ABC):
         cache, then the final norm and the head: logits (of the last ``logits_to_keep``
         tokens only, unless 0), the loss against ``targets``, and every hidden state (x
         first)."""
+        if type(logits_to_keep) is not int or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be an int >= 0 (0: all), got {logits_to_keep!r}")
+        if targets is not None and logits_to_keep:
+            raise ValueError(
+                "logits_to_keep keeps the last tokens' logits (for generation), and the loss "
+                "needs every token's: pass targets or logits_to_keep, not both"
+            )
         hidden_states = [x]
         for i, block in enumerate(self.blocks):
             x = block(x, mask=masks[i], cache=caches[i] if caches else None, **block_options)
@@ -197,6 +204,25 @@ class Decoder(nn.Module, ABC):
             yield ids
 
 
+def check_position_ids(position_ids: Tensor, input_ids: Tensor, limit: int | None) -> None:
+    """One line unless ``position_ids`` is an integer tensor of input_ids' shape, its values
+    in [0, limit) where the positions are a table of ``limit`` rows (read in eager calls: a
+    compiled graph cannot branch on them)."""
+    if not isinstance(position_ids, Tensor) or position_ids.shape != input_ids.shape:
+        got = tuple(position_ids.shape) if isinstance(position_ids, Tensor) else position_ids
+        raise ValueError(f"position_ids must have input_ids' shape {tuple(input_ids.shape)}, "
+                         f"got {got!r}")  # fmt: skip
+    if position_ids.is_floating_point() or position_ids.dtype == torch.bool:
+        raise ValueError(f"position_ids must hold integers, got {position_ids.dtype}")
+    if limit is None or position_ids.numel() == 0 or torch.compiler.is_compiling():
+        return
+    low, high = (int(value) for value in torch.aminmax(position_ids))
+    if low < 0 or high >= limit:
+        raise ValueError(
+            f"position_ids must lie in 0..{limit - 1} (the model's positions), got {low}..{high}"
+        )
+
+
 def left_padding(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:
     """The mask of real tokens (B, T), bool, or None where there is no padding; one line for
     a mask that is not input_ids' shape or pads anywhere but on the left of a row."""
@@ -261,6 +287,7 @@ class GPT(Decoder):
         if position_ids is None:
             x = self.positions(x, len(caches[0]) if caches else 0)
         else:
+            check_position_ids(position_ids, input_ids, self.config.block_size)
             x = x + self.positions.embedding(position_ids)
         x = self.dropout(x)
         mask = None

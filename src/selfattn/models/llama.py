@@ -34,7 +34,7 @@ from selfattn.layers import (
     RopeScaling,
     RotaryPositions,
 )
-from selfattn.models.gpt import Decoder, DecoderOutput
+from selfattn.models.gpt import Decoder, DecoderOutput, check_position_ids
 
 
 @dataclass(frozen=True)
@@ -209,6 +209,8 @@ class Llama(Decoder):
             for window in set(windows)
         }
         block_masks = [masks[window] for window in windows]
+        if position_ids is not None:  # rotary: any whole number is a position
+            check_position_ids(position_ids, input_ids, None)
         return self.decode(x, block_masks, caches, targets, logits_to_keep, positions=position_ids)
 
 

@@ -65,7 +65,7 @@ class TrainConfig:
                 raise ValueError(f"{self._setting(name)} must be at least 1")
         if not -SEED_LIMIT < self.seed < SEED_LIMIT:  # torch's generators take 64 bits
             raise ValueError(
-                f"{self._setting('seed')} is too large; choose one between "
+                f"{self._setting('seed')} is out of range; choose one between "
                 f"-{SEED_LIMIT - 1} and {SEED_LIMIT - 1}"
             )
         for name in ("learning_rate", "min_lr"):
@@ -93,7 +93,8 @@ class TrainConfig:
         return setting(name, getattr(self, name))
 
 
-SEED_LIMIT = 2**32  # batch_seed(seed, ...) stays within the 64 bits of torch's generators
+# batch_seed's seed × 1,000,003 + 2·rank + split stays within torch's seeds, [-2⁶³, 2⁶⁴)
+SEED_LIMIT = 2**63 // 1_000_003
 
 
 def is_number(value: object) -> bool:

@@ -82,8 +82,9 @@ class Preset:
                 "(0: no dropout; nanoGPT's shakespeare_char uses 0.2)"
             )
         object.__setattr__(self, "dropout", float(self.dropout))
-        if not isinstance(self.bias, bool):
-            raise ValueError(f"{setting('bias', repr(self.bias))} must be True or False")
+        if self.bias not in (True, False):  # numpy's bools and 0/1 read as theirs
+            raise ValueError(f"bias={self.bias!r} (Python only) must be True or False")
+        object.__setattr__(self, "bias", bool(self.bias))
 
     def _multiple(self, heads: int) -> int:
         """The multiple of ``heads`` (of 2 × heads for a Llama) nearest above n_embd."""
