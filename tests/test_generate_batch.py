@@ -16,7 +16,6 @@ import shutil
 
 import pytest
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 import selfattn
 from selfattn.errors import SelfAttnError
@@ -41,10 +40,9 @@ MARGIN = 5e-4  # the least lead of a greedy step's chosen logit over the next on
 
 def left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Token id rows padded with 0 on the left, and the mask (1 for the rows' own tokens)."""
-    tensors = [torch.tensor(row) for row in rows]
-    ids = pad_sequence(tensors, batch_first=True, padding_side="left")
-    ones = [torch.ones_like(row) for row in tensors]
-    return ids, pad_sequence(ones, batch_first=True, padding_side="left")
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(row)) + row for row in rows])
+    return ids, torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
 
 
 def hf_left_padded_greedy(hf: torch.nn.Module, rows: list[list[int]], n: int) -> torch.Tensor:
@@ -59,10 +57,10 @@ def hf_left_padded_greedy(hf: torch.nn.Module, rows: list[list[int]], n: int) ->
             max_new_tokens=n,
             min_new_tokens=n,
             pad_token_id=0,
-            output_logits=True,
+            output_scores=True,  # the logits of greedy steps (output_logits: transformers 4.38+)
             return_dict_in_generate=True,
         )
-    top = torch.stack(out.logits).topk(2).values  # (n, B, 2)
+    top = torch.stack(out.scores).topk(2).values  # (n, B, 2)
     assert (top[..., 0] - top[..., 1]).min() > MARGIN
     return out.sequences
 
@@ -182,7 +180,7 @@ def test_each_row_ends_at_its_own_end_of_text_token_as_hugging_faces(decoder, tm
                 for row, new, length in zip(rows, free, lengths, strict=True)]  # fmt: skip
     assert texts == expected
     assert texts == [ours.generate(prompt, 20, temperature=0.0) for prompt in PROMPTS]
-    hf_ending = type(hf).from_pretrained(ending).eval()
+    hf_ending = type(hf).from_pretrained(ending, attn_implementation="eager").eval()  # as hf
     with torch.no_grad():
         theirs = hf_ending.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
                                     pad_token_id=0)  # fmt: skip

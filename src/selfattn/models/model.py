@@ -409,6 +409,12 @@ def _character_end(tokenizer: Tokenizer, ids: list[int], pieces: list[str], star
     return start + 1
 
 
+def left_padded(rows: list[Tensor]) -> Tensor:
+    """The 1-D ``rows`` as one (B, T) tensor, each padded with 0 on its left (pad_sequence's
+    ``padding_side`` needs torch 2.5; flipping twice does it on any)."""
+    return pad_sequence([row.flip(0) for row in rows], batch_first=True).flip(1)
+
+
 def _whole(value: object) -> bool:
     """Whether ``value`` is an integer (a NumPy one too)."""
     try:
@@ -667,7 +673,7 @@ class Model(nn.Module):
         ]
         rows = [torch.tensor(ids) for ids in prompt_ids]
         input_ids, real = (
-            pad_sequence(padded, batch_first=True, padding_side="left").to(self.device)
+            left_padded(padded).to(self.device)
             for padded in (rows, [torch.ones_like(row, dtype=torch.bool) for row in rows])
         )  # (B, T): ids padded with 0 on the left, True where a prompt's tokens are
         steps = self.network.generate_steps(
