@@ -70,6 +70,7 @@ def saved_with_warnings(fig, path) -> list[str]:
     """The messages of every warning that saving ``fig`` as ``path`` gives."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        warnings.simplefilter("ignore", ResourceWarning)  # other tests' objects collected now
         save_figure(fig, path)
     return [str(warning.message) for warning in caught]
 
@@ -85,6 +86,7 @@ def drawn_with_warnings(tokens, title) -> tuple[Figure, list[str]]:
     """A heatmap of ``tokens`` and the messages of the warnings drawing it gave."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        warnings.simplefilter("ignore", ResourceWarning)  # other tests' objects collected now
         fig = heatmap_figure(torch.eye(len(tokens)), tokens, tokens, title)
     return fig, [str(warning.message) for warning in caught]
 
