@@ -93,34 +93,41 @@ def test_values_beyond_float16_stay_float32(monkeypatch):
     assert payload(value=v * 1e5)["dtype"] == "float32"
 
 
-def test_thumbnails_are_each_heads_weights_scaled_to_255():
+def thumbnail_grid(data: dict) -> np.ndarray:
+    """The payload's thumbnails as (L, H, T, T) uint8."""
+    grid = np.frombuffer(base64.b64decode(data["thumbnails"]["data"]), dtype=np.uint8)
+    return grid.reshape(L, H, T, T)
+
+
+def assert_head_0_thumbnail(grid: np.ndarray, layer: int, mask=None, causal=False) -> None:
+    """Head 0 of ``layer`` is attention's weights for qkv(), scaled to the head's largest
+    = 255, within one step of rounding."""
     q, k, v = qkv()
-    data = payload()
-    thumbs = data["thumbnails"]
-    assert thumbs["size"] == T  # T <= 48: no pooling needed
-    grid = np.frombuffer(base64.b64decode(thumbs["data"]), dtype=np.uint8).reshape(L, H, T, T)
-    _, trace = attention(q[1, 0], k[1, 0], v[1, 0], scale=D**-0.5, return_trace=True)
+    _, trace = attention(
+        q[layer, 0], k[layer, 0], v[layer, 0], mask=mask, causal=causal, scale=D**-0.5,
+        return_trace=True,
+    )  # fmt: skip
     expected = np.round(trace.weights.numpy() / trace.weights.max().item() * 255)
-    np.testing.assert_allclose(grid[1, 0], expected, atol=1)
+    np.testing.assert_allclose(grid[layer, 0], expected, atol=1)
+
+
+def test_thumbnails_are_each_heads_weights_scaled_to_255():
+    data = payload()
+    assert data["thumbnails"]["size"] == T  # T <= 48: no pooling needed
+    grid = thumbnail_grid(data)
+    assert_head_0_thumbnail(grid, 1)
     assert (grid.reshape(L * H, -1).max(axis=1) == 255).all()
 
 
 def test_thumbnails_mask_keys_before_each_layers_sliding_window():
     """A window of 2 in layer 1 (none in layer 0): the thumbnails are the weights of causal
     attention under that window's mask, within one step of 255 as above."""
-    q, k, v = qkv()
     data = payload(causal=True, windows=[None, 2])
     assert data["windows"] == [None, 2] and payload()["windows"] is None
-    grid = np.frombuffer(base64.b64decode(data["thumbnails"]["data"]), dtype=np.uint8)
-    grid = grid.reshape(L, H, T, T)
+    grid = thumbnail_grid(data)
     allowed = torch.arange(T) > torch.arange(T)[:, None] - 2  # key j > query i - 2
     for layer, mask in ((0, None), (1, allowed)):
-        _, trace = attention(
-            q[layer, 0], k[layer, 0], v[layer, 0], mask=mask, causal=True, scale=D**-0.5,
-            return_trace=True,
-        )  # fmt: skip
-        expected = np.round(trace.weights.numpy() / trace.weights.max().item() * 255)
-        np.testing.assert_allclose(grid[layer, 0], expected, atol=1)
+        assert_head_0_thumbnail(grid, layer, mask, causal=True)
     assert (grid[1, :, 4, :3] == 0).all() and (grid[0, :, 4, :3] > 0).any()
 
 
@@ -183,24 +190,16 @@ def test_a_bias_that_is_not_one_number_per_bucket_travels_in_full():
 def test_thumbnails_add_the_bias_before_the_softmax(per_layer):
     """Each layer's thumbnails are the weights of softmax(scaled + that layer's bias), within
     one step of 255 as above; with a window too, keys outside it stay 0."""
-    q, k, v = qkv()
     added = bias((L, H, T, T)) * 3 if per_layer else bias() * 3
     data = payload(bias=added, causal=True, windows=[None, 2])
-    grid = np.frombuffer(base64.b64decode(data["thumbnails"]["data"]), dtype=np.uint8)
-    grid = grid.reshape(L, H, T, T)
+    grid = thumbnail_grid(data)
     allowed = torch.arange(T) > torch.arange(T)[:, None] - 2  # key j > query i - 2
     for layer, window in ((0, None), (1, allowed)):
         layer_bias = added[layer, 0] if per_layer else added[0]
         mask = layer_bias if window is None else layer_bias.masked_fill(~window, float("-inf"))
-        _, trace = attention(
-            q[layer, 0], k[layer, 0], v[layer, 0], mask=mask, causal=True, scale=D**-0.5,
-            return_trace=True,
-        )  # fmt: skip
-        expected = np.round(trace.weights.numpy() / trace.weights.max().item() * 255)
-        np.testing.assert_allclose(grid[layer, 0], expected, atol=1)
+        assert_head_0_thumbnail(grid, layer, mask, causal=True)
     assert (grid[1, :, 4, :3] == 0).all()
-    unbiased = payload(causal=True, windows=[None, 2])["thumbnails"]["data"]
-    unbiased = np.frombuffer(base64.b64decode(unbiased), dtype=np.uint8).reshape(L, H, T, T)
+    unbiased = thumbnail_grid(payload(causal=True, windows=[None, 2]))
     assert np.abs(grid.astype(int) - unbiased).max() > 20
 
 
