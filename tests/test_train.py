@@ -98,16 +98,21 @@ class _Bigram(nn.Module):
 
 class _Cycle:
     """0 -> 1 -> 2 -> 3 -> 4 -> 0: perfectly predictable; ``at_step[n]()`` runs when the
-    batch of step n (1-based) is drawn."""
+    batch of step n (1-based) is drawn, ``at_val[n]()`` when the n-th validation batch is."""
 
-    def __init__(self, at_step: dict | None = None) -> None:
+    def __init__(self, at_step: dict | None = None, at_val: dict | None = None) -> None:
         self.at_step = at_step or {}
+        self.at_val = at_val or {}
         self.steps = 0
+        self.vals = 0
 
     def batch(self, split):
         if split == "train":
             self.steps += 1
             self.at_step.get(self.steps, lambda: None)()
+        else:
+            self.vals += 1
+            self.at_val.get(self.vals, lambda: None)()
         start = torch.randint(5, (4, 1))
         x = (start + torch.arange(8)) % 5
         return x, (x + 1) % 5
@@ -453,6 +458,96 @@ def test_a_second_ctrl_c_cannot_cut_the_interrupts_save_short():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_an_evaluation_abandons_it_before_its_next_batch(signum):
+    """Evaluations of 50 batches at steps 0, 10 and 20; a signal while the 3rd batch of step
+    10's is drawn: no 4th is drawn, step 10's loss is not recorded, and step 10 is saved with
+    the losses of steps 1-10 (for the next evaluation's train loss). The evaluation used to run
+    all its batches first: shakespeare-char's 200 take about 16 minutes on a CPU."""
+    torch.manual_seed(0)
+    model = _Bigram()
+    config = _cycle_config(max_iters=20, eval_interval=10, eval_iters=50)
+    batches = _Cycle(at_val={53: lambda: os.kill(os.getpid(), signum)})
+    handler = signal.getsignal(signum)
+    saved = []
+
+    def save(step, history, losses_since_eval):
+        saved.append((step, [record["step"] for record in history], len(losses_since_eval)))
+
+    result = train(model, configure_optimizer(model, config), batches, config, save=save)
+    assert result.interrupted and result.step == 10 and batches.vals == 53
+    assert [record["step"] for record in result.history] == [0]
+    assert saved == [(10, [0], 10)]
+    assert signal.getsignal(signum) is handler
+
+
+def _ctrl_c_at_validation_batch(number: int, drawn: list, ctrl_c: bool = True) -> type:
+    """RandomBatches that count the validation batches drawn in ``drawn`` and (if ``ctrl_c``)
+    send Ctrl-C to this process while the ``number``-th is drawn."""
+
+    class CtrlC(RandomBatches):
+        def batch(self, split):
+            if split == "val":
+                drawn.append(split)
+                if ctrl_c and len(drawn) == number:
+                    _interrupt()
+            return super().batch(split)
+
+    return CtrlC
+
+
+@pytest.mark.parametrize(
+    ("validation_batch", "step"), [(2, 0), (12, 20), (17, 30)], ids=["step-0", "step-20", "last"]
+)
+def test_ctrl_c_during_an_evaluation_saves_its_step_and_resumes_to_a_straight_run(
+    corpus, tmp_path, monkeypatch, validation_batch, step
+):
+    """EVERY_TEN (5 batches per evaluation) with Ctrl-C during the 2nd batch of step 0's, step
+    20's or the last evaluation: the command exits at once (no 3rd batch) with its one line,
+    the checkpoint is that step's without its evaluation, and the resume evaluates it first:
+    losses, weights and history equal 30 straight steps' (the abandoned evaluation's batches
+    are drawn again). Step 0's used to end in "nothing saved", the others ran to their end."""
+    straight = train_decoder(corpus, tmp_path / "straight", preset="tiny", overrides=EVERY_TEN)
+    out = tmp_path / "out"
+    drawn = []
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            run_module, "RandomBatches", _ctrl_c_at_validation_batch(validation_batch, drawn)
+        )
+        args = ["train", "--data", str(corpus), "--out", str(out), "--preset", "tiny"]
+        result = CliRunner().invoke(app, [*args, "--max-iters", "30", "--eval-interval", "10"])
+    assert result.exit_code == 130, result.output
+    assert f"Interrupted at step {step}: checkpoint saved in {out}" in result.output
+    assert len(drawn) == validation_batch
+    state = load_checkpoint(out)[3]
+    assert state.step == step and state.history == straight.result.history[: step // 10]
+    resumed = train_decoder(corpus, out, overrides=EVERY_TEN, resume=True)
+    assert resumed.result.losses == straight.result.losses[step:]
+    assert resumed.result.history == straight.result.history
+    assert load_checkpoint(out)[3].history == straight.result.history
+    for (name, a), b in zip(
+        straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+def test_a_resume_that_only_runs_the_cut_short_last_evaluation_says_so(corpus, tmp_path):
+    """Ctrl-C in the last evaluation, then --resume with the same --max-iters: the resume runs
+    that evaluation and prints its loss in one line, not "Nothing to do" nor a NaN speed."""
+    out = tmp_path / "out"
+    args = ["train", "--data", str(corpus), "--out", str(out), "--preset", "tiny"]
+    args += ["--max-iters", "30", "--eval-interval", "10"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run_module, "RandomBatches", _ctrl_c_at_validation_batch(17, []))
+        assert CliRunner().invoke(app, args).exit_code == 130
+    result = CliRunner().invoke(app, [*args, "--resume"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "step 30: val loss " in text and "the evaluation an interrupt cut short" in text, text
+    assert "Nothing to do" not in text and "nan" not in text, text
+    assert load_checkpoint(out)[3].history[-1]["step"] == 30
+
+
 def _ddp_worker(rank: int, port: int, corpus: Path, out: Path, overrides: dict) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -546,6 +641,48 @@ def test_ddp_ranks_agree_to_refuse_a_save_when_one_rank_is_not_finite(tmp_path):
     )
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.txt").read_text() == f"[3] {kept}"
+
+
+def _ddp_ctrl_c_in_an_evaluation_worker(rank: int, port: int, corpus: Path, out: Path) -> None:
+    """Each rank trains EVERY_TEN straight; then again with Ctrl-C on rank 1 only, during the
+    2nd batch of step 20's evaluation; then resumes that run. Each writes what it saw. The
+    three runs share one process group (a second on the same port would hang at its start)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    leave = distributed.teardown
+    distributed.teardown = lambda: None  # (a spawned process of its own)
+    settings = {"preset": "tiny", "overrides": EVERY_TEN, "device": "cpu"}
+    drawn = []
+    try:
+        straight = train_decoder(corpus, out / "straight", **settings)
+        run_module.RandomBatches = _ctrl_c_at_validation_batch(12, drawn, ctrl_c=rank == 1)
+        stopped = train_decoder(corpus, out / "run", **settings)
+        run_module.RandomBatches = RandomBatches
+        resumed = train_decoder(corpus, out / "run", **settings, resume=True)
+    finally:
+        leave()
+    weights = zip(straight.model.parameters(), resumed.model.parameters(), strict=True)
+    seen = {
+        "stopped": [stopped.result.interrupted, stopped.result.step, len(drawn)],
+        "losses": stopped.result.losses + resumed.result.losses == straight.result.losses,
+        "history": resumed.result.history == straight.result.history,
+        "weights": all(torch.equal(a, b) for a, b in weights),
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(seen))
+
+
+def test_ddp_ranks_all_abandon_an_evaluation_that_one_rank_got_ctrl_c_in(corpus, tmp_path):
+    """gloo, 2 ranks, Ctrl-C on rank 1 only during step 20's evaluation: both ranks stop
+    before its 3rd batch (no rank waits for the other at a collective), save step 20, and
+    resume to what 30 straight steps give, bit for bit, on each rank."""
+    spawn_ranks(_ddp_ctrl_c_in_an_evaluation_worker, 2, corpus, tmp_path, seconds=180)
+    expected = {"stopped": [True, 20, 12], "losses": True, "history": True, "weights": True}
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, rank
 
 
 def _ddp_train_loss_worker(rank: int, port: int, out: Path) -> None:
@@ -1035,6 +1172,98 @@ def test_running_out_of_memory_is_one_line_naming_smaller_sizes(
     args = ["train", "--data", str(corpus), "--out", str(tmp_path / "o"), "--preset", "tiny"]
     line = _error_line([*args, "--max-iters", "2"])
     assert "out of memory on cpu" in line and "smaller --batch-size or --block-size" in line
+
+
+def test_a_batch_that_cannot_fit_in_memory_is_refused_before_anything_is_made(
+    corpus, trained, tmp_path, monkeypatch
+):
+    """--batch-size 100000000 went on to allocate: for tiny, 13.6 GB of 17-token windows (many
+    seconds of filling memory, on a machine other jobs share), then the embedding's 204 GB.
+    Now one line naming the flag and the largest batch that could fit, before --out is made
+    (and on --resume); at 64 KiB of memory (28 tokens of tiny), --batch-size 1 still trains,
+    2 does not, and a block of 32 tokens names --block-size."""
+    out = tmp_path / "out"
+    base = ["train", "--data", str(corpus), "--out", str(out), "--preset", "tiny", "--device",
+            "cpu"]  # fmt: skip
+    line = _error_line([*base, "--batch-size", "100000000"])
+    assert line.startswith(
+        "Error: --batch-size 100000000 (batch_size= in Python) cannot fit: a training step on "
+        "100,000,000 sequences of 16 tokens keeps at least "
+    ), line
+    assert re.search(
+        r"and this machine's memory is [\d,.]+ GiB; use a smaller --batch-size \(none above \d+ "
+        r"can fit\) or --block-size$",
+        line,
+    ), line
+    assert not out.exists()
+    resume = ["train", "--data", str(corpus), "--out", str(trained), "--resume"]
+    line = _error_line([*resume, "--max-iters", "31", "--batch-size", "100000000"])
+    assert line.startswith("Error: --batch-size 100000000 (batch_size= in Python) cannot fit")
+
+    monkeypatch.setattr(run_module, "_memory_bytes", lambda device: 2**30)
+    assert _error_line([*base, "--batch-size", "100000000"]) == (
+        "Error: --batch-size 100000000 (batch_size= in Python) cannot fit: a training step on "
+        "100,000,000 sequences of 16 tokens keeps at least 3,457.1 GiB of activations, and this "
+        "machine's memory is 1.0 GiB; use a smaller --batch-size (none above 28926 can fit) or "
+        "--block-size"
+    )  # 4 bytes × (8 × 2 layers × 32 wide + 2 × 34 characters) per token
+    monkeypatch.setattr(run_module, "_memory_bytes", lambda device: 64 * 2**10)
+    assert "(none above 1 can fit)" in _error_line([*base, "--batch-size", "2"])
+    line = _error_line([*base, "--block-size", "32"])
+    assert line.startswith(
+        "Error: --block-size 32 (block_size= in Python) cannot fit: a training step on even one "
+        "sequence of 32 tokens keeps at least "
+    ), line
+    assert line.endswith(
+        "use a smaller --block-size (no more than 28 tokens can fit, over the whole batch) or "
+        "model (--n-layer, --n-embd)"
+    ), line
+    assert not out.exists()
+    result = CliRunner().invoke(app, [*base, "--batch-size", "1", "--max-iters", "1"])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_every_preset_fits_a_machine_of_8_gib(monkeypatch, arch):
+    """The rule refuses only what cannot fit: each preset's batch, on shakespeare's 65
+    characters, passes on 8 GiB (shakespeare-char's lower bound is 1.1 GiB)."""
+    monkeypatch.setattr(run_module, "_memory_bytes", lambda device: 8 * 2**30)
+    for preset in PRESETS.values():
+        run_module._check_activations_fit(preset.override(arch=arch), 65, torch.device("cpu"))
+
+
+def _kept_for_backward(model: nn.Module, x: Tensor) -> int:
+    """Bytes of the tensors that a training step's forward pass keeps for backward (each
+    storage once, the weights aside): a lower bound of the memory the step takes."""
+    weights = {param.untyped_storage().data_ptr() for param in model.parameters()}
+    kept = {}
+
+    def pack(tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(x, x)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_the_memory_rule_is_below_what_a_step_keeps_for_backward(monkeypatch, arch):
+    """Each preset: a machine with just the memory that its batch's forward pass keeps for
+    backward (17-31 floats per token, layer and unit of width for the GPT, 22-36 for a Llama)
+    is not refused; one with a fifth of it is (the rule's 8 stays below them, and within 5×)."""
+    for preset in PRESETS.values():
+        preset = preset.override(arch=arch)
+        model = new_network(preset.model_config(65))
+        x = torch.randint(65, (1, preset.train.block_size))
+        kept = _kept_for_backward(model, x) * preset.train.batch_size
+        monkeypatch.setattr(run_module, "_memory_bytes", lambda device, kept=kept: kept)
+        run_module._check_activations_fit(preset, 65, torch.device("cpu"))
+        monkeypatch.setattr(run_module, "_memory_bytes", lambda device, kept=kept: kept // 5)
+        with pytest.raises(SelfAttnError, match="none above"):
+            run_module._check_activations_fit(preset, 65, torch.device("cpu"))
 
 
 def test_a_text_that_is_not_utf8_names_the_conversion(tmp_path):

@@ -236,7 +236,7 @@ def train(
         raise typer.Exit(130)
     if not _is_main_process():
         return
-    if result.step == result.start_step:
+    if result.step == result.start_step and not result.evaluations:
         console.print(
             f"Nothing to do: {out} is already at step {result.step}, and --max-iters "
             f"{run.config.train.max_iters} counts the steps since the first run; pass a larger "
@@ -245,9 +245,13 @@ def train(
         )
         return
     last = result.history[-1]
+    speed = (
+        f"{result.ms_per_iter:.1f} ms/iter, {result.tokens_per_second:,.0f} tokens/s"
+        if result.step > result.start_step
+        else "the evaluation an interrupt cut short, now done"
+    )
     console.print(
-        f"step {result.step}: val loss {last['val']:.4f}; {result.ms_per_iter:.1f} ms/iter, "
-        f"{result.tokens_per_second:,.0f} tokens/s; checkpoint in {out}",
+        f"step {result.step}: val loss {last['val']:.4f}; {speed}; checkpoint in {out}",
         soft_wrap=True,
     )
 

@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from functools import partial
+from typing import Protocol, runtime_checkable
 
 import torch
 from rich.console import Console
@@ -154,6 +155,15 @@ class BatchSource(Protocol):
     def batch(self, split: str) -> tuple[Tensor, Tensor]: ...
 
 
+@runtime_checkable
+class Rewindable(Protocol):
+    """A batch source whose generators can be read and put back (as RandomBatches')."""
+
+    def state_dict(self) -> dict[str, Tensor]: ...
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None: ...
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -161,23 +171,37 @@ def evaluate(
     iters: int,
     split: str = "val",
     done: Callable[[int], None] | None = None,
-) -> float:
+    stop: Callable[[], bool] | None = None,
+) -> float | None:
     """Mean loss over ``iters`` batches of ``split`` in eval mode, averaged across ranks;
     ``done(n)`` before the first batch (n = 0) and after each batch's forward pass has been
-    queued (n batches so far)."""
+    queued (n batches so far). ``stop()`` is asked before each batch (under DDP it must answer
+    alike on every rank): when true the evaluation is abandoned, None is returned and a
+    :class:`Rewindable` source is put back where the evaluation found it (so that a resumed
+    run draws the same batches)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    rewinds = stop is not None and isinstance(batches, Rewindable)
+    start = batches.state_dict() if rewinds else None
     total = torch.zeros((), device=device)
     if done is not None:
         done(0)
+    abandoned = False
     for index in range(iters):
+        abandoned = stop is not None and stop()
+        if abandoned:
+            break
         x, y = batches.batch(split)
         total += model(x.to(device), y.to(device)).loss
         if done is not None:
             done(index + 1)
     model.train(was_training)
-    return distributed.mean_across_ranks(total / iters).item()
+    if not abandoned:
+        return distributed.mean_across_ranks(total / iters).item()
+    if start is not None:
+        batches.load_state_dict(start)
+    return None
 
 
 @dataclass
@@ -192,6 +216,7 @@ class TrainResult:
     train_seconds: float = 0.0  # time in training steps, without evaluation and checkpoints
     wall_seconds: float = 0.0
     tokens_per_step: int = 0  # global: batch_size × block_size × world size
+    evaluations: int = 0  # evaluations this call ran (a resume may run only the one cut short)
 
     @property
     def ms_per_iter(self) -> float:
@@ -220,23 +245,26 @@ def train(
     console: Console | None = None,
 ) -> TrainResult:
     """Train from ``start_step`` up to ``config.max_iters`` steps (none, and no output, when
-    ``start_step`` is already there: the result then has ``step == start_step``).
+    ``start_step`` is already there and evaluated: the result then has ``step == start_step``).
 
     Evaluates at step 0 (fresh runs), every ``eval_interval`` steps and at the end, recording
     the mean training loss since the previous evaluation (over every rank's steps) and the
-    validation loss, and calling ``save(step, history, losses_since_eval)`` after each one;
-    ``save`` runs on every rank (it may gather state) and is expected to write on rank 0 only.
-    SIGINT/SIGTERM stop the loop between two steps (on every rank at the same step), then
-    ``save`` runs (a further signal cannot cut it short; a fresh run stopped before its first
-    step saves step 0) and the result says ``interrupted``. A ``history`` that already holds
-    step 0 (a checkpoint of step 0) is not evaluated again. ``losses_since_eval`` are the
+    validation loss, and calling ``save(step, history, losses_since_eval)`` after each one but
+    step 0's; ``save`` runs on every rank (it may gather state) and is expected to write on
+    rank 0 only. SIGINT/SIGTERM stop the loop between two steps (on every rank at the same
+    step), or abandon an evaluation before its next batch (its loss is not recorded), then
+    ``save`` runs for the last step taken (a further signal cannot cut it short; a fresh run
+    stopped before its first step saves step 0) and the result says ``interrupted``. A run
+    that starts at a step where it evaluates, without that evaluation in ``history``, begins
+    with it: a fresh run at step 0, a resumed one whose evaluation a signal abandoned (the
+    checkpoint of a step saved after its evaluation holds it). ``losses_since_eval`` are the
     training losses (each step's mean over ranks) of the steps between the last evaluation in
-    ``history`` and ``start_step`` (what ``save`` was given), so that a
-    resumed run records the same means as a straight one; None when they are unknown: then the
-    next evaluation records no training loss, unless ``start_step`` is the last evaluation's
-    step. A non-finite validation loss, training loss or weight raises
-    :class:`SelfAttnError` on every rank instead of saving, so the last checkpoint stays good.
-    Progress goes to ``console`` (None: no output).
+    ``history`` and ``start_step`` (what ``save`` was given), so that a resumed run records the
+    same means as a straight one; None when they are unknown: then the next evaluation records
+    no training loss, unless ``start_step`` is the last evaluation's step. A non-finite
+    validation loss, training loss or weight raises :class:`SelfAttnError` on every rank
+    instead of saving, so the last checkpoint stays good. Progress goes to ``console`` (None:
+    no output).
     """
     device = next(model.parameters()).device
     history = list(history or [])
@@ -247,8 +275,8 @@ def train(
         history,
         tokens_per_step=config.batch_size * config.block_size * distributed.world_size(),
     )
-    if start_step >= config.max_iters:  # resumed at or past the target: no bar, no evaluation
-        return result
+    if start_step >= config.max_iters and not _evaluation_due(start_step, history, config):
+        return result  # resumed at or past the target: no bar, no evaluation
     wall_start = time.perf_counter()
     model.train()
     step_losses: list[Tensor] = []
@@ -258,13 +286,37 @@ def train(
     with ExitStack() as stack:
         progress = stack.enter_context(_progress(console, config, start_step))
         shown = _evaluation_shown(progress, config)
-        if start_step == 0 and not history:  # (a checkpoint of step 0 holds this evaluation)
-            history.append({"step": 0, "val": evaluate(model, batches, config.eval_iters, **shown)})
-            _report(console if progress is None else progress.console, history)
         # steps before start_step since the last evaluation
         carried = _carried_losses(losses_since_eval, start_step, history)
         stop = stack.enter_context(_stop_on_signals())
-        while result.step < config.max_iters:
+        stopping = partial(_stop_agreed, stop, device)  # asked before each evaluation batch
+        while True:
+            if _evaluation_due(result.step, history, config):
+                val = evaluate(model, batches, config.eval_iters, stop=stopping, **shown)
+                if val is None:  # a signal: the step stays unevaluated (a resume evaluates it)
+                    result.interrupted = True
+                    break
+                since_eval = _since_eval(carried, step_losses[window:])
+                record: dict[str, float] = {"step": result.step}
+                if since_eval:  # (none at step 0, or unknown)
+                    record["train"] = statistics.fmean(since_eval)
+                record["val"] = val
+                trained = result.step > 0  # (step 0 trained nothing: nothing to check or save)
+                if trained:
+                    _check_finite(record, saved_step, config)
+                if trained and save is not None:
+                    _check_savable(
+                        model, step_losses[window:], result.step, saved_step, config, device
+                    )
+                history.append(record)
+                result.evaluations += 1
+                window, carried = len(step_losses), []
+                _report(console if progress is None else progress.console, history)
+                if trained and save is not None:
+                    save(result.step, history, carried)
+                    saved_step, saved = result.step, True
+            if result.step >= config.max_iters:
+                break
             if _stop_requested(stop, result.step, config, device):
                 result.interrupted = True
                 break
@@ -279,21 +331,6 @@ def train(
             result.train_seconds += time.perf_counter() - tick
             if log:
                 _show_step(progress, result, last, lr)
-            if step % config.eval_interval == 0 or step == config.max_iters:
-                since_eval = _since_eval(carried, step_losses[window:])
-                record: dict[str, float] = {"step": step}
-                if since_eval is not None:
-                    record["train"] = statistics.fmean(since_eval)
-                record["val"] = evaluate(model, batches, config.eval_iters, **shown)
-                _check_finite(record, saved_step, config)
-                if save is not None:
-                    _check_savable(model, step_losses[window:], step, saved_step, config, device)
-                history.append(record)
-                window, carried = len(step_losses), []
-                _report(console if progress is None else progress.console, history)
-                if save is not None:
-                    save(step, history, carried)
-                    saved_step, saved = step, True
         if result.interrupted and step_losses:  # the bar at the step stopped at, not the last log
             _show_step(progress, result, step_losses[-1].item(), lr)
         # still inside the signal handlers: a second Ctrl-C cannot cut the interrupt's save short
@@ -359,14 +396,28 @@ def _step(
     return loss.detach()
 
 
+def _evaluation_due(step: int, history: list[dict[str, float]], config: TrainConfig) -> bool:
+    """Whether the run evaluates at ``step`` (each ``eval_interval`` steps, and the last one)
+    and ``history`` lacks that evaluation."""
+    evaluates = step % config.eval_interval == 0 or step == config.max_iters
+    evaluated = bool(history) and history[-1]["step"] == step
+    return step <= config.max_iters and evaluates and not evaluated
+
+
 def _stop_requested(
     stop: threading.Event, step: int, config: TrainConfig, device: torch.device
 ) -> bool:
-    """Whether a signal asked to stop; under DDP all ranks decide together, at log steps only
-    (no collective and no device sync on the other steps)."""
-    if distributed.world_size() == 1:
-        return stop.is_set()
-    return step % config.log_interval == 0 and distributed.any_across_ranks(stop.is_set(), device)
+    """Whether a signal asked to stop before the next step; under DDP all ranks decide
+    together, at log steps only (no collective and no device sync on the other steps)."""
+    if distributed.world_size() > 1 and step % config.log_interval:
+        return False
+    return _stop_agreed(stop, device)
+
+
+def _stop_agreed(stop: threading.Event, device: torch.device) -> bool:
+    """Whether a signal asked to stop, on any rank (one collective under DDP, before each
+    evaluation batch and at log steps)."""
+    return distributed.any_across_ranks(stop.is_set(), device)
 
 
 def _check_finite(record: dict[str, float], saved_step: int, config: TrainConfig) -> None:
@@ -474,7 +525,8 @@ def _progress(
 
 @contextmanager
 def _stop_on_signals() -> Iterator[threading.Event]:
-    """An event set by Ctrl-C (SIGINT) or SIGTERM while the block runs, so a step is never cut."""
+    """An event set by Ctrl-C (SIGINT) or SIGTERM while the block runs, so that no step (nor
+    evaluation batch) is cut."""
     stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield stop

@@ -8,6 +8,7 @@ checkpoints (with an exact resume) and torch.distributed. The loop itself stays 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -36,7 +37,7 @@ from selfattn.train.checkpoint import (
     save_checkpoint,
 )
 from selfattn.train.data import CharTokenizer, RandomBatches, TextData, read_text
-from selfattn.train.loop import TrainResult, configure_optimizer, train
+from selfattn.train.loop import TrainResult, configure_optimizer, setting, train
 from selfattn.train.presets import (
     DEFAULT_PRESET,
     DecoderConfig,
@@ -141,6 +142,7 @@ def _train_decoder(
         preset.model_config(data.tokenizer.vocab_size), preset.train, preset.name, str(data_path)
     )
     settings = config.train
+    _check_activations_fit(preset, data.tokenizer.vocab_size, context.device)
     if checkpoint is None:  # settings checked: now the folder, locked, then what it holds
         _make_out_dir(out)
         locks.enter_context(_one_run_in(out, context))
@@ -208,6 +210,58 @@ def new_network(config: DecoderConfig) -> Network:
     if isinstance(network, Llama):
         network.reset_parameters()
     return network
+
+
+# float32 values a training step keeps for backward per token and layer, in units of n_embd:
+# half of the 16 a GPT block keeps at the least (its norms' inputs and outputs, q, k, v, the
+# attention's output, the MLP's 4 × n_embd before and after its activation); the presets keep
+# 17-31 (GPT, dropout's masks included) and 22-36 (Llama)
+KEPT_PER_LAYER = 8
+
+
+def _check_activations_fit(preset: Preset, vocab_size: int, device: torch.device) -> None:
+    """Refuse, before any weight or batch is allocated, a batch (or block) whose activations
+    could not fit in the device's memory even at a lower bound of their size: ``KEPT_PER_LAYER``
+    × n_embd floats per layer, and the logits twice (softmax's output, their gradient), per
+    token. Memory is the GPU's, or this machine's RAM (all of it, used or not); nothing is
+    refused where the system does not say how much there is."""
+    memory = _memory_bytes(device)
+    if memory is None:
+        return
+    per_token = 4 * (KEPT_PER_LAYER * preset.n_layer * preset.n_embd + 2 * vocab_size)
+    fitting = memory // per_token  # the most tokens a training step could hold
+    batch, block = preset.train.batch_size, preset.train.block_size
+    if batch * block <= fitting:
+        return
+    if block <= fitting:
+        too_large, sequences, need = setting("batch_size", batch), f"{batch:,} sequences", batch
+        fix = f"use a smaller --batch-size (none above {fitting // block} can fit) or --block-size"
+    else:
+        too_large, sequences, need = setting("block_size", block), "even one sequence", 1
+        fix = (
+            f"use a smaller --block-size (no more than {fitting:,} tokens can fit, over the "
+            "whole batch) or model (--n-layer, --n-embd)"
+        )
+    where = "this machine's memory" if device.type == "cpu" else f"the memory of {device}"
+    raise SelfAttnError(
+        f"{too_large} cannot fit: a training step on {sequences} of {block:,} tokens keeps at "
+        f"least {_gib(need * block * per_token)} of activations, and {where} is "
+        f"{_gib(memory)}; {fix}"
+    )
+
+
+def _memory_bytes(device: torch.device) -> int | None:
+    """The memory of a GPU, or this machine's RAM (None where the system does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no such name
+        return None
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:,.1f} GiB"
 
 
 def _resumed_data(
