@@ -355,6 +355,27 @@ def test_similarity_and_scale_names_unknown_tokens_as_the_command_line_does(brow
     watched.check_clean()
 
 
+def test_explore_names_an_unknown_token_as_its_lists_of_keys_do(browser, base_url):
+    """Explore's selection line (and step title, row summary, map tip and text alternative)
+    named the emoji query "[UNK]" while its lists of keys said '🙂' ([UNK])."""
+    text = "I love 🙂 and the bank"
+    watched = Watched(browser, base_url, f"/?text={quote(text)}&word=%F0%9F%99%82&layer=2&head=0")
+    watched.wait("#app")
+    page = watched.page
+    unknown = "3 '🙂' ([UNK])"
+    assert page.text_content("#steps tr[data-key='3'] .key") == unknown  # the list of keys
+    assert page.text_content("#selection") == f"layer 2 · head 0 · query {unknown}"
+    assert page.text_content("#step-title") == f"query {unknown}"
+    assert page.text_content("#row-summary .summary-head") == f"query {unknown} looks at"
+    assert f"Row {unknown}: most weight" in page.get_attribute("#heatmap", "aria-label")
+    page.eval_on_selector("#heatmap", "(e) => e.scrollIntoView()")
+    box = page.eval_on_selector("#heatmap", "(e) => e.getBoundingClientRect().toJSON()")
+    cell = 44  # 8 tokens: 44 px cells after an 84 px margin
+    page.mouse.move(box["x"] + 84 + cell * 3 + 22, box["y"] + 84 + cell * 3 + 22)
+    assert page.text_content("#map-tip").startswith(f"query {unknown} → key {unknown}: ")
+    watched.check_clean()
+
+
 @pytest.mark.parametrize(
     ("text", "word"),
     [("Tokenization is hard.", "tokenization"), ("She sat on the river bank.", "river bank")],
@@ -742,18 +763,56 @@ def lines_fit_the_strip(page) -> bool:
     )
 
 
-def explore_answered_behind_compare(watched: Watched, word: str) -> None:
-    """Explore BANK for ``word``, its request answered only once the Compare view is open."""
+def explore_answered_behind_compare(watched: Watched, word: str, text: str = BANK) -> None:
+    """Explore ``text`` for ``word``, its request answered only once the Compare view is open."""
     page = watched.page
     held = []
     page.route("**/api/view", lambda route: held.append(route))
-    watched.explore(BANK, word)
+    watched.explore(text, word)
     for _ in range(600):
         if held:
             break
         page.wait_for_timeout(50)
     page.click("#tab-compare")
     held[0].continue_()
+
+
+def query_in_view(page) -> bool:
+    """Whether the chosen query's token shows inside the token strip's scroll box."""
+    return page.evaluate(
+        """() => {
+            const box = document.querySelector('#app .flow').getBoundingClientRect();
+            const token = document.querySelector('#app .token.selected').getBoundingClientRect();
+            return token.top >= box.top && token.bottom <= box.bottom;
+        }"""
+    )
+
+
+LONG = " ".join([RIVER] * 30) + " Then it rained."  # 396 tokens: many lines of tokens
+
+
+def test_a_long_texts_strip_scrolls_to_the_query(browser, base_url):
+    """The token strip of a long text (a scroll box) stayed at its start when the query was
+    further down: the word's last occurrence from the address, a row picked on the map, an
+    answer drawn behind another view. It scrolls to show the query, as the map shows its row."""
+    watched = Watched(browser, base_url, f"/?text={quote(LONG)}&word=river&occurrence=-1")
+    watched.wait("#app")
+    page = watched.page
+    assert page.text_content("#selection").endswith("query 385 “river”")
+    assert query_in_view(page)
+    page.focus("#heatmap")
+    page.keyboard.press("Home")  # the map's keys move the query (the focus stays on the map)
+    assert page.text_content("#selection").endswith("query 0 “[CLS]”") and query_in_view(page)
+    page.keyboard.press("End")
+    assert query_in_view(page)
+
+    explore_answered_behind_compare(watched, "rained", LONG)
+    page.wait_for_selector("#app[data-ready='true']", state="attached")  # drawn while hidden
+    page.click("#tab-explore")
+    assert page.text_content("#selection").endswith("query 393 “rained”")
+    page.evaluate("() => new Promise((done) => requestAnimationFrame(() => setTimeout(done)))")
+    assert query_in_view(page)
+    watched.check_clean()
 
 
 def test_the_lines_follow_the_tokens_drawn_or_resized_behind_another_view(browser, base_url):
@@ -988,6 +1047,34 @@ def test_similarity_and_scale_says_to_pick_another_head_with_its_fields(browser,
     assert choice.endswith("; pick another with the Layer field or the Head field")
 
 
+def test_adding_and_removing_sentences_by_keyboard_keeps_the_focus_on_the_sentences(
+    browser, base_url
+):
+    """Enter on "+ sentence" left the focus on the button (and, once it turned off at the limit,
+    on nothing); Enter on a sentence's "×" removed the button with the focus in it: a keyboard
+    user was sent back to the page's start. The focus goes to the sentence added, or to the
+    one that takes the removed one's place."""
+    watched = Watched(browser, base_url, "/?view=compare")
+    page = watched.page
+    focused = "() => document.activeElement.getAttribute('aria-label')"
+    page.focus("#compare-add")
+    page.keyboard.press("Enter")
+    assert page.evaluate(focused) == "sentence 3"
+    page.keyboard.type(RATES)
+    page.focus("#compare-add")
+    page.keyboard.press("Enter")
+    assert page.evaluate(focused) == "sentence 4" and page.is_disabled("#compare-add")
+    page.focus(".sentence-row:nth-child(2) .remove")
+    page.keyboard.press("Enter")
+    assert page.evaluate(focused) == "sentence 2"
+    assert page.input_value(".sentence-row:nth-child(2) .compare-sentence") == RATES
+    page.focus(".sentence-row:nth-child(3) .remove")  # the last: the one before it
+    page.keyboard.press("Enter")
+    assert page.evaluate(focused) == "sentence 2"
+    assert page.locator(".compare-sentence").count() == 2
+    watched.check_clean()
+
+
 def test_a_sentence_can_be_removed_only_while_more_than_two_are_left(browser, base_url):
     watched = Watched(browser, base_url, "/?view=compare")
     page = watched.page
@@ -1215,11 +1302,41 @@ def test_generate_refuses_a_bad_address_in_one_line(browser, decoder_url, given,
     assert page.eval_on_selector("#generate-result", "(e) => e.childElementCount") == 0
 
 
-def test_generate_on_an_encoder_says_it_needs_a_decoder(browser, base_url):
-    watched = Watched(browser, base_url, generate_address(prompt=BANK))
+def open_tab(page) -> tuple[str, list[str]]:
+    """The one view on screen, and the tabs highlighted (each a visible tab)."""
+    shown = page.eval_on_selector_all(".view:not([hidden])", "(views) => views.map((v) => v.id)")
+    assert len(shown) == 1
+    active = page.eval_on_selector_all(
+        ".tab.active", "(tabs) => tabs.filter((t) => !t.hidden).map((t) => t.id)"
+    )
+    return shown[0], active
+
+
+@pytest.mark.parametrize("address", [generate_address(prompt=BANK), generate_address()])
+def test_generate_on_an_encoder_shows_explore_and_says_it_needs_a_decoder(
+    browser, base_url, address
+):
+    """The Generate view showed under no highlighted tab (its tab hidden for an encoder): the
+    page shows Explore under its tab, and the server's line on why Generate is not there."""
+    watched = Watched(browser, base_url, address)
     page = watched.page
-    assert strips_shown(page)["ready"] == "error"
+    page.wait_for_selector("#error", state="visible")
     assert page.text_content("#error").startswith("Generate needs a decoder (GPT or Llama family);")
+    assert open_tab(page) == ("view-explore", ["tab-explore"])
+    assert page.get_attribute("#tab-explore", "aria-pressed") == "true"
+    page.click("#tab-compare")  # the line went with the view it was said in
+    assert not page.is_visible("#error")
+    assert len(watched.errors) == 1 and "400" in watched.errors[0]  # the refusal
+
+
+@pytest.mark.parametrize("view", ["constructor", "__proto__", "toString", "nope"])
+def test_an_address_naming_no_view_shows_explore_under_its_tab(browser, base_url, view):
+    """?view=constructor showed no view at all (the name of an Object property, not a view's),
+    ?view=__proto__ left the page on an error of its script: both show Explore, as other names."""
+    watched = Watched(browser, base_url, f"/?view={view}&text={quote(BANK)}")
+    watched.wait("#app")
+    assert open_tab(watched.page) == ("view-explore", ["tab-explore"])
+    watched.check_clean()
 
 
 @pytest.mark.parametrize(("scheme", "width"), [("light", 1400), ("dark", 1400), ("light", 320)])

@@ -10,8 +10,8 @@
 (() => {
   const {
     h, fmt, decodeTensor, readPalette, channels, clip, paintToken, headName, readHash, noteHash, renderEmbedded, renders, applySelection,
-    markChosen, onPixelRatioChange, onColourChange, keepBandInView, buildControls, buildLegend, topKeys, drawLegend, sizedContext,
-    drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents, windowOf, outsideWindow, shown,
+    markChosen, onPixelRatioChange, onColourChange, keepBandInView, keepTokenInView, buildControls, buildLegend, topKeys, drawLegend, sizedContext,
+    drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents, windowOf, outsideWindow, shown, tokenName,
   } = window.selfattn;
   const TOP_KEYS = 6; // keys listed for the chosen strip; the rest is one line of left-over weight
 
@@ -53,8 +53,6 @@
   const windowMasks = (model) => model.queries.some((_, s) => model.windows?.some((_, layer) => firstKey(model, layer, s) > model.starts[s]));
 
   // ---------- helpers ----------
-
-  const quoted = (model, j) => `${j} “${shown(model.tokens[j])}”`;
 
   /** Cell width, strip height and label margins for `columns` keys. */
   function stripGeometry(columns) {
@@ -99,7 +97,7 @@
     function update() {
       ui.layer.value = String(state.layer);
       ui.head.value = String(state.head);
-      ui.selection.textContent = `layer ${state.layer} · ${headName(state.head)} · new token ${quoted(model, model.n_prompt + state.step)}`;
+      ui.selection.textContent = `layer ${state.layer} · ${headName(state.head)} · new token ${tokenName(model, model.n_prompt + state.step)}`;
       generated.forEach((el, s) => markChosen(el, s === state.step, "aria-selected"));
       draw();
       const { height, top } = stripGeometry(model.tokens.length - 1);
@@ -186,14 +184,6 @@
     return Number.isInteger(target) ? Math.max(0, Math.min(steps - 1, target)) : null;
   }
 
-  /** Scroll the text's box (not the page) just enough to show the token element `el`. */
-  function keepTokenInView(box, el) {
-    const area = box.getBoundingClientRect();
-    const token = el.getBoundingClientRect();
-    if (token.top < area.top) box.scrollTop -= area.top - token.top;
-    else if (token.bottom > area.bottom) box.scrollTop += token.bottom - area.bottom;
-  }
-
   /** The strips' text alternative: what they show and the chosen strip's strongest key. */
   function describeStrips(model, state, row) {
     const s = state.step;
@@ -201,7 +191,7 @@
     return (
       `${model.queries.length} strips, one per generated token (rows: queries), over ${model.tokens.length - 1} keys ` +
       `(columns: the prompt and the tokens generated before), layer ${state.layer}, ${headName(state.head)}. ` +
-      `Strip ${s}, which chose ${quoted(model, model.n_prompt + s)}: most weight, ${fmt(Math.max(...row))}, on key ${quoted(model, best)}. ` +
+      `Strip ${s}, which chose ${tokenName(model, model.n_prompt + s)}: most weight, ${fmt(Math.max(...row))}, on key ${tokenName(model, best)}. ` +
       "Arrow keys move the strip; the list beside lists its top keys."
     );
   }
@@ -294,14 +284,14 @@
       { class: "summary-head" },
       preview ? "preview: " : "",
       "new token ",
-      h("b", {}, quoted(model, model.n_prompt + s)),
-      ` was chosen by query ${quoted(model, model.queries[s])}, looking at`,
+      h("b", {}, tokenName(model, model.n_prompt + s)),
+      ` was chosen by query ${tokenName(model, model.queries[s])}, looking at`,
     );
     const key = (j) => start + j;
     const outside = start > 0 ? ` · keys 0..${start - 1} outside the model's window` : "";
     const masked = first > start ? ` · keys ${start}..${first - 1} masked, before the layer's sliding window of ${windowOf(model, layer)} tokens` : "";
     const rest = row.length - (first - start) - order.length; // the keys it sees, not listed
-    ui.detail.replaceChildren(head, ...topKeys(ui.idOf, row, order, key, (j) => quoted(model, key(j)), { rest, allShown: "every key shown", also: outside + masked }));
+    ui.detail.replaceChildren(head, ...topKeys(ui.idOf, row, order, key, (j) => tokenName(model, key(j)), { rest, allShown: "every key shown", also: outside + masked }));
   }
 
   // ---------- drawing ----------
@@ -371,8 +361,8 @@
       hover: ([s, j]) => {
         if (state.hover !== s) showStep((state.hover = s)); // the text and the list follow the pointer's strip
         const w = j >= 0 ? weightAt(model, state.layer, strips()[s], s, j) : null;
-        const key = w === null ? "" : ` · key ${quoted(model, j)}: ${fmt(w)}`;
-        return `strip ${s} (chose ${quoted(model, model.n_prompt + s)}, query ${quoted(model, model.queries[s])})${key}`;
+        const key = w === null ? "" : ` · key ${tokenName(model, j)}: ${fmt(w)}`;
+        return `strip ${s} (chose ${tokenName(model, model.n_prompt + s)}, query ${tokenName(model, model.queries[s])})${key}`;
       },
       pick: ([s]) => {
         state.hover = null;

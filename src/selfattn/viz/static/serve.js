@@ -18,7 +18,7 @@
   const BANK = ["I went to the bank to deposit money.", "We sat on the bank of the river and watched the water."];
   const RETRIES = 3; // on 503 "busy", after the server's Retry-After
 
-  const { h, fmt, fmtScale, shown: asShown } = window.selfattn; // from view.js: DOM building (text only), numbers, a token as shown
+  const { h, fmt, fmtScale, shown: asShown, tokenName } = window.selfattn; // from view.js: DOM building (text only), numbers, a token as shown and as prose names it
 
   // ---------- the server ----------
 
@@ -197,7 +197,11 @@
     input.value = value;
     const remove = h("button", { type: "button", class: "secondary remove" }, "×"); // named by renumber()
     const row = h("div", { class: "sentence-row" }, h("span", { class: "label" }, `S${inputs.length + 1}`), input, remove);
-    remove.addEventListener("click", () => removeSentence(row));
+    remove.addEventListener("click", () => {
+      const next = row.nextElementSibling ?? row.previousElementSibling;
+      removeSentence(row);
+      next.querySelector(".compare-sentence").focus(); // the keyboard stays on the sentences, not thrown to the page's start
+    });
     $("compare-sentences").append(row);
     renumber();
   }
@@ -304,9 +308,6 @@
     );
   }
 
-  /** A token as prose names it: “bank”, “␣” (a space), or '🙂' ([UNK]) by the text it stands for (already quoted). */
-  const quotedName = (data, i) => (data.names[i] === data.tokens[i] ? `“${asShown(data.tokens[i])}”` : asShown(data.names[i]));
-
   /** Which match of the word was followed, where not the first: " (occurrence 1)", " (last occurrence)". */
   const occurrenceLabel = (occurrence) => (occurrence === 0 ? "" : occurrence === -1 ? " (last occurrence)" : ` (occurrence ${occurrence})`);
 
@@ -387,7 +388,7 @@
       h(
         "section",
         { class: "card" },
-        h("h2", {}, `query ${data.query.index} ${quotedName(data, data.query.index)} · layer ${data.layer}, ${head}`),
+        h("h2", {}, `query ${tokenName(data, data.query.index)} · layer ${data.layer}, ${head}`),
         ...(data.query.note ? [h("p", { id: "ablation-note", class: "note" }, data.query.note)] : []), // a piece of the word, or a phrase's first token
         h("p", { class: "hint" }, data.choice),
         entropyLine("ablation-entropy-model", "the model:", own),
@@ -527,19 +528,25 @@
     });
   }
 
+  /** Whether the page offers `view` (not "constructor", say): one of its views, with its tab shown (Generate's for a decoder only). */
+  const offered = (view) => Object.hasOwn(VIEWS, view) && !$(`tab-${view}`).hidden;
+
   /**
    * Show the address's view: its form from the address, and its result requested again when the
    * address has what it needs (none in an idle entry). The first load fills every view's form (a
-   * shared text or word carries over); Back and Forward leave the other views as they are.
+   * shared text or word carries over); Back and Forward leave the other views as they are. A view
+   * the page does not offer shows Explore; Generate on an encoder, with the server's line on why.
    */
   function fromAddress(first) {
     const p = params();
-    const view = VIEWS[p.get("view")] ? p.get("view") : "explore";
+    const asked = p.get("view");
+    const view = offered(asked) ? asked : "explore";
     for (const name of first ? Object.keys(VIEWS) : [view]) fill(name, p);
     showView(view);
     const ready = { explore: p.get("text"), compare: p.getAll("s").length >= 2, ablation: p.get("text"), generate: p.get("prompt") }; // without a word, compare and ablation say they need one
     if (ready[view] && !history.state?.idle) VIEWS[view](true);
     else clearResult(view);
+    if (asked === "generate" && view !== asked) api("/api/generate", { prompt: p.get("prompt") ?? "" }).catch((error) => showError(error.message)); // the server refuses an encoder first
   }
 
   /** A tab: a new history entry with what its view shows, or its form's inputs alone (idle) when it shows no result. */
@@ -559,7 +566,10 @@
         VIEWS[name](false);
       });
     }
-    $("compare-add").addEventListener("click", () => addSentence());
+    $("compare-add").addEventListener("click", () => {
+      addSentence();
+      sentenceInputs().at(-1).focus(); // type it at once; the button, off at the limit, takes no focus with it
+    });
     $("compare-bank").addEventListener("click", () => {
       setSentences(BANK);
       $("compare-word").value = "bank";

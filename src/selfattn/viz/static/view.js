@@ -252,6 +252,16 @@
     return (/^\s+$/.test(visible) ? visible.replace(/\s/g, "␣") : visible) || "∅";
   }
 
+  /**
+   * Token i as prose and the lists of keys name it, after its index: 5 “bank”, 3 “␣” (a space), or 3 '🙂' ([UNK])
+   * by the text an unknown token stands for (quoted already), from a payload's tokens and names (as the server
+   * sends them; a payload without names: its tokens). Every view names a token so.
+   */
+  function tokenName(data, i) {
+    const name = (data.names ?? data.tokens)[i];
+    return `${i} ${name === data.tokens[i] ? `“${shown(name)}”` : shown(name)}`;
+  }
+
   const clamp = (x, n) => Math.max(0, Math.min(n - 1, x | 0));
   const headName = (head) => (head === "mean" ? "mean of heads" : `head ${head}`);
 
@@ -310,6 +320,7 @@
       // every label of a token, as shown: a space or a line break visible, not blank
       tokens: payload.tokens.map(shown),
       names: (payload.names ?? payload.tokens).map(shown),
+      named: payload.tokens.map((_, i) => tokenName(payload, i)), // in prose: 3 '🙂' ([UNK]), as the lists of keys name it
       query: decodeTensor(payload.query, payload.dtype),
       key: decodeTensor(payload.key, payload.dtype),
       value: decodeTensor(payload.value, payload.dtype),
@@ -338,24 +349,24 @@
     const thumbs = buildModelView(model, ui.grid);
 
     const current = () => headResult(state.layer, state.head);
-    const tokenName = (i) => `${i} “${model.tokens[i]}”`;
 
     function update() {
       const result = current();
       ui.layer.value = String(state.layer);
       ui.head.value = String(state.head);
       const headText = headName(state.head);
-      ui.selection.textContent = `layer ${state.layer} · ${headText} · query ${tokenName(state.query)}`;
+      ui.selection.textContent = `layer ${state.layer} · ${headText} · query ${model.named[state.query]}`;
       ui.queryNote.hidden = !model.note || state.query !== model.selection.query;
       ui.choice.hidden = !model.choice || state.layer !== model.selection.layer || state.head !== model.selection.head;
       tokenEls.forEach((el, i) => markChosen(el, i === state.query, "aria-selected"));
+      keepTokenInView(ui.flow, tokenEls[state.query]); // a long text's strip scrolls to the query chosen on the map or by the address
       thumbs.forEach((el) => markChosen(el, +el.dataset.layer === state.layer && +el.dataset.head === state.head, "aria-checked"));
       if (state.head === "mean") thumbs[state.layer * model.heads].tabIndex = 0; // Tab still reaches the model view
       draw();
       const { cell, margin } = mapGeometry(T);
       keepBandInView(ui.map.parentElement, margin + state.query * cell, cell);
       ui.map.setAttribute("aria-label", describeMap(model, state, result.weights[state.query], headText));
-      fillSteps(ui, model, result, state, tokenName);
+      fillSteps(ui, model, result, state);
       const fragment = `#layer=${state.layer}&head=${state.head}&query=${state.query}`;
       if (hash && location.hash !== fragment) history.replaceState(null, "", fragment);
       onChange?.({ layer: state.layer, head: state.head, query: state.query });
@@ -431,8 +442,11 @@
     if (hash) window.addEventListener("hashchange", selectFromHash, { signal });
     const redrawLines = () => showRow(state.hover ?? state.query);
     // The token strip changes size with the window, and from none to its own when a hidden explorer
-    // (drawn while another view of the live page was open) shows again: the lines follow its tokens.
-    const stripSize = new ResizeObserver(redrawLines);
+    // (drawn while another view of the live page was open) shows again: the query shows, the lines follow its tokens.
+    const stripSize = new ResizeObserver(() => {
+      keepTokenInView(ui.flow, tokenEls[state.query]);
+      redrawLines();
+    });
     stripSize.observe(ui.strip);
     signal.addEventListener("abort", () => stripSize.disconnect());
     // A zoom or a move to another screen changes the pixel ratio: redraw sharp at the new one.
@@ -522,6 +536,14 @@
     else if (top + height > box.scrollTop + box.clientHeight) box.scrollTop = top + 2 * height - box.clientHeight;
   }
 
+  /** Scroll a token strip's box (not the page) just enough to show the token `el` whole (whole pixels: a scroll rounds). */
+  function keepTokenInView(box, el) {
+    const area = box.getBoundingClientRect();
+    const token = el.getBoundingClientRect();
+    if (token.top < area.top) box.scrollTop -= Math.ceil(area.top - token.top);
+    else if (token.bottom > area.bottom) box.scrollTop += Math.ceil(token.bottom - area.bottom);
+  }
+
   /** Chosen or not: its class, its ARIA state, and whether Tab reaches it (one per group). */
   function markChosen(el, chosen, ariaState) {
     el.classList.toggle("selected", chosen);
@@ -591,8 +613,8 @@
     const hidden = maskedKeysText(model, state.layer, "each query");
     return (
       `attention map, layer ${state.layer}, ${headText}: ${model.length} queries (rows) × ${model.length} keys (columns)` +
-      `${hidden ? `; ${hidden} are masked` : ""}. Row ${i} “${model.tokens[i]}”: most weight, ` +
-      `${fmt(row[best])}, on key ${best} “${model.tokens[best]}”. Arrow keys move the row; the step table lists its weights.`
+      `${hidden ? `; ${hidden} are masked` : ""}. Row ${model.named[i]}: most weight, ` +
+      `${fmt(row[best])}, on key ${model.named[best]}. Arrow keys move the row; the step table lists its weights.`
     );
   }
 
@@ -924,7 +946,7 @@
   }
 
   function fillRowSummary(ui, model, layer, row, i, top, preview) {
-    const head = h("p", { class: "summary-head" }, preview ? "preview: " : "", `query ${i} “`, h("b", {}, model.tokens[i]), "” looks at");
+    const head = h("p", { class: "summary-head" }, preview ? "preview: " : "", "query ", h("b", {}, model.named[i]), " looks at");
     const names = model.names; // as Python's lists name them: '🙂' ([UNK]) by the text it stands for
     const repeated = (name) => names.indexOf(name) !== names.lastIndexOf(name);
     const name = (j) => (repeated(names[j]) ? `${j}:${names[j]}` : names[j]); // "9:river" where the text has it twice
@@ -957,12 +979,12 @@
     return [list, leftover];
   }
 
-  function fillSteps(ui, model, result, state, tokenName) {
+  function fillSteps(ui, model, result, state) {
     const i = state.query;
     const mean = state.head === "mean";
     const weights = result.weights[i];
     const largest = Math.max(...weights) || 1;
-    ui.stepTitle.textContent = `query ${tokenName(i)}`;
+    ui.stepTitle.textContent = `query ${model.named[i]}`;
     const hidden = maskedKeysText(model, state.layer, "the query");
     const order = [...weights.keys()];
     if (state.sortByWeight) order.sort((a, b) => weights[b] - weights[a]);
@@ -1035,7 +1057,7 @@
     };
     attachCellEvents(ui.map, ui.tip, {
       cellAt,
-      hover: ([i, j]) => `query ${i} “${model.tokens[i]}” → key ${j} “${model.tokens[j]}”: ${fmt(current().weights[i][j])}`,
+      hover: ([i, j]) => `query ${model.named[i]} → key ${model.named[j]}: ${fmt(current().weights[i][j])}`,
       pick: ([i]) => select({ query: i }),
     });
   }
@@ -1076,8 +1098,8 @@
   // render, clear, h and fmt are shared with the live explorer (serve.js), which loads after this file;
   // h, fmt and the rest with the page of attention during generation (generation.js).
   window.selfattn = {
-    render, clear: explorers.clear, h, fmt, fmtScale, shown, decodeTensor, readPalette, channels, clip, paintToken, headName,
-    readHash, noteHash, renderEmbedded, renders, applySelection, markChosen, onPixelRatioChange, onColourChange, keepBandInView,
+    render, clear: explorers.clear, h, fmt, fmtScale, shown, tokenName, decodeTensor, readPalette, channels, clip, paintToken, headName,
+    readHash, noteHash, renderEmbedded, renders, applySelection, markChosen, onPixelRatioChange, onColourChange, keepBandInView, keepTokenInView,
     buildControls, buildLegend, topKeys, drawLegend, sizedContext, drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents,
     windowOf, outsideWindow,
   };
