@@ -7,18 +7,22 @@ reset just before it) minus the resident size at the reset: inputs and imports e
 first call is also the warm-up; the time is the median of the calls after it, or the first
 call alone where one takes more than a few seconds. Achieved GFLOP/s counts 4·B·H·T²·D for
 the forward, 3.5x that for forward + backward, both halved when causal; the fp32 GEMM rate is
-the ceiling. Prints a markdown table, with chunked/sdpa, the ratio of their times, in the
-same run.
+the ceiling. Prints a markdown table, with chunked/sdpa, the ratios of their times and of their
+peak memory, in the same run.
 
     python benchmarks/attention.py                 # the full table (~10-15 minutes on 2 cores)
     python benchmarks/attention.py --quick         # T <= 2,048, one timed call per case
     python benchmarks/attention.py --max-t 8192    # a shorter run
     python benchmarks/attention.py --inputs padded --max-t 8192   # other inputs, below
+    python benchmarks/attention.py --inputs float-mask --min-t 4096 --max-t 16384
 
 ``--inputs``: ``random`` (default: standard normal q, k, v), ``padded`` (the same with a
 key-padding mask of shape (S,) hiding the last eighth of the keys), ``peaked`` (q and k times
-4: scaled scores with a standard deviation of 16, so most weights underflow). Timings depend
-on the values only through the exponentials; peaked rows are what trained models can show.
+4: scaled scores with a standard deviation of 16, so most weights underflow), ``float-mask``
+(padded's keys hidden by a float (T, S) mask of 0 and float32's lowest value, as Hugging Face
+materialises its masks: an input of T·S·4 bytes, made before the peak is reset like q, k, v).
+Timings depend on the values only through the exponentials; peaked rows are what trained
+models can show.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def explicit_bytes(t: int, backward: bool) -> int:
     return weights * (8 if backward else 4)
 
 
-INPUTS = ("random", "padded", "peaked")
+INPUTS = ("random", "padded", "peaked", "float-mask")
 
 
 def run_case(
@@ -67,7 +71,12 @@ def run_case(
         (torch.randn(1, HEADS, t, HEAD_DIM) * (gain if i < 2 else 1.0)).requires_grad_(backward)
         for i in range(3)
     ]
-    mask = torch.arange(t) < t - t // 8 if kind == "padded" else None
+    mask = None
+    hidden = torch.arange(t) >= t - t // 8  # the last eighth of the keys
+    if kind == "padded":
+        mask = ~hidden
+    elif kind == "float-mask":
+        mask = torch.zeros(t, t).masked_fill_(hidden, torch.finfo(torch.float32).min)
     grad_output = torch.randn(1, HEADS, t, HEAD_DIM)
 
     def call() -> float:
@@ -148,6 +157,7 @@ def describe(result: dict | None, t: int, backward: bool, causal: bool) -> tuple
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--min-t", type=int, default=512, help="shortest sequence")
     parser.add_argument("--max-t", type=int, default=65536, help="longest sequence, forward")
     parser.add_argument(
         "--max-t-backward", type=int, default=32768, help="longest sequence, forward + backward"
@@ -172,10 +182,10 @@ def main() -> None:
     print(f"fp32 GEMM (2048^3): {gemm_gflops():.0f} GFLOP/s\n")
     header = ["T", "pass", "causal"]
     header += [f"{name} s" for name in BACKENDS] + [f"{name} GFLOP/s" for name in BACKENDS]
-    header += [f"{name} peak MiB" for name in BACKENDS] + ["chunked/sdpa"]
+    header += [f"{name} peak MiB" for name in BACKENDS] + ["chunked/sdpa s", "chunked/sdpa MiB"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    t = 512
+    t = args.min_t
     while t <= args.max_t:
         for backward in (False, True):
             if backward and t > args.max_t_backward:
@@ -190,14 +200,17 @@ def main() -> None:
                         else None
                     )
                     cells[backend] = (result, describe(result, t, backward, causal))
-                ratio = ""
+                ratios = ["", ""]
                 chunked, sdpa = cells["chunked"][0], cells["sdpa"][0]
                 if chunked and sdpa and "seconds" in chunked and "seconds" in sdpa:
-                    ratio = f"{chunked['seconds'] / sdpa['seconds']:.2f}"
+                    ratios = [
+                        f"{chunked['seconds'] / sdpa['seconds']:.2f}",
+                        f"{chunked['peak_bytes'] / max(sdpa['peak_bytes'], 1):.2f}",
+                    ]
                 row = [str(t), "fwd+bwd" if backward else "fwd", "yes" if causal else "no"]
                 for column in range(3):
                     row += [cells[name][1][column] for name in BACKENDS]
-                print("| " + " | ".join([*row, ratio]) + " |", flush=True)
+                print("| " + " | ".join([*row, *ratios]) + " |", flush=True)
         t *= 2
 
 

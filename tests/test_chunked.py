@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from selfattn.attention import attention, choose_backend, make_call
 from selfattn.kernels import chunked_attention
@@ -242,6 +243,74 @@ def test_fully_masked_rows_give_zeros_and_zero_gradients():
         torch.testing.assert_close(output, expected, atol=1e-10, rtol=0, msg=name)
 
 
+def test_rows_masked_by_the_lowest_value_give_zeros_and_zero_gradients():
+    """finfo(float64).min, Hugging Face's "masked", is -inf as each tile (3 x 4) reads it: rows
+    all at it get output 0 and query and bias gradients 0, finite; a row at it but for one key
+    attends that key alone. Output and gradients (the bias's too) within 1e-10 of the explicit
+    path (float64)."""
+    t, s = 11, 6
+    query, key, value = _inputs(t, s, 5, torch.float64)
+    lowest = torch.finfo(torch.float64).min
+    bias = torch.randn(t, s, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    bias[[1, 8]] = lowest
+    bias[4, 1:] = lowest
+    bias[::3, 2] = lowest
+    grad_output = torch.randn(2, 3, t, 7, dtype=torch.float64)
+    expected = _outputs_and_grads(
+        lambda q, k, v, b: attention(q, k, v, mask=b, backend="explicit"),
+        [query, key, value, bias],
+        grad_output,
+    )
+    actual = _outputs_and_grads(
+        lambda q, k, v, b: _chunked(q, k, v, b, blocks=(3, 4)),
+        [query, key, value, bias],
+        grad_output,
+    )
+    output, grad_query, _, _, grad_bias = actual
+    assert all(torch.isfinite(result).all() for result in actual)
+    assert (output[..., [1, 8], :] == 0).all() and (grad_query[..., [1, 8], :] == 0).all()
+    assert (grad_bias[[1, 8]] == 0).all()
+    torch.testing.assert_close(output[..., 4, :], value[..., 0, :], atol=1e-10, rtol=0)
+    names = ["output", "dq", "dk", "dv", "dbias"]
+    for name, got, want in zip(names, actual, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.float64, torch.float16])
+def test_a_float_mask_is_made_ready_tile_by_tile_never_copied_whole(mask_dtype):
+    """A (T, S) float mask holding its dtype's lowest value (Hugging Face's masks) is made ready
+    (lowest to -inf, cast, clamped: finite_bias) as each tile reads it. No op of the forward
+    or backward allocates T·S bytes or more, as torch.profiler's memory records count them (a
+    boolean (T, S) tensor; before, the forward copied the whole mask, 2-8 bytes per element,
+    and more for its clamp). Output and gradients within 1e-5 of torch's SDPA given the mask
+    with -inf for the lowest value (float32 inputs)."""
+    t, s = 256, 192
+    query, key, value = _inputs(t, s, 8, torch.float32, lead=(1, 1), dv=8)
+    mask = torch.randn(t, s, generator=torch.Generator().manual_seed(9)).to(mask_dtype)
+    lowest = torch.finfo(mask_dtype).min
+    mask[:, 150:] = lowest  # padding
+    mask[::7, 20:40] = lowest
+    grad_output = torch.randn(1, 1, t, 8, generator=torch.Generator().manual_seed(10))
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as profile:
+        actual = _outputs_and_grads(
+            lambda q, k, v: _chunked(q, k, v, mask, blocks=(32, 64)),
+            [query, key, value],
+            grad_output,
+        )
+    largest = max(profile.events(), key=lambda event: event.self_cpu_memory_usage)
+    assert largest.self_cpu_memory_usage < t * s, (largest.name, largest.self_cpu_memory_usage)
+    reference_mask = mask.float().masked_fill(mask == lowest, -math.inf)
+    expected = _outputs_and_grads(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=reference_mask),
+        [query, key, value],
+        grad_output,
+    )
+    for name, got, want in zip(["output", "dq", "dk", "dv"], actual, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=name)
+
+
 def test_all_keys_masked_gives_zero_key_and_value_gradients():
     """Nothing may be attended anywhere: output 0 and every gradient 0, no NaN."""
     query, key, value = _inputs(9, 8, 5, torch.float64)
@@ -284,7 +353,7 @@ def test_an_expanded_mask_is_tiled_at_its_own_size(monkeypatch):
     apply = _ChunkedAttention.apply
 
     def recording(*args):
-        stored.append(args[3].untyped_storage().nbytes())
+        stored.append(args[4].untyped_storage().nbytes())
         return apply(*args)
 
     monkeypatch.setattr(_ChunkedAttention, "apply", recording)
@@ -396,6 +465,51 @@ def test_double_backward_is_refused_by_name():
     output = run(query, key, value)  # grad_output needs no grad here, query does
     with pytest.raises(RuntimeError, match="'chunked' has first derivatives only"):
         torch.autograd.grad(output.sum(), query, create_graph=True)
+
+
+def test_compiles_whole_with_fullgraph_and_matches_eager():
+    """torch.compile(fullgraph=True) of attention(backend='chunked') with a causal float mask
+    (its dtype's lowest value, a fully masked row) whose gradient is asked too: before, the
+    kernel's Python branches on tensor values (``bool(seen.all())``, an ``.item()``) broke
+    the graph, so fullgraph=True raised. Backend aot_eager (dynamo, then AOTAutograd's traced
+    backward, no C++ build), as in test_attention.py; the kernels are two operators the graph
+    calls whole. Float64 output and gradients equal eager's within 1e-12 (the same kernels
+    run), the fully masked row 0."""
+    query, key, value = _inputs(13, 29, 5, torch.float64)
+    mask = torch.randn(13, 29, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    mask[:, 20:] = torch.finfo(torch.float64).min
+    mask[2] = torch.finfo(torch.float64).min
+    grad_output = torch.randn(2, 3, 13, 7, dtype=torch.float64)
+
+    def run(q, k, v, b):
+        return attention(q, k, v, mask=b, causal=True, backend="chunked")
+
+    torch._dynamo.reset()  # an empty cache: no recompile limit reached by other tests' graphs
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+    results = [
+        _outputs_and_grads(fn, [query, key, value, mask], grad_output) for fn in (run, compiled)
+    ]
+    for name, eager, graph in zip(["output", "dq", "dk", "dv", "dmask"], *results, strict=True):
+        torch.testing.assert_close(graph, eager, atol=1e-12, rtol=0, msg=name)
+    assert (results[1][0][..., 2, :] == 0).all()
+
+
+@pytest.mark.parametrize("bias_grad", [False, True])
+def test_operators_pass_torch_library_opcheck(bias_grad):
+    """torch.library.opcheck on selfattn::chunked_forward and chunked_backward (boolean and
+    float masks, causal, 4 x 3 tiles): their schemas, their fake kernels (what torch.compile
+    traces with) giving the real kernels' shapes, strides and dtypes, and AOT dispatch."""
+    query, key, value = (x.reshape(6, *x.shape[2:]) for x in _inputs(7, 9, 5, torch.float64))
+    allowed = torch.rand(3, 7, 9, generator=torch.Generator().manual_seed(12)) > 0.3
+    bias = torch.randn(2, 1, 7, 9, dtype=torch.float64)
+    bias[..., :2] = torch.finfo(torch.float64).min
+    config = ([2, 3], True, 0.4, 4, 3)
+    forward_args = (query, key, value, allowed, bias, *config)
+    torch.library.opcheck(torch.ops.selfattn.chunked_forward.default, forward_args)
+    output, lse = torch.ops.selfattn.chunked_forward.default(*forward_args)
+    grad_output = torch.randn_like(output)
+    backward_args = (grad_output, *forward_args[:5], output, lse, *config, bias_grad)
+    torch.library.opcheck(torch.ops.selfattn.chunked_backward.default, backward_args)
 
 
 @pytest.mark.parametrize("blocks", [(None, 0), (None, -3), (0, 4), (-2, 4)])

@@ -17,7 +17,8 @@ the shift stays put unless a tile's sums grow too large (see ``tile_forward``).
 
 Memory beyond inputs and outputs: one or two ``(N, block_q, block_k)`` score tiles, a copy of
 the keys with their column of ones, the query tile's accumulators and per-row statistics,
-i.e. O(T·D), whatever T and S are.
+and under a float mask a few temporaries the size of one tile of it, i.e. O(T·D), whatever
+T and S are.
 
 Block sizes: key tiles of ``BLOCK_K = 1024`` columns; query tiles of up to ``MAX_BLOCK_Q = 512``
 rows, fewer when there are many heads, so that the score tile of all heads at once holds at
@@ -39,15 +40,22 @@ weights-values product then take several times longer. Only sharply peaked rows 
 Masks follow the explicit path: ``allowed`` is boolean (True = may attend), ``bias`` is added to
 the scaled scores (its dtype's lowest value masking as -inf), both broadcast to
 ``(*lead, T, S)`` and are sliced per tile, never expanded (one given expanded, with stride-0
-axes, is first narrowed back to its own size).
+axes, is first narrowed back to its own size) nor copied whole: each tile of a float mask is
+made ready (:func:`finite_bias`: lowest value to -inf, cast, clamped) as it is read, in the
+forward and again in the backward.
 ``causal`` aligns bottom-right (query i sees keys ``j <= i + S - T``); key tiles entirely above
 the diagonal are skipped, so causal attention costs about half. A row with nothing to attend
 gets output 0 and zero gradients. Inputs in float16/bfloat16 are computed in float32.
+
+The forward and the backward are two operators, ``torch.ops.selfattn.chunked_forward`` and
+``chunked_backward``, which torch.compile calls whole (``fullgraph=True`` works) instead of
+tracing their Python loops, unrolled per tile and broken at each branch on tensor values.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -91,11 +99,10 @@ def chunked_attention(
         raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
     block_q = default_block_q(lead, block_k) if block_q is None else block_q
     compute = torch.float32 if query.dtype in REDUCED_PRECISION else query.dtype
-    masks = Masks(lead, unexpanded(at_least_2d(allowed)), causal, has_bias=bias is not None)
     # (N, T, D), (N, S, D), (N, S, Dv) with N = prod(lead): one batched matmul per tile.
     flat = [x.to(compute).reshape(math.prod(lead), *x.shape[-2:]) for x in (query, key, value)]
-    bias = finite_bias(unexpanded(at_least_2d(bias)), compute, masks.unit)
-    output = _ChunkedAttention.apply(*flat, bias, masks, scale, block_q, block_k)
+    allowed, bias = (unexpanded(at_least_2d(mask)) for mask in (allowed, bias))
+    output = _ChunkedAttention.apply(*flat, allowed, bias, lead, causal, scale, block_q, block_k)
     return output.reshape(*lead, t, dv).to(query.dtype)
 
 
@@ -173,10 +180,12 @@ class Masks:
         crosses_diagonal: bool,
         offset: int,
     ) -> None:
-        """Add the bias tile and set what may not be attended to -inf, in place."""
+        """Add the bias tile (made ready by :func:`finite_bias` as it is read) and set what
+        may not be attended to -inf, in place."""
         view = scaled.view(*self.lead, *scaled.shape[-2:])  # (*lead, bq, bk)
         if bias is not None:
-            view.add_(_tile(bias, rows, cols), alpha=self.unit)  # in the scores' base
+            bias_tile = finite_bias(_tile(bias, rows, cols), scaled.dtype, self.unit)
+            view.add_(bias_tile, alpha=self.unit)  # in the scores' base
         if self.allowed is not None:
             view.masked_fill_(_tile(self.allowed, rows, cols).logical_not(), -math.inf)
         if crosses_diagonal:
@@ -212,13 +221,100 @@ def finite_bias(bias: Tensor | None, compute: torch.dtype, unit: float) -> Tenso
     limit = torch.finfo(compute).max / (2 * unit)
     if limit >= torch.finfo(bias.dtype).max:
         return bias  # its finite values already lie within ±limit
-    beyond = torch.isfinite(bias) & (bias.abs() > limit)
-    passing = bias - bias.detach()  # exactly 0, carrying bias's gradient
-    return torch.where(beyond, bias.detach().clamp(-limit, limit) + passing, bias)
+    clamped = bias.detach().clamp(-limit, limit)
+    if torch.is_grad_enabled() and bias.requires_grad:
+        clamped = clamped + (bias - bias.detach())  # adds exactly 0, carrying bias's gradient
+    return torch.where(bias.isinf(), bias, clamped)
+
+
+# The kernels as operators (see the module's docstring), registered with a Library rather than
+# torch.library.custom_op: about 15 us a call on this CPU, where custom_op's autograd wrapper
+# added 0.1-0.2 ms to a forward and backward. _ChunkedAttention is their autograd formula, which
+# torch.compile traces through (torch 2.4 and later).
+_LIBRARY = torch.library.Library("selfattn", "FRAGMENT")
+_LIBRARY.define(
+    "chunked_forward(Tensor query, Tensor key, Tensor value, Tensor? allowed, Tensor? bias, "
+    "SymInt[] lead, bool causal, float scale, SymInt block_q, SymInt block_k) -> (Tensor, Tensor)"
+)
+_LIBRARY.define(
+    "chunked_backward(Tensor grad_output, Tensor query, Tensor key, Tensor value, "
+    "Tensor? allowed, Tensor? bias, Tensor output, Tensor lse, SymInt[] lead, bool causal, "
+    "float scale, SymInt block_q, SymInt block_k, bool bias_grad) -> Tensor[]"
+)
+
+
+def _forward_op(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    allowed: Tensor | None,
+    bias: Tensor | None,
+    lead: Sequence[int],
+    causal: bool,
+    scale: float,
+    block_q: int,
+    block_k: int,
+) -> tuple[Tensor, Tensor]:
+    """Output (N, T, Dv) and lse (N, T, 1) of (N, T, D) inputs, masks at their own size."""
+    masks = Masks(torch.Size(lead), allowed, causal, has_bias=bias is not None)
+    return tile_forward(query, key, value, bias, masks, scale, block_q, block_k)
+
+
+def _forward_fake(
+    query: Tensor, key: Tensor, value: Tensor, *masks_and_config: object
+) -> tuple[Tensor, Tensor]:
+    """Output and lse of ``chunked_forward``'s shapes, for torch.compile's tracing."""
+    n, t, _ = query.shape
+    return query.new_empty(n, t, value.shape[-1]), query.new_empty(n, t, 1)
+
+
+def _backward_op(
+    grad_output: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    allowed: Tensor | None,
+    bias: Tensor | None,
+    output: Tensor,
+    lse: Tensor,
+    lead: Sequence[int],
+    causal: bool,
+    scale: float,
+    block_q: int,
+    block_k: int,
+    bias_grad: bool,
+) -> list[Tensor]:
+    """[dQ, dK, dV], and dBias (in the bias's dtype and shape) when ``bias_grad``."""
+    masks = Masks(torch.Size(lead), allowed, causal, has_bias=bias is not None)
+    grads = tile_backward(
+        grad_output, query, key, value, bias, output, lse, masks, scale, block_q, block_k, bias_grad
+    )
+    return [grad for grad in grads if grad is not None]
+
+
+def _backward_fake(
+    grad_output: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    allowed: Tensor | None,
+    bias: Tensor | None,
+    *config_and_bias_grad: object,
+) -> list[Tensor]:
+    """Gradients of ``chunked_backward``'s shapes and strides, for torch.compile's tracing."""
+    grads = [torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)]
+    return [*grads, torch.empty_like(bias)] if config_and_bias_grad[-1] else grads
+
+
+_LIBRARY.impl("chunked_forward", _forward_op, "CompositeExplicitAutograd")
+_LIBRARY.impl("chunked_backward", _backward_op, "CompositeExplicitAutograd")
+torch.library.register_fake("selfattn::chunked_forward", _forward_fake, lib=_LIBRARY)
+torch.library.register_fake("selfattn::chunked_backward", _backward_fake, lib=_LIBRARY)
 
 
 class _ChunkedAttention(torch.autograd.Function):
-    """Forward saves (query, key, value, bias, output, lse); backward recomputes the weights.
+    """Forward saves (query, key, value, allowed, bias, output, lse); backward recomputes the
+    weights.
 
     The backward is not itself differentiable (it writes tiles in place): asking it for a graph
     raises (:func:`refuse_double_backward`) instead of silently dropping second-order terms.
@@ -230,40 +326,28 @@ class _ChunkedAttention(torch.autograd.Function):
         query: Tensor,
         key: Tensor,
         value: Tensor,
+        allowed: Tensor | None,
         bias: Tensor | None,
-        masks: Masks,
-        scale: float,
-        block_q: int,
-        block_k: int,
+        *config: object,  # lead, causal, scale, block_q, block_k
     ) -> Tensor:
-        output, lse = tile_forward(query, key, value, bias, masks, scale, block_q, block_k)
-        ctx.save_for_backward(query, key, value, bias, output, lse)
-        ctx.config = (masks, scale, block_q, block_k)
+        output, lse = torch.ops.selfattn.chunked_forward.default(
+            query, key, value, allowed, bias, *config
+        )
+        ctx.save_for_backward(query, key, value, allowed, bias, output, lse)
+        ctx.config = config
         return output
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_output: Tensor
     ) -> tuple[Tensor | None, ...]:
-        query, key, value, bias, output, lse = ctx.saved_tensors
+        query, key, value, allowed, bias, output, lse = ctx.saved_tensors
         refuse_double_backward("chunked", grad_output, query, key, value, bias)
-        masks, scale, block_q, block_k = ctx.config
-        want_bias_grad = bias is not None and ctx.needs_input_grad[3]
-        grads = tile_backward(
-            grad_output,
-            query,
-            key,
-            value,
-            bias,
-            output,
-            lse,
-            masks,
-            scale,
-            block_q,
-            block_k,
-            want_bias_grad,
+        bias_grad = bias is not None and ctx.needs_input_grad[4]
+        grads = torch.ops.selfattn.chunked_backward.default(
+            grad_output, query, key, value, allowed, bias, output, lse, *ctx.config, bias_grad
         )
-        return (*grads, None, None, None, None)
+        return (*grads[:3], None, grads[3] if bias_grad else None, *[None] * len(ctx.config))
 
 
 def refuse_double_backward(

@@ -70,7 +70,6 @@ from selfattn.kernels.chunked import (
     Masks,
     at_least_2d,
     default_block_q,
-    finite_bias,
     refuse_double_backward,
     tile_backward,
     tile_forward,
@@ -478,8 +477,9 @@ class _ChunkedBlock:
     def forward(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """The output normalised over this part's keys and its lse (+inf: no visible key)."""
         query, key, value = (x.to(_compute_dtype(x.dtype)) for x in (query, key, value))
-        bias = finite_bias(self.bias, query.dtype, self.unit)
-        return tile_forward(query, key, value, bias, self.masks, self.scale, self.block_q, BLOCK_K)
+        return tile_forward(
+            query, key, value, self.bias, self.masks, self.scale, self.block_q, BLOCK_K
+        )
 
     def backward(
         self,
@@ -493,13 +493,12 @@ class _ChunkedBlock:
         """dQ, dK, dV of this part, from the merged ``output`` and ``lse`` (in ``unit``'s
         base), in ``output``'s dtype."""
         query, key, value = (x.to(output.dtype) for x in (query, key, value))
-        bias = finite_bias(self.bias, output.dtype, self.unit)
         grads = tile_backward(
             grad_output.to(output.dtype),
             query,
             key,
             value,
-            bias,
+            self.bias,
             output,
             lse,
             self.masks,
