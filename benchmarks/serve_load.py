@@ -2,14 +2,21 @@
 
 Starts ``python -m selfattn serve --port <free>`` on 127.0.0.1, warms it up, then sends
 ``--requests`` requests from ``--clients`` concurrent clients (httpx), a mix of the API's
-calls (explain, explain with a recomputed head, view, compare), all under one overall timeout.
+calls (explain, explain with a recomputed head, view, compare), under a ``--timeout``.
 A "busy" answer (503) is retried after its Retry-After, as the page does, at most ``RETRIES``
 times. Reports errors, busy answers, latency percentiles (retries included), answered requests
 per second and the server's resident memory before and after the burst (from /proc: Linux
 only), as a markdown table.
 
-    python benchmarks/serve_load.py                          # 200 requests, 8 clients
-    python benchmarks/serve_load.py --requests 40 --clients 4
+Then, per long call (explain and view of a 464-token text), ``--rounds`` bursts of ``--burst``
+requests at once, each from a client of its own, and while they are in flight one more every
+0.1 s, none retried. A burst is more than the server admits (2 workers + 8 queued): the rest
+are refused with 503 "busy", which should come at once, not after a model run, and so should
+the refusals sent while the runs go on. A second table gives the latency of each kind of
+answer: sent at once or later, 200 or 503.
+
+    python benchmarks/serve_load.py           # 200 requests, 8 clients; 3 bursts of 16 per call
+    python benchmarks/serve_load.py --requests 40 --clients 4 --burst 0
 """
 
 from __future__ import annotations
@@ -36,6 +43,12 @@ CALLS = [  # (label, path, body), sent in turn
     ("view", "/api/view", {"text": RIVER, "word": "bank"}),
     ("compare", "/api/compare", {"sentences": [BANK, RIVER], "word": "bank"}),
 ]
+LONG = " ".join([BANK, RIVER] * 21)  # 1,931 characters: 464 tokens of all-MiniLM-L6-v2
+LONG_CALLS = [  # (label, path, body): each sent in bursts
+    ("explain", "/api/explain", {"text": LONG, "word": "bank"}),
+    ("view", "/api/view", {"text": LONG, "word": "bank"}),
+]
+PROBE_EVERY = 0.1  # seconds between the requests sent while a burst's runs go on
 START_TIMEOUT = 90.0  # seconds for the server to load the model and answer
 RETRIES = 3  # on 503 "busy", after the server's Retry-After (as serve.js does)
 
@@ -51,6 +64,8 @@ class Result:
     rss_before: int = 0  # bytes, after the warm-up
     rss_after: int = 0
     rss_peak: int = 0  # the process's high-water mark
+    # the long bursts: (label, "at once" or "later", status) -> seconds
+    bursts: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
 
     @property
     def all_latencies(self) -> list[float]:
@@ -129,8 +144,51 @@ async def burst(base: str, requests: int, clients: int, result: Result) -> None:
     await asyncio.gather(*(client() for _ in range(clients)))
 
 
-def measure(requests: int = 200, clients: int = 8, timeout: float = 300.0) -> Result:
-    """Start a server, warm it up (one round of every call per client), then the burst."""
+async def long_bursts(base: str, size: int, rounds: int, result: Result) -> None:
+    """``rounds`` bursts of each long call: ``size`` requests at once, each from a client of
+    its own (made beforehand: not timed), and while they are in flight one more request every
+    ``PROBE_EVERY`` seconds (sent while runs go on). None is retried; the latency of a 200 or
+    503 goes to ``result.bursts``, anything else to its errors."""
+
+    async def send(http: httpx.AsyncClient, label: str, sent: str, path: str, body: dict) -> None:
+        start = time.perf_counter()
+        try:
+            response = await http.post(path, json=body)
+        except httpx.HTTPError as error:
+            result.errors[f"{type(error).__name__} {path}"] += 1
+            return
+        if response.status_code in (200, 503):
+            latency = time.perf_counter() - start
+            result.bursts.setdefault((label, sent, response.status_code), []).append(latency)
+        else:
+            result.errors[f"{response.status_code} {path}"] += 1
+
+    for label, path, body in LONG_CALLS:
+        for _ in range(rounds):
+            # new clients every round: an idle connection kept from the last round may be one
+            # the server is closing (uvicorn closes them after 5 s)
+            *clients, prober = [
+                httpx.AsyncClient(base_url=base, timeout=60) for _ in range(size + 1)
+            ]
+            try:
+                burst = asyncio.gather(*(send(c, label, "at once", path, body) for c in clients))
+                probes = []  # one every PROBE_EVERY s until the burst is answered
+                while not (await asyncio.wait({burst}, timeout=PROBE_EVERY))[0]:
+                    probes.append(asyncio.create_task(send(prober, label, "later", path, body)))
+                await asyncio.gather(burst, *probes)
+            finally:
+                await asyncio.gather(*(http.aclose() for http in (*clients, prober)))
+
+
+def measure(
+    requests: int = 200,
+    clients: int = 8,
+    timeout: float = 300.0,
+    at_once: int = 16,
+    rounds: int = 3,
+) -> Result:
+    """Start a server, warm it up (one round of every call per client), then the burst, then
+    ``rounds`` bursts of ``at_once`` long requests per long call (none if ``at_once`` is 0)."""
     port = free_port()
     process = start_server(port)
     base = f"http://127.0.0.1:{port}"
@@ -143,6 +201,8 @@ def measure(requests: int = 200, clients: int = 8, timeout: float = 300.0) -> Re
         asyncio.run(asyncio.wait_for(burst(base, requests, clients, result), timeout))
         result.seconds = time.perf_counter() - start
         result.rss_after, result.rss_peak = memory(process.pid)
+        if at_once:
+            asyncio.run(asyncio.wait_for(long_bursts(base, at_once, rounds, result), timeout))
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -164,11 +224,7 @@ def table(result: Result) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     rows = [*sorted(result.latencies.items()), ("all", result.all_latencies)]
-    for label, values in rows:
-        if not values:  # every request failed
-            continue
-        p50, p90, p99, top = (1000 * percentile(values, q) for q in (50, 90, 99, 100))
-        lines.append(f"| {label} | {len(values)} | {p50:.0f} | {p90:.0f} | {p99:.0f} | {top:.0f} |")
+    lines += [f"| {label} | {milliseconds(values)} |" for label, values in rows if values]
     errors = ", ".join(f"{k}: {v}" for k, v in result.errors.items()) or "none"
     answered = len(result.all_latencies)
     lines += [
@@ -181,18 +237,42 @@ def table(result: Result) -> str:
         f"({(result.rss_after - result.rss_before) / mib:+.0f} MiB); "
         f"peak {result.rss_peak / mib:.0f} MiB.",
     ]
+    if result.bursts:
+        lines += [
+            "",
+            f"Bursts of long requests ({len(LONG):,} characters, 464 tokens), sent at once or "
+            "while their runs go on (later), none retried:",
+            "",
+            "| calls | sent | answer | requests | p50 ms | p90 ms | p99 ms | max ms |",
+            "|---|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for (label, sent, status), values in sorted(result.bursts.items()):
+            lines.append(f"| {label} | {sent} | {status} | {milliseconds(values)} |")
     return "\n".join(lines)
+
+
+def milliseconds(values: list[float]) -> str:
+    """A table's cells for ``values`` (seconds): their count, then p50, p90, p99 and max in ms."""
+    p50, p90, p99, top = (1000 * percentile(values, q) for q in (50, 90, 99, 100))
+    return f"{len(values)} | {p50:.0f} | {p90:.0f} | {p99:.0f} | {top:.0f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200, help="requests in the burst")
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the burst")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for each part")
+    parser.add_argument(
+        "--burst", type=int, default=16, help="long requests sent at once (0: no bursts)"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="bursts per long call")
     args = parser.parse_args()
-    if min(args.requests, args.clients) < 1 or args.timeout <= 0:
-        parser.error("--requests and --clients must be at least 1, --timeout above 0")
-    result = measure(args.requests, args.clients, args.timeout)
+    if min(args.requests, args.clients, args.rounds) < 1 or args.burst < 0 or args.timeout <= 0:
+        parser.error(
+            "--requests, --clients and --rounds must be at least 1, --burst at least 0, "
+            "--timeout above 0"
+        )
+    result = measure(args.requests, args.clients, args.timeout, args.burst, args.rounds)
     print(table(result))
     if result.errors:
         sys.exit(1)

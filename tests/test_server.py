@@ -13,7 +13,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -632,6 +633,22 @@ def _wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
         time.sleep(0.02)
 
 
+@contextmanager
+def _serving(app) -> Iterator[int]:
+    """A real uvicorn serving ``app`` (in a thread) on a free 127.0.0.1 port: the port."""
+    sock = server.listen("127.0.0.1", 0)
+    uvicorn_server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]})
+    thread.start()
+    try:
+        _wait_for(lambda: uvicorn_server.started, 20, "uvicorn did not start")
+        yield sock.getsockname()[1]
+    finally:
+        uvicorn_server.should_exit = True
+        thread.join(20)
+        sock.close()
+
+
 @pytest.mark.timeout(60)
 def test_requests_whose_client_left_before_their_run_are_dropped(model, monkeypatch):
     """A real uvicorn, one worker held busy: two queued requests whose clients hang up give
@@ -649,7 +666,7 @@ def test_requests_whose_client_left_before_their_run_are_dropped(model, monkeypa
     run, free = server.Pool.run, server.Pool._release
 
     async def counted_run(self, *args, **options):
-        admitted.append(args[2].text)
+        admitted.append(args[-1].text)  # the body
         return await run(self, *args, **options)
 
     def counted_release(self, future):
@@ -659,33 +676,101 @@ def test_requests_whose_client_left_before_their_run_are_dropped(model, monkeypa
     monkeypatch.setattr(server, "_view", view)
     monkeypatch.setattr(server.Pool, "run", counted_run)
     monkeypatch.setattr(server.Pool, "_release", counted_release)
-    app = server.create_app(model, workers=1, queue=2)
-    sock = server.listen("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    uvicorn_server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]})
-    thread.start()
-    try:
-        _wait_for(lambda: uvicorn_server.started, 20, "uvicorn did not start")
-        first = _post(port, "first")
-        assert started.wait(20), "the first run did not start"
-        leaving = [_post(port, f"left {i}") for i in range(2)]
-        _wait_for(lambda: len(admitted) == 3, 10, "the queued requests were not admitted")
-        for connection in leaving:
-            connection.close()
-        # their places come back while the worker is still busy with the first
-        _wait_for(lambda: len(released) == 2, 5, "abandoned requests kept their places")
-        assert all(future.cancelled() for future in released)
-        after = _post(port, "after")  # admitted, not 503: the queue has room again
-        _wait_for(lambda: len(admitted) == 4, 10, "the next request was not admitted")
-        release.set()
-        assert (_status(first), _status(after)) == (200, 200)
-    finally:
-        release.set()
-        uvicorn_server.should_exit = True
-        thread.join(20)
-        sock.close()
+    with _serving(server.create_app(model, workers=1, queue=2)) as port:
+        try:
+            first = _post(port, "first")
+            assert started.wait(20), "the first run did not start"
+            leaving = [_post(port, f"left {i}") for i in range(2)]
+            _wait_for(lambda: len(admitted) == 3, 10, "the queued requests were not admitted")
+            for connection in leaving:
+                connection.close()
+            # their places come back while the worker is still busy with the first
+            _wait_for(lambda: len(released) == 2, 5, "abandoned requests kept their places")
+            assert all(future.cancelled() for future in released)
+            after = _post(port, "after")  # admitted, not 503: the queue has room again
+            _wait_for(lambda: len(admitted) == 4, 10, "the next request was not admitted")
+            release.set()
+            assert (_status(first), _status(after)) == (200, 200)
+        finally:
+            release.set()
     assert ran == ["first", "after"]  # the requests whose client left never ran
+
+
+class StalledTokenizer:
+    """A tokenizer's backend whose tokenizing on a worker waits for ``release``: a run held
+    while it holds the tokenizer's lock, as one can be behind the GIL on a busy machine."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.tokenizing, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.backend, name)
+
+    def encode_batch(self, texts: list[str]) -> list:
+        if threading.current_thread().name.startswith("selfattn-worker"):
+            self.tokenizing.set()
+            self.release.wait(60)
+        return self.backend.encode_batch(texts)
+
+
+@pytest.mark.timeout(90)
+def test_a_full_queue_is_refused_at_once_while_a_run_holds_the_tokenizer(model, monkeypatch):
+    """A real uvicorn, one worker, no queue: while the run is held in its tokenizing, the next
+    request is refused (503) before the run is let go: the event loop never waits for the
+    tokenizer's lock (tokens are counted on the worker, after admission)."""
+    stalled = StalledTokenizer(model.tokenizer.backend)
+    monkeypatch.setattr(model.tokenizer, "backend", stalled)
+    with _serving(server.create_app(model, workers=1, queue=0)) as port:
+        try:
+            held = _post(port, BANK)
+            assert stalled.tokenizing.wait(30), "the run did not start"
+            refused = _post(port, RIVER)
+            try:  # within the connection's 30 s, the run still held
+                assert _status(refused) == 503
+            except TimeoutError:
+                pytest.fail("the refusal waited for the run holding the tokenizer")
+        finally:
+            stalled.release.set()
+        assert _status(held) == 200
+
+
+@pytest.mark.timeout(60)
+def test_serialising_a_large_answer_lets_the_event_loop_run():
+    """A worker's answer is made into JSON row by row, so the event loop (here the main
+    thread) takes turns meanwhile, as it must to refuse a request at once: one json.dumps of
+    it held the GIL throughout. The text is json.dumps's exactly."""
+    rows = [[i + j / 7 for j in range(500)] for i in range(2000)]  # ~0.4 s of json.dumps
+    payload = {"tokens": ["a", "b"], "attention": rows, "steps": [{"weights": rows[:3]}]}
+    answer, done = [], threading.Event()
+
+    def serialise():
+        answer.append(server.as_json(payload).body)
+        done.set()
+
+    turns = 0
+    worker = threading.Thread(target=serialise)
+    worker.start()
+    while not done.is_set():
+        time.sleep(0.001)  # gives up the GIL; taking it back waits for the worker to let go
+        turns += 1
+    worker.join()
+    assert turns >= 10
+    assert answer == [json.dumps(payload).encode()]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"a": [[1, 2.5], [float("nan"), -0.0]], "b": [], "c": [{"d": None, "e": [True]}]},
+        {1: [[1]], "é\n": "\u2028"},  # a key json.dumps would turn into a string; escapes
+        [[], [1]],
+        ([(1, 2)], "x"),
+        "text",
+    ],
+)
+def test_json_text_is_json_dumps(value):
+    assert server.json_text(value) == json.dumps(value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -949,9 +1034,29 @@ def test_the_benchmark_reports_a_burst_where_every_request_failed(bench):
     assert "0.0 answered/s**; errors: 503 /api/view: 5" in bench.table(result)
 
 
+def test_the_benchmark_reports_bursts_by_when_sent_and_answer(bench, model):
+    assert model.tokenizer.count(bench.LONG) == 464  # as the table says
+    result = bench.Result(1, 1, 1.0, latencies={"view": [0.1]})
+    result.bursts = {("view", "later", 503): [0.01, 0.03], ("view", "at once", 200): [2.0]}
+    assert bench.table(result).endswith(
+        "\n| view | at once | 200 | 1 | 2000 | 2000 | 2000 | 2000 |"
+        "\n| view | later | 503 | 2 | 20 | 28 | 30 | 30 |"
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_burst_of_requests_has_no_errors_and_steady_memory(bench):
-    result = bench.measure(requests=40, clients=4, timeout=60.0)
+    result = bench.measure(requests=40, clients=4, timeout=60.0, at_once=0)
     assert result.errors == {}, result.errors
     assert result.rss_after - result.rss_before < 200 * 2**20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bursts_of_long_requests_are_answered_or_refused_without_errors(bench):
+    result = bench.measure(requests=5, clients=1, timeout=150.0, at_once=12, rounds=1)
+    assert result.errors == {}, result.errors
+    for label, _, _ in bench.LONG_CALLS:  # every request of a burst answered: run or refused
+        answered = [len(result.bursts.get((label, "at once", status), [])) for status in (200, 503)]
+        assert sum(answered) == 12, result.bursts

@@ -1025,6 +1025,70 @@ def test_wording_of_equal_entropies_sentence_counts_and_the_text_limit(browser, 
     assert page.text_content("#error") == "give 2 to 4 sentences to compare"
 
 
+def test_the_text_limit_is_said_when_a_text_was_cut_only(browser, base_url):
+    """The notice shows when an edit was cut at the limit (filled, typed or pasted), until the
+    next edit; never for a text that fits, one of exactly the limit included."""
+    watched = Watched(browser, base_url)
+    page = watched.page
+    limit = server.MAX_CHARS
+
+    def edit(action) -> tuple[int, bool]:
+        action()
+        return len(page.input_value("#explore-text")), page.is_visible("#explore-text-limit")
+
+    def fill(n: int):
+        return edit(lambda: page.fill("#explore-text", "x" * n))
+
+    assert fill(limit - 1) == (limit - 1, False)
+    assert fill(limit) == (limit, False)
+    assert fill(limit + 1) == (limit, True)
+    assert page.text_content("#explore-text-limit") == (
+        "2,000 characters at most: the rest of a longer text is left out."
+    )
+    assert fill(limit) == (limit, False)  # this edit fits
+    assert edit(lambda: page.keyboard.type("y")) == (limit, True)  # typed at the limit
+    assert edit(lambda: page.keyboard.press("Backspace")) == (limit - 1, False)
+
+    def paste(text: str, into: int):
+        fill(into)
+        page.evaluate("(text) => navigator.clipboard.writeText(text)", text)
+        return edit(lambda: page.keyboard.press("Control+V"))
+
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    assert paste("line\r\n" * 2, limit - 10) == (limit, False)  # a line break counts one
+    assert paste("line\r\n" * 2 + "!", limit - 10) == (limit, True)
+    watched.check_clean()
+
+
+def test_the_title_names_the_view_shown_and_the_model(browser, base_url, decoder_url):
+    """The window's title follows the tabs, Back and Forward, whichever view ran last."""
+    watched = Watched(browser, base_url, f"/?text={quote(BANK)}&word=bank")
+    watched.wait("#app")
+    page = watched.page
+    titled = "{} · all-MiniLM-L6-v2 · selfattn web explorer".format
+    assert page.title() == titled("Explore")
+    page.click("#tab-compare")
+    assert page.title() == titled("Compare a word")
+    page.click("#compare-run")
+    watched.wait("#compare-result")
+    page.click("#tab-ablation")
+    assert page.title() == titled("Similarity & scale")
+    page.go_back()
+    page.wait_for_function("() => !document.querySelector('[aria-busy]')")
+    assert page.title() == titled("Compare a word")
+    page.click("#tab-explore")
+    page.click("#explore-run")
+    watched.wait("#app")
+    assert page.title() == titled("Explore")
+    watched.check_clean()
+
+    decoder = httpx.get(decoder_url + "/api/models").json()["models"][0]["name"]
+    watched = Watched(browser, decoder_url, generate_address(prompt=PROMPT, n=3, seed=1))
+    watched.wait("#generate-result")
+    assert watched.page.title() == f"Generate · {decoder} · selfattn web explorer"
+    watched.check_clean()
+
+
 def test_entropies_the_same_as_shown_are_as_spread_whatever_the_rounding_noise(browser, base_url):
     # the model's own similarity, and its scale 1/sqrt(32) to 7 digits: entropies 3e-7 apart
     same = f"/?view=ablation&text={quote(BANK)}&word=bank&similarity=dot&scale=0.1767767"

@@ -17,12 +17,17 @@ Safety, because a browser tab is an untrusted client:
   answered then, so a web page cannot reach the API through DNS rebinding.
 - Bodies are JSON objects (``Content-Type: application/json``, else 415) with typed, known
   fields only (unknown fields are refused) and of a declared size under ``MAX_BODY`` (411/413,
-  before they are read); texts are limited in characters (413) and in the model's positions
-  (413), and a generation in new tokens (413), before any work starts.
+  before they are read); texts are limited in characters (413) and a generation in new tokens
+  (413) before a request is admitted, and texts in the model's positions (413) on its worker,
+  before its run.
 - Model runs happen on a small thread pool under ``torch.inference_mode()``; at most
   ``workers + queue`` requests are admitted, the rest get 503 "busy" at once, so a burst
-  waits in a bounded queue instead of piling up memory. A request whose client leaves before
-  its run starts is dropped and frees its place in the queue.
+  waits in a bounded queue instead of piling up memory. The event loop never waits for a run,
+  or every request would wait with it, refusals too: it reads, checks and admits requests;
+  tokenizing (even to count tokens: it takes the tokenizer's lock, which a run holds while it
+  tokenizes) happens on the workers, and so does making the answer's JSON, in pieces (one
+  ``json.dumps`` of megabytes holds the GIL, which the loop needs). A request whose client
+  leaves before its run starts is dropped and frees its place in the queue.
 - Every error is one line of ``detail``: user mistakes (``SelfAttnError``, ``ValueError``,
   ``IndexError``) are 400 with their message (options named as the page names them), anything
   else is a generic 500 whose traceback goes to the server's log only.
@@ -128,6 +133,10 @@ class Selection(StrictBody):
     layer: Layer = None
     head: Head = None
 
+    def texts(self) -> dict[str, str]:
+        """The texts to run, by their name in a message."""
+        return {"the text": self.text}
+
 
 class ExplainRequest(Selection):
     """`selfattn explain --json`'s options."""
@@ -148,6 +157,10 @@ class CompareRequest(StrictBody):
     word: str = Field(max_length=MAX_CHARS, description="The word to follow across the sentences.")
     occurrence: int = Field(0, description=OCCURRENCE + " In every sentence.")
 
+    def texts(self) -> dict[str, str]:
+        """The texts to run, by their name in a message."""
+        return {f"sentence {number}": text for number, text in enumerate(self.sentences, 1)}
+
 
 class GenerateRequest(StrictBody):
     """`selfattn generate --html`'s options: the sampling, and what its page opens on."""
@@ -166,6 +179,14 @@ class GenerateRequest(StrictBody):
     layer: int = Field(-1, description="The layer shown first (negative counts from the end).")
     head: int | Literal["mean"] = Field("mean", description="The head shown first, or 'mean'.")
     step: int = Field(0, description="The new token shown first (0 = the first generated).")
+
+    def texts(self) -> dict[str, str]:
+        """The texts to run, by their name in a message."""
+        return {"the prompt": self.prompt}
+
+
+Body = Selection | CompareRequest | GenerateRequest
+Run = Callable[[Model, Any], Response]  # a model run for one request (its body): its answer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,31 +269,38 @@ def _inference(function: Callable[..., Any], *args: Any) -> Any:
         return function(*args)
 
 
-def check_size(model: Model, text: str, name: str = "the text") -> None:
-    """413 for a text over the character limit or the model's positions, before any run;
-    ``name`` says which text in the message ("sentence 2" of several)."""
-    if len(text) > MAX_CHARS:
-        raise TooLarge(
-            f"{name} is {len(text):,} characters; the explorer takes at most {MAX_CHARS:,}: "
-            "shorten it"
-        )
+def check_length(body: Body) -> None:
+    """413 for a text over the character limit: on the event loop, before admission."""
+    for name, text in body.texts().items():
+        if len(text) > MAX_CHARS:
+            raise TooLarge(
+                f"{name} is {len(text):,} characters; the explorer takes at most {MAX_CHARS:,}: "
+                "shorten it"
+            )
+
+
+def check_tokens(model: Model, body: Body) -> None:
+    """413 for a text over the model's positions: on the worker, before the run (counting
+    tokenizes, under the tokenizer's lock that runs hold while they tokenize)."""
+    if model.tokenizer is None:
+        return
     limit = model.config.max_positions
-    if model.tokenizer is not None and (count := model.tokenizer.count(text)) > limit:
-        raise TooLarge(
-            f"{name} is {count:,} tokens; {model.name} takes at most {limit:,}: shorten it"
-        )
+    for name, text in body.texts().items():
+        if (count := model.tokenizer.count(text)) > limit:
+            raise TooLarge(
+                f"{name} is {count:,} tokens; {model.name} takes at most {limit:,}: shorten it"
+            )
 
 
 def check_generation(model: Model, body: GenerateRequest) -> None:
-    """400 for an encoder, or a layer, head or step the page would not have; 413 for a prompt
-    or a generation over the limits: before any run."""
+    """400 for an encoder, or a layer, head or step the page would not have; 413 for a
+    generation over the limit: before admission."""
     if model.config.kind != "decoder":
         raise SelfAttnError(
             f"Generate needs a decoder (GPT or Llama family); {model.name} is an encoder: serve "
             "a model trained by `selfattn train` (--checkpoint) or a GPT-2, GPT-NeoX, Llama, "
             "Mistral, Qwen, Phi-3 or Gemma folder (--model)"
         )
-    check_size(model, body.prompt, "the prompt")
     if body.max_new_tokens > MAX_NEW_TOKENS:
         raise TooLarge(
             f"{body.max_new_tokens:,} new tokens asked for; the explorer generates at most "
@@ -323,7 +351,19 @@ def _refuse_body(request: Request) -> JSONResponse | None:
 def as_json(data: dict) -> Response:
     """Serialise on the worker (large payloads) as the command line prints them, options named
     as the page names them."""
-    return Response(json.dumps(for_the_page(data)), media_type="application/json")
+    return Response(json_text(for_the_page(data)), media_type="application/json")
+
+
+def json_text(value: Any) -> str:
+    """``json.dumps(value)``, the same text, made row by row: one ``json.dumps`` holds the GIL
+    throughout (0.1-0.25 s for the 5 MB of a 464-token explain), stopping the event loop and
+    its refusals; between rows the GIL changes hands (Python's switch interval: 5 ms)."""
+    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+        items = (f"{json.dumps(key)}: {json_text(item)}" for key, item in value.items())
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, list | tuple) and value and isinstance(value[0], list | tuple | dict):
+        return "[" + ", ".join(json_text(item) for item in value) + "]"
+    return json.dumps(value)
 
 
 # The page's names for the options that messages name: its form fields, and Explore's tokens
@@ -423,6 +463,13 @@ def create_app(
     # HEAD as well, out of the schema (one operation per route there)
     app.add_api_route("/api/models", models, methods=["HEAD"], include_in_schema=False)
 
+    async def run(function: Run, body: Body, request: Request) -> Response:
+        """``function(model, body)`` on a worker, once admitted (else 503 at once); a text over
+        the character limit is refused before (413), one over the model's positions on the
+        worker (413)."""
+        check_length(body)
+        return await pool.run(_fitted, function, model, body, receive=request.receive)
+
     @app.post("/api/explain")
     async def explain(body: ExplainRequest, request: Request) -> Response:
         """What `selfattn explain --json` prints for the same options: every step's numbers.
@@ -430,30 +477,32 @@ def create_app(
         ``weights`` = softmax(``scaled``), ``output`` = weights @ ``values``; with
         ``similarity``/``scale``, ``alternative`` holds the head recomputed that way.
         """
-        check_size(model, body.text)
-        return await pool.run(_explain, model, body, receive=request.receive)
+        return await run(_explain, body, request)
 
     @app.post("/api/view")
     async def view(body: Selection, request: Request) -> Response:
         """The live page's payload: q, k, v of every layer and head (see selfattn.viz.html)."""
-        check_size(model, body.text)
-        return await pool.run(_view, model, body, receive=request.receive)
+        return await run(_view, body, request)
 
     @app.post("/api/compare")
     async def compare(body: CompareRequest, request: Request) -> Response:
         """What `selfattn compare --json` prints: the word's cosine similarity, layer by layer."""
-        for number, sentence in enumerate(body.sentences, 1):
-            check_size(model, sentence, f"sentence {number}")
-        return await pool.run(_compare, model, body, receive=request.receive)
+        return await run(_compare, body, request)
 
     @app.post("/api/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
         """A decoder's continuation of the prompt, and per new token the attention that chose
         it: the payload of `selfattn generate --html`'s page, plus ``text`` (the continuation)."""
         check_generation(model, body)
-        return await pool.run(_generate, model, body, receive=request.receive)
+        return await run(_generate, body, request)
 
     return app
+
+
+def _fitted(function: Run, model: Model, body: Body) -> Response:
+    """``function(model, body)`` once the body's texts fit the model's positions (413)."""
+    check_tokens(model, body)
+    return function(model, body)
 
 
 def _explain(model: Model, body: ExplainRequest) -> Response:

@@ -80,6 +80,7 @@
       const data = await work.fetch();
       if (ticket !== tickets[view]) return;
       work.show(data);
+      showTitle(); // view.js and generation.js title the page after their own model view
       target.dataset.ready = "true";
       $("status").textContent = `${TITLES[view]}: the result is below.`;
     } catch (error) {
@@ -497,11 +498,17 @@
     openView = view;
     showError(failures[view]); // an error belongs to the view it came from
     showProgress(); // and so does a run in flight
+    showTitle(); // and the window's title
     for (const name of Object.keys(VIEWS)) {
       $(`view-${name}`).hidden = name !== view;
       $(`tab-${name}`).classList.toggle("active", name === view);
       $(`tab-${name}`).setAttribute("aria-pressed", String(name === view));
     }
+  }
+
+  /** The window's title (its tab, its history entries): the view on screen and the model, once known. */
+  function showTitle() {
+    document.title = [TITLES[openView], info?.models[0].name, "selfattn web explorer"].filter(Boolean).join(" · ");
   }
 
   function describeModel() {
@@ -515,16 +522,22 @@
     for (let i = 0; i < model.heads; i++) $("ablation-head").append(h("option", { value: String(i) }, `head ${i}`));
   }
 
-  /** The server's limit on a text; the browser cuts a longer paste there without a word, so a notice under it says so. */
+  /**
+   * The server's limit on a text; the browser cuts a longer paste (or typing) there without a word, so
+   * a notice under it says so, until the next edit: shown when an edit inserts more than the room left,
+   * never for a text that fits, one of exactly the limit included.
+   */
   function limitText(id) {
     const most = limits().max_chars;
     const notice = h("p", { id: `${id}-limit`, class: "notice wide", role: "status", hidden: "" });
     $(id).closest("label").after(notice);
     $(id).setAttribute("aria-describedby", notice.id);
     $(id).maxLength = most;
-    $(id).addEventListener("input", () => {
-      const full = $(id).value.length >= most;
-      say(notice.id, full ? `${most.toLocaleString("en")} characters at most: the rest of a longer text is left out.` : "");
+    $(id).addEventListener("beforeinput", (event) => {
+      const { value, selectionStart, selectionEnd } = $(id);
+      const inserted = (event.data ?? event.dataTransfer?.getData("text/plain") ?? "").replace(/\r\n?/g, "\n"); // a line break counts one
+      const cut = inserted.length > most - value.length + (selectionEnd - selectionStart);
+      say(notice.id, cut ? `${most.toLocaleString("en")} characters at most: the rest of a longer text is left out.` : "");
     });
   }
 
