@@ -49,7 +49,8 @@ gets output 0 and zero gradients. Inputs in float16/bfloat16 are computed in flo
 
 The forward and the backward are two operators, ``torch.ops.selfattn.chunked_forward`` and
 ``chunked_backward``, which torch.compile calls whole (``fullgraph=True`` works) instead of
-tracing their Python loops, unrolled per tile and broken at each branch on tensor values.
+tracing their Python loops, unrolled per tile and broken at each branch on tensor values
+(on torch 2.4, with static shapes only).
 """
 
 from __future__ import annotations
@@ -227,22 +228,6 @@ def finite_bias(bias: Tensor | None, compute: torch.dtype, unit: float) -> Tenso
     return torch.where(bias.isinf(), bias, clamped)
 
 
-# The kernels as operators (see the module's docstring), registered with a Library rather than
-# torch.library.custom_op: about 15 us a call on this CPU, where custom_op's autograd wrapper
-# added 0.1-0.2 ms to a forward and backward. _ChunkedAttention is their autograd formula, which
-# torch.compile traces through (torch 2.4 and later).
-_LIBRARY = torch.library.Library("selfattn", "FRAGMENT")
-_LIBRARY.define(
-    "chunked_forward(Tensor query, Tensor key, Tensor value, Tensor? allowed, Tensor? bias, "
-    "SymInt[] lead, bool causal, float scale, SymInt block_q, SymInt block_k) -> (Tensor, Tensor)"
-)
-_LIBRARY.define(
-    "chunked_backward(Tensor grad_output, Tensor query, Tensor key, Tensor value, "
-    "Tensor? allowed, Tensor? bias, Tensor output, Tensor lse, SymInt[] lead, bool causal, "
-    "float scale, SymInt block_q, SymInt block_k, bool bias_grad) -> Tensor[]"
-)
-
-
 def _forward_op(
     query: Tensor,
     key: Tensor,
@@ -306,10 +291,34 @@ def _backward_fake(
     return [*grads, torch.empty_like(bias)] if config_and_bias_grad[-1] else grads
 
 
-_LIBRARY.impl("chunked_forward", _forward_op, "CompositeExplicitAutograd")
-_LIBRARY.impl("chunked_backward", _backward_op, "CompositeExplicitAutograd")
-torch.library.register_fake("selfattn::chunked_forward", _forward_fake, lib=_LIBRARY)
-torch.library.register_fake("selfattn::chunked_backward", _backward_fake, lib=_LIBRARY)
+# The kernels as operators (see the module's docstring), registered with a Library rather than
+# torch.library.custom_op: about 15 us a call on this CPU, where custom_op's autograd wrapper
+# added 0.1-0.2 ms to a forward and backward. _ChunkedAttention is their autograd formula, which
+# torch.compile traces through (torch 2.4 and later, static shapes there: its SymFloat scale
+# under dynamic=True fails). Defined once per process: a reload (Jupyter's autoreload) or a
+# second copy of this file keeps the first Library, whose handles torch.ops has cached.
+def _define_operators() -> torch.library.Library:
+    """The Library that defines the two operators, with their kernels and shape functions."""
+    library = torch.library.Library("selfattn", "FRAGMENT")
+    library.define(
+        "chunked_forward(Tensor query, Tensor key, Tensor value, Tensor? allowed, Tensor? bias, "
+        "SymInt[] lead, bool causal, float scale, SymInt block_q, SymInt block_k) "
+        "-> (Tensor, Tensor)"
+    )
+    library.define(
+        "chunked_backward(Tensor grad_output, Tensor query, Tensor key, Tensor value, "
+        "Tensor? allowed, Tensor? bias, Tensor output, Tensor lse, SymInt[] lead, bool causal, "
+        "float scale, SymInt block_q, SymInt block_k, bool bias_grad) -> Tensor[]"
+    )
+    library.impl("chunked_forward", _forward_op, "CompositeExplicitAutograd")
+    library.impl("chunked_backward", _backward_op, "CompositeExplicitAutograd")
+    torch.library.register_fake("selfattn::chunked_forward", _forward_fake, lib=library)
+    torch.library.register_fake("selfattn::chunked_backward", _backward_fake, lib=library)
+    return library
+
+
+if not hasattr(torch.ops.selfattn, "chunked_forward"):
+    _LIBRARY = _define_operators()
 
 
 class _ChunkedAttention(torch.autograd.Function):
