@@ -223,8 +223,8 @@ def _check_activations_fit(preset: Preset, vocab_size: int, device: torch.device
     """Refuse, before any batch is allocated (and, on a fresh run, any weight), a batch (or
     block) whose activations could not fit in the device's memory even at a lower bound of
     their size: ``KEPT_PER_LAYER`` × n_embd floats per layer, and the logits twice (softmax's
-    output, their gradient), per token. Memory is the GPU's, or this machine's RAM (all of it, used or not); nothing is
-    refused where the system does not say how much there is."""
+    output, their gradient), per token. Memory is the GPU's, or this machine's RAM (all of
+    it, used or not); nothing is refused where the system does not say how much there is."""
     memory = _memory_bytes(device)
     if memory is None:
         return
