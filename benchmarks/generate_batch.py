@@ -8,7 +8,10 @@ words (a word-level tokenizer built here: no downloads). Prompts of 4 to 64 word
 one thread (``torch.set_num_threads(1)``), the key/value cache on. Both ways are warmed up,
 then timed in interleaved rounds; prints the best and median seconds and the speed-up (best
 against best), and whether every batched text equals its single call's (weights drawn
-N(0, 0.3), so that greedy steps are far from ties).
+N(0, 0.3), so that greedy steps are far from ties). The seconds are this process's CPU time
+(``time.process_time``): on one thread it is the wall time of an idle machine, and on a
+shared one other jobs' load stretches the wall time far more than it (time waiting for a
+core is not counted).
 
     python benchmarks/generate_batch.py              # 5 rounds (~1 min)
     python benchmarks/generate_batch.py --rounds 2
@@ -66,10 +69,10 @@ def model(network: Decoder, name: str) -> Model:
 
 
 def timed(run: Callable[[], object], times: list[float]) -> None:
-    """Run ``run`` once and append its wall time in seconds to ``times``."""
-    start = time.perf_counter()
+    """Run ``run`` once and append its CPU time in seconds to ``times``."""
+    start = time.process_time()
     run()
-    times.append(time.perf_counter() - start)
+    times.append(time.process_time() - start)
 
 
 def measured(decoder: Model, prompts: list[str], rounds: int) -> str:
@@ -105,7 +108,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, 1 thread")
     print(f"{len(prompts)} prompts of {PROMPT_WORDS[0]}-{PROMPT_WORDS[-1]} tokens, "
           f"{NEW_TOKENS} new tokens each, greedy\n")  # fmt: skip
-    print("| model | 8 single calls (s) | one batch of 8 (s) | speed-up | same texts |")
+    print("| model | 8 single calls (CPU s) | one batch of 8 (CPU s) | speed-up | same texts |")
     print("|---|---|---|---|---|")
     for name, network in networks().items():
         print(measured(model(network, name), prompts, args.rounds))

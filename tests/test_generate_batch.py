@@ -147,6 +147,32 @@ def test_the_window_slides_for_a_batch_as_for_each_prompt_alone(decoder):
         assert model.generate(PROMPTS, 70, **options) == alone
 
 
+@pytest.mark.parametrize("decoder", ["gpt2", "llama-tied-mha-llama3", "llama"], indirect=True)
+def test_a_batch_recorded_whole_keeps_every_steps_attention_as_hugging_faces(decoder):
+    """One record() around 16 cached steps of the left-padded batch: read after the last
+    step, each step's captures give each row's last query row as Hugging Face's eager
+    ``output_attentions`` of that step, 1e-5 (padding weighed 0 by both). The captured keys
+    and values of multi-head layers (GPT-2's, the tied Llama's) are views of the caches'
+    storage, which later steps write into: an earlier step's must not have changed."""
+    folder, _, model = decoder
+    ids, mask = left_padded(prompt_ids(model, PROMPTS))
+    with selfattn.record(model.network) as recording:
+        ours = model.network.generate(ids, 16, attention_mask=mask, temperature=0.0)
+    hf = type(decoder.hf).from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16,
+                             min_new_tokens=16, pad_token_id=0, output_attentions=True,
+                             return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(ours, theirs.sequences)
+    assert len(recording) == 16 * model.config.n_layers
+    for layer in range(model.config.n_layers):
+        for capture, step in zip(recording.layer(layer), theirs.attentions, strict=True):
+            for row in range(len(PROMPTS)):
+                torch.testing.assert_close(
+                    capture.weights(batch=row)[:, -1], step[layer][row, :, -1], atol=1e-5, rtol=0
+                )
+
+
 def end_tokens(free: list[list[int]]) -> set[int]:
     """From each row r of a free run, the first token at step 2 + 3r or later that the row
     has not written before (none where it only repeats itself)."""

@@ -22,6 +22,7 @@ from selfattn import (
 from selfattn.errors import SelfAttnError
 from selfattn.layers import GatedFeedForward, GroupedQueryAttention, RMSNorm, RotaryPositions
 from selfattn.models.gpt import GPT, GPTConfig
+from selfattn.models.llama import Llama, LlamaConfig
 from test_attention import compile_whole
 
 
@@ -442,17 +443,23 @@ def _layer_and_run(kind):
     if kind == "block":
         block = TransformerBlock(16, 4, 32, norm_first=True).double().train()
         return block, lambda layer: layer(x, causal=True)
-    gpt = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16))
     ids = torch.randint(0, 11, (2, 8))
+    if kind == "llama":
+        sizes = {"d_model": 16, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 4}
+        llama = Llama(LlamaConfig(11, **sizes, d_ff=24, max_positions=8))
+        positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 1, 2, 3, 4, 5]])
+        return llama.double().train(), lambda model: model(ids, ids, position_ids=positions).loss
+    gpt = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16))
     return gpt.double().train(), lambda model: model(ids, ids).loss
 
 
-@pytest.mark.parametrize("kind", ["multihead", "block", "gpt"])
+@pytest.mark.parametrize("kind", ["multihead", "block", "gpt", "llama"])
 def test_layers_compile_whole_and_match_eager(kind):
     """torch.compile(fullgraph=True) (aot_eager, see compile_whole) on MultiHeadAttention with
-    a fully padded sequence, a causal TransformerBlock and a GPT's training forward with its
-    loss (before: a graph break where attend read record()'s context variable): float64
-    outputs and parameter gradients equal eager's within 1e-12, with no NaN."""
+    a fully padded sequence, a causal TransformerBlock, and a GPT's and a Llama's training
+    forward with its loss (before: a graph break where attend read record()'s context
+    variable; the Llama's rotary angles computed once per forward, with per-row positions):
+    float64 outputs and parameter gradients equal eager's within 1e-12, with no NaN."""
     layer, run = _layer_and_run(kind)
     results = []
     for model in (layer, compile_whole(layer)):
@@ -563,6 +570,72 @@ def test_a_cache_equals_the_uncached_layer_and_refuses_another_batch():
     torch.testing.assert_close(torch.cat(parts, 1), layer(x, causal=True), atol=1e-12, rtol=0)
     with pytest.raises(ValueError, match=r"holds keys of leading dims \(2, 4\).*got \(3, 4\)"):
         layer(torch.randn(3, 1, 16, dtype=torch.float64), causal=True, cache=cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_caches_earlier_keys_and_values_never_change_as_it_grows(dtype):
+    """Steps of 3, 1, 1, 2, 1, 5, 1 and 0 tokens (the storage doubles three times, each step
+    between writes in place): each returned key and value, read after the last step, still
+    equals exactly the concatenation of the steps so far (torch.cat, the old cache), as does
+    ``cache.key``/``.value``; the tensors of the first step are never written into; dtype
+    and ``len`` follow the steps, with values wider than keys (7 and 5). The count of
+    storages shows that the steps between doublings write into one."""
+    torch.manual_seed(21)
+    keys = [torch.randn(2, 2, n, 5).to(dtype) for n in (3, 1, 1, 2, 1, 5, 1, 0)]
+    values = [torch.randn(2, 2, n, 7).to(dtype) for n in (3, 1, 1, 2, 1, 5, 1, 0)]
+    first = keys[0].clone(), values[0].clone()
+    cache = KVCache()
+    assert len(cache) == 0 and cache.key is None and cache.value is None
+    returned, storages = [], set()
+    with torch.no_grad():
+        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
+            returned.append(cache.extend(key, value))
+            storages.add(returned[-1][0].untyped_storage().data_ptr())
+            assert len(cache) == sum(k.shape[-2] for k in keys[: i + 1])
+    for i, (key, value) in enumerate(returned):
+        assert key.dtype == value.dtype == dtype
+        assert torch.equal(key, torch.cat(keys[: i + 1], dim=-2))
+        assert torch.equal(value, torch.cat(values[: i + 1], dim=-2))
+    assert torch.equal(cache.key, returned[-1][0]) and torch.equal(cache.value, returned[-1][1])
+    assert torch.equal(keys[0], first[0]) and torch.equal(values[0], first[1])
+    assert len(storages) == 4  # the first step's tensor, then 6, 12 and 24 positions
+
+
+def test_a_cache_filled_under_inference_mode_extends_outside_it():
+    """Storage made under torch.inference_mode() cannot be written in place outside it
+    ("Inplace update to inference tensor"): the cache moves to a new one there, as torch.cat
+    did; the keys and values equal the concatenation exactly."""
+    keys = [torch.randn(1, 2, n, 4) for n in (3, 1, 1)]
+    cache = KVCache()
+    with torch.inference_mode():
+        for key in keys[:2]:
+            cache.extend(key, key)
+    with torch.no_grad():
+        key, value = cache.extend(keys[2], keys[2])
+    assert torch.equal(key, torch.cat(keys, dim=-2)) and torch.equal(value, key)
+    assert not key.is_inference()
+
+
+def test_gradients_through_a_cache_of_many_steps_equal_the_uncached_layers():
+    """Under autograd the cache concatenates (an in-place write would invalidate what the
+    earlier steps saved for backward: "modified by an inplace operation"): 7 tokens fed as 2,
+    1, 1, 3 to a rotary, grouped layer give the output and the gradients of the input and of
+    every weight of one uncached call, float64 1e-12."""
+    torch.manual_seed(22)
+    layer = GroupedQueryAttention(12, 6, n_kv_heads=2, head_dim=4).double()
+    x = torch.randn(2, 7, 12, dtype=torch.float64, requires_grad=True)
+    cache = KVCache()
+    parts = [layer(part, causal=True, cache=cache) for part in x.split([2, 1, 1, 3], dim=1)]
+    cached = torch.cat(parts, dim=1)
+    whole = layer(x, causal=True)
+    torch.testing.assert_close(cached, whole, atol=1e-12, rtol=0)
+    inputs = [x, *layer.parameters()]
+    for ours, expected in zip(
+        torch.autograd.grad(cached.square().sum(), inputs),
+        torch.autograd.grad(whole.square().sum(), inputs),
+        strict=True,
+    ):
+        torch.testing.assert_close(ours, expected, atol=1e-12, rtol=0)
 
 
 # The Llama family's layers: RoPE, grouped-query attention, RMSNorm, SwiGLU.

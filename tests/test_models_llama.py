@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -293,6 +294,33 @@ def test_logits_and_every_hidden_state_match_hugging_face(family, family_name):
         0, model.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(2)
     )
     assert_logits_and_states_match(model, hf, input_ids)  # 1e-4
+
+
+@pytest.mark.parametrize("family_name", ["llama", "gpt_neox"], indirect=True)
+def test_rotary_angles_are_computed_once_per_forward_and_compile_whole(family):
+    """The blocks share one RotaryPositions, whose cos and sin one forward computes once for
+    every layer's q and k (before: twice per layer): one call for 3 layers. Rows at their own
+    positions (row 1 from 5 on) give Hugging Face's logits, 1e-4; the loaded network under
+    torch.compile(fullgraph=True) gives eager's, 1e-5 (a whole rotation and a partial one)."""
+    _, hf, model = family
+    network = model.network
+    rotary = network.blocks[0].attention.rotary
+    assert all(block.attention.rotary is rotary for block in network.blocks)
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4)
+    )
+    positions = torch.arange(11) + torch.tensor([[0], [5]])
+    with torch.no_grad(), mock.patch.object(rotary, "angles", wraps=rotary.angles) as angles:
+        ours = network(ids, position_ids=positions).logits
+        theirs = hf(ids, position_ids=positions).logits
+    assert angles.call_count == 1
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(network, fullgraph=True, backend="eager")
+        torch.testing.assert_close(
+            compiled(ids, position_ids=positions).logits, ours, atol=1e-5, rtol=0
+        )
 
 
 def assert_half_precision_like_hugging_face(folder, hf, model, dtype) -> None:

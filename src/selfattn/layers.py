@@ -26,27 +26,65 @@ from selfattn.recording import active_recording
 
 
 class KVCache:
-    """Keys and values of the tokens seen so far, for one attention layer while decoding."""
+    """Keys and values of the tokens seen so far, for one attention layer while decoding.
+
+    A step writes only its own tokens, in place, into storage that doubles when full, instead
+    of copying the whole cache (torch.cat: 5% of a GPT's batched generation at 100 tokens,
+    more the longer the context); the first step's tensors are kept as they are. ``key`` and
+    ``value`` are views of the filled part, and nothing is ever written below ``len(cache)``,
+    so what an earlier step returned (and a recording kept) never changes. While gradients
+    flow it concatenates instead: an in-place write would invalidate the views that autograd
+    saved for backward.
+    """
 
     def __init__(self) -> None:
-        self.key: Tensor | None = None  # (B, H, S, D)
-        self.value: Tensor | None = None  # (B, H, S, Dv)
+        self._key: Tensor | None = None  # (B, H, capacity, D)
+        self._value: Tensor | None = None  # (B, H, capacity, Dv)
+        self._length = 0
 
     def __len__(self) -> int:
-        return 0 if self.key is None else self.key.shape[-2]
+        return self._length
+
+    @property
+    def key(self) -> Tensor | None:
+        """The cached keys (B, H, S, D), None before the first step."""
+        return None if self._key is None else self._key[..., : self._length, :]
+
+    @property
+    def value(self) -> Tensor | None:
+        """The cached values (B, H, S, Dv), None before the first step."""
+        return None if self._value is None else self._value[..., : self._length, :]
 
     def extend(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """Append the new tokens' keys and values; return all of them."""
-        if self.key is not None and key.shape[:-2] != self.key.shape[:-2]:
+        if self._key is not None and key.shape[:-2] != self._key.shape[:-2]:
             raise ValueError(
-                f"this KVCache holds keys of leading dims {tuple(self.key.shape[:-2])} (batch, "
+                f"this KVCache holds keys of leading dims {tuple(self._key.shape[:-2])} (batch, "
                 f"heads), got {tuple(key.shape[:-2])}; use a new cache for another batch"
             )
-        if self.key is not None:
-            key = torch.cat([self.key, key], dim=-2)
-            value = torch.cat([self.value, value], dim=-2)
-        self.key, self.value = key, value
-        return key, value
+        start, end = self._length, self._length + key.shape[-2]
+        self._key = _written(self._key, key, start, end)
+        self._value = _written(self._value, value, start, end)
+        self._length = end
+        return self._key[..., :end, :], self._value[..., :end, :]
+
+
+def _written(storage: Tensor | None, new: Tensor, start: int, end: int) -> Tensor:
+    """A cache's ``storage`` holding ``new`` at positions start .. end - 1 (those before it
+    filled): ``new`` itself at first, a concatenation while gradients flow, else written in
+    place, into storage of twice the size when full."""
+    if storage is None:
+        return new
+    if torch.is_grad_enabled() and (new.requires_grad or storage.requires_grad):
+        return torch.cat([storage[..., :start, :], new], dim=-2)
+    # Storage made under torch.inference_mode() cannot be written outside it: a new one.
+    locked = storage.is_inference() and not torch.is_inference_mode_enabled()
+    if end > storage.shape[-2] or locked:
+        grown = new.new_empty(*new.shape[:-2], max(end, 2 * storage.shape[-2]), new.shape[-1])
+        grown[..., :start, :] = storage[..., :start, :]
+        storage = grown
+    storage[..., start:end, :] = new
+    return storage
 
 
 class AttentionModule(nn.Module):
@@ -385,6 +423,20 @@ class GroupedQueryAttention(AttentionModule):
             f"{super().extra_repr()}"
         )
 
+    def angles(
+        self,
+        length: int,
+        offset: int = 0,
+        positions: Tensor | None = None,
+        device: torch.device | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """cos and sin of the rotation of ``length`` tokens at positions offset ..
+        offset+T-1, or at ``positions`` (B, T), shaped for (B, H, T, hd) heads: the same for
+        every layer that shares this one's ``rotary``."""
+        if positions is not None:
+            positions = positions.unsqueeze(-2)  # (B, 1, T): the same for every head
+        return self.rotary.angles(length, offset, positions, device)
+
     def split_heads(self, x: Tensor) -> Tensor:
         b, t, width = x.shape  # heads spelled out: view(..., -1, ...) fails on 0 elements
         return x.view(b, t, width // self.head_dim, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
@@ -397,10 +449,12 @@ class GroupedQueryAttention(AttentionModule):
         causal: bool = False,
         cache: KVCache | None = None,
         positions: Tensor | None = None,
+        angles: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """x: (B, T, D) -> (B, T, D); its tokens sit at positions len(cache) .. len(cache)+T-1,
         or at ``positions`` (B, T) where given (a left-padded batch's rows start at 0 after
-        their padding).
+        their padding); ``angles``, what :meth:`angles` gives for them, spares computing them
+        again in every layer.
 
         ``mask`` broadcasts to (B, H, T, S), True = may attend.
         """
@@ -411,10 +465,11 @@ class GroupedQueryAttention(AttentionModule):
         value = self.split_heads(self.W_v(x))  # (B, Hkv, T, hd)
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
-        offset = 0 if cache is None else len(cache)
-        if positions is not None:
-            positions = positions.unsqueeze(-2)  # (B, 1, T): the same for every head
-        query, key = self.rotary(query, offset, positions), self.rotary(key, offset, positions)
+        if angles is None:
+            angles = self.angles(
+                x.shape[1], 0 if cache is None else len(cache), positions, x.device
+            )
+        query, key = self.rotary.turn(query, *angles), self.rotary.turn(key, *angles)
         if cache is not None:
             key, value = cache.extend(key, value)  # (B, Hkv, S, hd)
         output = self.attend(query, key, value, mask, causal)  # (B, H, T, hd)
@@ -524,7 +579,9 @@ class RotaryPositions(nn.Module):
     ``rotary_dim``, is the head's size unless only a part turns (GPT-NeoX and Pythia turn the
     first quarter, ``rotary_pct``): dims from R on pass through unchanged. The angles are
     computed on the fly in float32, as Llama's reference computes them (no table to allocate
-    for long contexts, none to lose precision when the model is cast to float16).
+    for long contexts, none to lose precision when the model is cast to float16): by
+    :meth:`angles`, once per forward for a network whose layers share this module, then
+    applied to each layer's q and k by :meth:`turn`.
     """
 
     def __init__(
@@ -567,14 +624,32 @@ class RotaryPositions(nn.Module):
                 f"x must have shape (..., length, {self.head_dim}) for these rotary positions "
                 f"(head_dim={self.head_dim}), got {got}; rotate one head's queries or keys"
             )
+        return self.turn(x, *self.angles(x.shape[-2], offset, positions, x.device))
+
+    def angles(
+        self,
+        length: int,
+        offset: int = 0,
+        positions: Tensor | None = None,
+        device: torch.device | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """cos and sin, float32 (..., T, R), of the angles of ``length`` tokens at positions
+        offset .. offset+T-1, or at ``positions`` (..., T): what :meth:`turn` takes. A network
+        whose layers share this module computes them once per forward, for every layer's q
+        and k."""
         if positions is None:
-            positions = torch.arange(offset, offset + x.shape[-2], device=x.device)
-        angles = positions.float().unsqueeze(-1) * self.frequencies(x.device)  # (..., T, R/2)
+            positions = torch.arange(offset, offset + length, device=device)
+        frequencies = self.frequencies(positions.device)
+        angles = positions.float().unsqueeze(-1) * frequencies  # (..., T, R/2)
         angles = torch.cat([angles, angles], dim=-1)  # (..., T, R): dims i and i + R/2 share one
+        return angles.cos(), angles.sin()
+
+    def turn(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x (..., T, D) turned by the angles whose ``cos`` and ``sin`` :meth:`angles` gave."""
         turning, passing = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         first, second = turning.chunk(2, dim=-1)
         half_turned = torch.cat([-second, first], dim=-1)  # each pair (a, b) -> (-b, a)
-        turned = turning * angles.cos().to(x.dtype) + half_turned * angles.sin().to(x.dtype)
+        turned = turning * cos.to(x.dtype) + half_turned * sin.to(x.dtype)
         return turned if passing.shape[-1] == 0 else torch.cat([turned, passing], dim=-1)
 
 

@@ -73,7 +73,7 @@ class Decoder(nn.Module, ABC):
         caches: list[KVCache] | None,
         targets: Tensor | None,
         logits_to_keep: int = 0,
-        **block_options: bool | Tensor | None,
+        **block_options: bool | Tensor | tuple[Tensor, Tensor] | None,
     ) -> DecoderOutput:
         """The blocks over the embedded tokens x (B, T, D), block i under ``masks[i]`` and its
         cache, then the final norm and the head: logits (of the last ``logits_to_keep``

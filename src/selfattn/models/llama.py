@@ -135,13 +135,11 @@ class LlamaBlock(nn.Module):
         *,
         mask: Tensor | None,
         cache: KVCache | None,
-        positions: Tensor | None = None,
+        angles: tuple[Tensor, Tensor],
     ) -> Tensor:
-        """x: (B, T, D) -> (B, T, D), causal; ``mask`` broadcasts to (B, H, T, S); the tokens'
-        ``positions`` (B, T) where they do not follow the cache's (a left-padded batch)."""
-        attended = self.attention(
-            self.norm1(x), mask=mask, causal=True, cache=cache, positions=positions
-        )
+        """x: (B, T, D) -> (B, T, D), causal; ``mask`` broadcasts to (B, H, T, S); ``angles``
+        turn the tokens' q and k (see :meth:`GroupedQueryAttention.angles`)."""
+        attended = self.attention(self.norm1(x), mask=mask, causal=True, cache=cache, angles=angles)
         attended = self.dropout(attended)
         if self.parallel_residual:
             return x + attended + self.dropout(self.feed_forward(self.norm2(x)))
@@ -211,7 +209,9 @@ class Llama(Decoder):
         block_masks = [masks[window] for window in windows]
         if position_ids is not None:  # rotary: any whole number is a position
             check_position_ids(position_ids, input_ids, None)
-        return self.decode(x, block_masks, caches, targets, logits_to_keep, positions=position_ids)
+        # Every block shares one RotaryPositions: its angles are computed once, for all.
+        angles = self.blocks[0].attention.angles(input_ids.shape[1], offset, position_ids, x.device)
+        return self.decode(x, block_masks, caches, targets, logits_to_keep, angles=angles)
 
 
 def window_mask(
