@@ -291,6 +291,84 @@ def test_gradcheck_explicit(options):
     assert torch.autograd.gradcheck(run, (q, k, v), eps=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"causal": True},  # T != S: bottom-right, through a (T, S) mask
+        {"similarity": "cosine", "scale": 0.7},
+        {"mask": "bool"},
+        {"mask": "float"},  # its gradient too
+        {"mask": "fully-masked-row"},
+    ],
+)
+def test_second_derivatives_of_torch_kernel(options):
+    """gradgradcheck (float64 finite differences, atol 1e-8; fast mode: random directions)
+    through torch's fused
+    kernel: its backward has no derivative of its own (torch 2.13 on CPU: "derivative for
+    aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented"), so a
+    backward asked for a graph recomputes through the math kernel."""
+    q, k, v = qkv((), 3, 4, 8, 8, grad=True)  # value dim = head dim: torch takes its fused kernel
+    options = dict(options)
+    kind = options.pop("mask", None)
+    inputs = [q, k, v]
+    if kind == "bool":
+        options["mask"] = torch.tensor([[True, False, True, False]] * 3)
+    elif kind == "float":  # an input, differentiated: run takes it
+        inputs.append(torch.randn(3, 4, dtype=torch.float64, requires_grad=True))
+    elif kind == "fully-masked-row":
+        allowed = torch.ones(3, 4, dtype=torch.bool)
+        allowed[1] = False
+        options["mask"] = allowed
+
+    def run(q, k, v, *float_mask):
+        mask = float_mask[0] if float_mask else options.get("mask")
+        others = {key: value for key, value in options.items() if key != "mask"}
+        return attention(q, k, v, mask=mask, backend="sdpa", **others)
+
+    assert torch.autograd.gradcheck(run, tuple(inputs), eps=1e-6, atol=1e-8, fast_mode=True)
+    assert torch.autograd.gradgradcheck(run, tuple(inputs), eps=1e-6, atol=1e-8, fast_mode=True)
+
+
+def test_gradient_penalty_through_a_layer_equals_the_explicit_one():
+    """A gradient penalty (the norm of d output / d input, itself differentiated) through
+    MultiHeadAttention on the default backend equals the reference's, within 1e-12 (float64)."""
+    from selfattn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(8, 2).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    penalties = {}
+    for backend in ("auto", "explicit"):
+        layer.backend = backend
+        inputs = x.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(layer(inputs).square().sum(), inputs, create_graph=True)
+        layer.zero_grad()
+        grad.square().sum().backward()
+        penalties[backend] = [p.grad.clone() for p in layer.parameters()]
+    for got, want in zip(penalties["auto"], penalties["explicit"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_torch_kernel_backward_twice_with_retained_graph_and_once_without():
+    """retain_graph=True lets a second backward run (the same gradients, exactly); without it
+    a second backward is torch's usual error, as for any graph already freed."""
+    q, k, v = qkv((2,), 6, 6, 4, 4, grad=True)
+    output = attention(q, k, v, causal=True, backend="sdpa")
+    first = torch.autograd.grad(output.sum(), q, retain_graph=True)[0]
+    second = torch.autograd.grad(output.sum(), q)[0]
+    assert torch.equal(first, second)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(output.sum(), q)
+
+
+def test_torch_kernel_refuses_second_derivatives_through_dropout():
+    q, k, v = qkv((2,), 4, 4, 3, 3, grad=True)
+    output = attention(q, k, v, dropout_p=0.5, backend="sdpa")
+    with pytest.raises(RuntimeError, match=r"cannot differentiate dropout twice.*'explicit'"):
+        torch.autograd.grad(output.sum(), q, create_graph=True)
+
+
 sizes = st.integers(min_value=1, max_value=9)
 
 

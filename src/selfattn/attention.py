@@ -45,11 +45,12 @@ import math
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from selfattn.errors import SelfAttnError
 from selfattn.kernels.chunked import (
@@ -186,6 +187,59 @@ def safe_softmax(masked: Tensor) -> Tensor:
 
 
 def _sdpa(call: AttentionCall) -> Tensor:
+    """torch's fused kernel, differentiable twice (:class:`_HigherOrderThroughMath`) where
+    autograd may ask it for a graph."""
+    output = _fused(call)
+    inputs = (call.query, call.key, call.value, call.mask)
+    if (
+        not torch.is_grad_enabled()
+        or not any(x is not None and x.requires_grad for x in inputs)
+        or torch.compiler.is_compiling()  # a compiled graph has first derivatives only
+        or torch._C._are_functorch_transforms_active()  # torch.func differentiates it itself
+    ):
+        return output
+
+    def run(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
+        return _fused(replace(call, query=query, key=key, value=value, mask=mask))
+
+    return _HigherOrderThroughMath.apply(output, run, call.dropout_p, *inputs)
+
+
+class _HigherOrderThroughMath(torch.autograd.Function):
+    """The fused kernel's output, passed through: a plain backward hands the gradient on to the
+    fused kernel's own backward. That one cannot itself be differentiated, so a backward asked
+    for a graph (``create_graph=True``: gradgradcheck, Hessians, gradient penalties) hands it
+    nothing (so it does not run) and recomputes the call through torch's math kernel, which
+    has derivatives of every order."""
+
+    @staticmethod
+    def forward(ctx, output: Tensor, run: Callable[..., Tensor], dropout_p: float, *inputs):
+        ctx.run, ctx.dropout_p = run, dropout_p
+        ctx.save_for_backward(*inputs)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        by_input: list[Tensor | None] = [None] * len(ctx.needs_input_grad[3:])
+        if not torch.is_grad_enabled():
+            return (grad_output, None, None, *by_input)
+        if ctx.dropout_p > 0:  # the math kernel would draw other dropout
+            raise RuntimeError(  # as refuse_double_backward's
+                "backend 'sdpa' cannot differentiate dropout twice (torch's math kernel "
+                "would drop other weights); use backend='explicit' or dropout_p=0"
+            )
+        inputs = ctx.saved_tensors
+        wanted = [i for i, needs in enumerate(ctx.needs_input_grad[3:]) if needs]
+        with sdpa_kernel(SDPBackend.MATH):
+            output = ctx.run(*inputs)
+        sources = [inputs[i] for i in wanted]
+        grads = torch.autograd.grad(output, sources, grad_output, create_graph=True)
+        for i, grad in zip(wanted, grads, strict=True):
+            by_input[i] = grad
+        return (None, None, None, *by_input)
+
+
+def _fused(call: AttentionCall) -> Tensor:
     """torch's fused kernel, with our conventions (bottom-right causal, 0 for masked rows).
 
     Inputs go in as 4-D views (no copies) and masks as given (broadcast, never expanded),
