@@ -8,15 +8,19 @@ test_models_random.py.
 import importlib.util
 import json
 import math
+import re
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from typer.testing import CliRunner
 
 import selfattn
+from selfattn.cli import app
 from selfattn.errors import SelfAttnError
-from selfattn.models.bert import Bert
-from selfattn.models.gpt import GPT
+from selfattn.models.bert import Bert, BertConfig
+from selfattn.models.gpt import GPT, GPTConfig
+from selfattn.models.llama import Llama, LlamaConfig
 from selfattn.models.loading import (
     CONVERSIONS,
     bert_config,
@@ -25,6 +29,8 @@ from selfattn.models.loading import (
     distilbert_rules,
     gpt2_config,
     gpt2_rules,
+    llama_config,
+    llama_rules,
     load,
     roberta_config,
 )
@@ -56,6 +62,17 @@ GPT2 = {
     "n_layer": 2,
     "n_head": 3,
 }
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 40,
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 24,
+    "max_position_embeddings": 32,
+}
+MISTRAL = {**LLAMA, "model_type": "mistral", "sliding_window": 8}
 
 
 def checkpoint_tensors(rules, network) -> dict[str, torch.Tensor]:
@@ -374,3 +391,178 @@ def test_generation_options_no_sampling_can_take_get_one_line(tmp_path, options,
     with pytest.raises(SelfAttnError, match=match) as error:
         network.generate(prompt, arguments.pop("max_new_tokens"), **arguments)
     assert "\n" not in str(error.value)
+
+
+def family_tensors(config: dict) -> dict[str, torch.Tensor]:
+    """Weights that fit ``config`` (BERT, DistilBERT, GPT-2 or a Llama-family decoder)."""
+    if config["model_type"] == "bert":
+        return bert_tensors(config)
+    if config["model_type"] == "distilbert":
+        return encoder_tensors(config)[1]
+    if config["model_type"] == "gpt2":
+        return checkpoint_tensors(gpt2_rules(config["n_layer"]), GPT(gpt2_config(config)))
+    network = Llama(llama_config(config))
+    return checkpoint_tensors(llama_rules(network), network)
+
+
+# (family, entries changed in its config.json, what the one line says about them). Before,
+# each crashed with a Python error from deep inside (TypeError, AttributeError), was read
+# wrongly (a string "false" as true, true as 1 layer) or loaded only to fail when run (an
+# eps or theta that is no number).
+WRONG_TYPES = {
+    "heads-string": (
+        BERT,
+        {"num_attention_heads": "2"},
+        'num_attention_heads must be an integer, got "2"',
+    ),
+    "layers-null": (
+        BERT,
+        {"num_hidden_layers": None},
+        "num_hidden_layers must be an integer, got null",
+    ),
+    "layers-fraction": (
+        BERT,
+        {"num_hidden_layers": 2.5},
+        "num_hidden_layers must be an integer, got 2.5",
+    ),
+    "layers-bool": (
+        BERT,
+        {"num_hidden_layers": True},
+        "num_hidden_layers must be an integer, got true",
+    ),
+    "heads-zero": (
+        BERT,
+        {"num_attention_heads": 0},
+        "num_attention_heads must be at least 1, got 0",
+    ),
+    "eps-string": (BERT, {"layer_norm_eps": "x"}, 'layer_norm_eps must be a number, got "x"'),
+    "model-type-list": (
+        BERT,
+        {"model_type": ["bert"]},
+        'model_type must be a string, got ["bert"]',
+    ),
+    "flag-string": (
+        BERT,
+        {"is_decoder": "false"},
+        'is_decoder must be true, false or null, got "false"',
+    ),
+    "distilbert-heads": (DISTILBERT, {"n_heads": "2"}, 'n_heads must be an integer, got "2"'),
+    "gpt2-layers": (GPT2, {"n_layer": 2.0}, "n_layer must be an integer, got 2.0"),
+    "gpt2-eps": (GPT2, {"layer_norm_epsilon": "x"}, 'layer_norm_epsilon must be a number, got "x"'),
+    "llama-kv-heads": (
+        LLAMA,
+        {"num_key_value_heads": "2"},
+        'num_key_value_heads must be an integer or null, got "2"',
+    ),
+    "llama-eps": (LLAMA, {"rms_norm_eps": [1e-6]}, "rms_norm_eps must be a number, got [1e-06]"),
+    "llama-theta": (LLAMA, {"rope_theta": True}, "rope_theta must be a number, got true"),
+    "llama-rope": (
+        LLAMA,
+        {"rope_scaling": "linear"},
+        'rope_scaling must be an object or null, got "linear"',
+    ),
+    "llama-rope-factor": (
+        LLAMA,
+        {"rope_scaling": {"rope_type": "linear", "factor": "2"}},
+        'rope_scaling.factor must be a number, got "2"',
+    ),
+    "llama-tied": (
+        LLAMA,
+        {"tie_word_embeddings": "false"},
+        'tie_word_embeddings must be true or false, got "false"',
+    ),
+    "mistral-window": (
+        MISTRAL,
+        {"sliding_window": "8"},
+        'sliding_window must be an integer or null, got "8"',
+    ),
+    # sizes of the right type that the network cannot take together
+    "heads-not-dividing": (
+        BERT,
+        {"num_attention_heads": 3},
+        "hidden_size (16) must be divisible by n_heads (3)",
+    ),
+    "llama-kv-not-dividing": (
+        LLAMA,
+        {"num_key_value_heads": 3},
+        "n_heads (4) must be divisible by n_kv_heads (3)",
+    ),
+}
+
+
+@pytest.mark.parametrize(("family", "change", "said"), WRONG_TYPES.values(), ids=WRONG_TYPES)
+def test_config_entries_of_a_wrong_type_get_one_line_naming_the_file(
+    tmp_path, family, change, said
+):
+    # The weights fit the original config: only the changed entry is wrong.
+    write(tmp_path, {**family, **change}, family_tensors(family))
+    message = refused(tmp_path, re.escape(said))
+    assert message == (
+        f"{tmp_path / 'config.json'}: {said}; restore the checkpoint's original config.json"
+    )
+
+
+@pytest.mark.parametrize("family", [BERT, LLAMA], ids=["bert", "llama"])
+def test_the_checked_configs_still_load(tmp_path, family):
+    # Integers pass as numbers (a theta of 10000), null where "unsaid" is meant.
+    config = {**family, "rope_theta": 10000, "layer_norm_eps": 1e-12, "head_dim": None}
+    model = load(write(tmp_path, config, family_tensors(family)))
+    assert model.config.n_layers == 2
+
+
+@pytest.mark.parametrize(
+    ("content", "found"), [("[]", "a JSON list"), ("null", "null"), ("3", "a number")]
+)
+def test_a_config_that_is_no_json_object(tmp_path, content, found):
+    # Before: AttributeError: 'list' object has no attribute 'get'.
+    write(tmp_path, BERT, bert_tensors())
+    (tmp_path / "config.json").write_text(content)
+    message = refused(tmp_path, "must hold a JSON object")
+    assert message == (
+        f"{tmp_path / 'config.json'} must hold a JSON object (the checkpoint's config.json), "
+        f"got {found}; restore the original"
+    )
+
+
+def test_the_command_line_prints_a_wrong_type_as_one_line(tmp_path):
+    # Before: `selfattn explain` ended in a TypeError traceback from BertConfig.__post_init__.
+    write(tmp_path, {**BERT, "num_attention_heads": "2"}, bert_tensors())
+    result = CliRunner().invoke(
+        app, ["explain", "the bank", "--model", str(tmp_path), "--word", "bank"]
+    )
+    assert result.exit_code == 1
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert result.stderr.splitlines() == [
+        f'Error: {tmp_path / "config.json"}: num_attention_heads must be an integer, got "2"; '
+        "restore the checkpoint's original config.json"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (
+            lambda: BertConfig(50, 16, 2, "2", 24, 20),
+            "BertConfig.n_heads must be an integer, got '2'",
+        ),
+        (
+            lambda: BertConfig(50, 16, 2, 2, 24, 20, layer_norm_eps="x"),
+            "BertConfig.layer_norm_eps must be a number",
+        ),
+        (lambda: GPTConfig(60, 16, 2.5, 3, 12), "GPTConfig.n_layer must be an integer, got 2.5"),
+        (lambda: GPTConfig(60, 16, 2, True, 12), "GPTConfig.n_head must be an integer, got True"),
+        (
+            lambda: LlamaConfig(40, 16, 2, 4, 2, 4, 24, 32, rope_theta="1e4"),
+            "LlamaConfig.rope_theta must be a number",
+        ),
+        (
+            lambda: LlamaConfig(40, 16, 2, 4, 2, 4, 24, 32, tie_word_embeddings="no"),
+            "LlamaConfig.tie_word_embeddings must be true or false",
+        ),
+    ],
+    ids=["bert-heads", "bert-eps", "gpt-layers", "gpt-bool", "llama-theta", "llama-flag"],
+)
+def test_config_classes_refuse_values_of_a_wrong_type(build, match):
+    # Before: a TypeError comparing a str with 1, or no error until the network ran.
+    with pytest.raises(ValueError, match=re.escape(match)):
+        build()

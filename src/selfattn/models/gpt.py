@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from selfattn.errors import SelfAttnError
 from selfattn.layers import ACTIVATIONS, KVCache, LearnedPositions, RMSNorm, TransformerBlock
+from selfattn.models.fields import check_fields
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class GPTConfig:
     activation: str = "gelu_tanh"
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")

@@ -34,6 +34,7 @@ from selfattn.layers import (
     RopeScaling,
     RotaryPositions,
 )
+from selfattn.models.fields import check_fields
 from selfattn.models.gpt import Decoder, DecoderOutput, check_position_ids
 
 
@@ -67,6 +68,7 @@ class LlamaConfig:
     dropout: float = 0.0  # training only (0 in every loaded checkpoint): nanoGPT's placement
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")

@@ -49,6 +49,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -59,6 +60,7 @@ from torch.overrides import TorchFunctionMode
 from selfattn.errors import SelfAttnError
 from selfattn.layers import RopeScaling
 from selfattn.models.bert import RELATIVE_BUCKETS, Bert, BertConfig
+from selfattn.models.fields import problem
 from selfattn.models.gpt import GPT, GPTConfig
 from selfattn.models.llama import Llama, LlamaConfig
 from selfattn.models.model import Model, ModelConfig, SentenceConfig, set_backend
@@ -115,17 +117,123 @@ def shown(path: Path) -> str:
     return f"{path} in the current folder ({Path.cwd()})"
 
 
-def read_json(path: Path, what: str) -> dict:
+JSON_NAMES = {dict: "a JSON object", list: "a JSON list", str: "a string", bool: "true or false"}
+
+
+def read_json(path: Path, what: str, holds: type = dict) -> Any:
+    """The JSON in ``path``, which must hold a ``holds``: an object (a dict), or for
+    ``modules.json`` a list; anything else is a one-line error naming the file."""
     if not path.is_file():
         raise SelfAttnError(f"{shown(path)} is missing; the folder needs the checkpoint's {what}")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise SelfAttnError(f"{path} is not valid JSON ({error}); restore the original") from None
+    if not isinstance(data, holds):
+        found = "null" if data is None else JSON_NAMES.get(type(data), "a number")
+        raise SelfAttnError(
+            f"{path} must hold {JSON_NAMES[holds]} (the checkpoint's {what}), got {found}; "
+            "restore the original"
+        )
+    return data
 
 
 # ---------------------------------------------------------------------------------------------
 # Configs
+
+# The kind (selfattn.models.fields.KINDS) of each config.json entry a family's config reads,
+# checked before any is read; " | None" where the reader takes null for "unsaid".
+CONFIG_ENTRIES = {
+    "model_type": "str",
+    "dtype": "str | None",
+    "torch_dtype": "str | None",
+    **dict.fromkeys(  # sizes: BERT, RoBERTa, MPNet, Llama and its kin, GPT-NeoX
+        (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ),
+        "count",
+    ),
+    **dict.fromkeys(("dim", "n_layers", "n_heads", "hidden_dim"), "count"),  # DistilBERT
+    **dict.fromkeys(("n_positions", "n_embd", "n_layer", "n_head"), "count"),  # GPT-2
+    "n_inner": "int | None",
+    "type_vocab_size": "int",
+    "pad_token_id": "int | None",
+    "relative_attention_num_buckets": "int",
+    "num_key_value_heads": "int | None",
+    "head_dim": "int | None",
+    "sliding_window": "int | None",
+    "max_window_layers": "int",
+    "layer_types": "list[str] | None",
+    **dict.fromkeys(
+        (
+            "layer_norm_eps",
+            "layer_norm_epsilon",
+            "rms_norm_eps",
+            "rope_theta",
+            "rotary_emb_base",
+            "rotary_pct",
+            "partial_rotary_factor",
+        ),
+        "float",
+    ),
+    "rope_parameters": "dict | None",
+    "rope_scaling": "dict | None",
+    **dict.fromkeys(
+        ("hidden_act", "activation", "activation_function", "position_embedding_type"), "str"
+    ),
+    "hidden_activation": "str | None",
+    **dict.fromkeys(
+        (
+            "tie_word_embeddings",
+            "scale_attn_weights",
+            "attention_bias",
+            "mlp_bias",
+            "use_parallel_residual",
+        ),
+        "bool",
+    ),
+    **dict.fromkeys(  # read as "if raw.get(...)": null is false (Gemma's saved config has one)
+        (
+            "is_decoder",
+            "scale_attn_by_inverse_layer_idx",
+            "use_bidirectional_attention",
+            "use_sliding_window",
+        ),
+        "bool | None",
+    ),
+}
+ROPE_ENTRIES = {  # inside rope_parameters (or rope_scaling)
+    "rope_type": "str",
+    "type": "str",
+    "rope_theta": "float",
+    "partial_rotary_factor": "float",
+    "factor": "float",
+    "low_freq_factor": "float",
+    "high_freq_factor": "float",
+    "original_max_position_embeddings": "count",
+}
+
+
+def check_entries(raw: dict, path: Path) -> None:
+    """A one-line error naming the first entry of ``config.json`` (at ``path``) that is not of
+    its kind in :data:`CONFIG_ENTRIES`: a string where a size belongs, a fraction of a layer,
+    true for a number, null for a size; entries of RoPE's settings by :data:`ROPE_ENTRIES`."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling")
+    rope_key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    entries = [(key, raw[key], kind) for key, kind in CONFIG_ENTRIES.items() if key in raw]
+    if isinstance(rope, dict):
+        entries += [
+            (f"{rope_key}.{k}", rope[k], kind) for k, kind in ROPE_ENTRIES.items() if k in rope
+        ]
+    for name, value, kind in entries:
+        wrong = problem(name, value, kind, shown=json.dumps, null="null")
+        if wrong:
+            raise SelfAttnError(f"{path}: {wrong}; restore the checkpoint's original config.json")
 
 
 def activation_of(raw: dict, key: str, default: str) -> str:
@@ -430,7 +538,7 @@ def modules_not_computed(folder: Path) -> tuple[str, ...]:
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return ()
-    modules = read_json(modules_file, "sentence-transformers modules")
+    modules = read_json(modules_file, "sentence-transformers modules", holds=list)
     kinds = [str(module.get("type", "")).rsplit(".", 1)[-1] for module in modules]
     return tuple(kind for kind in kinds if kind not in COMPUTED_MODULES)
 
@@ -1114,17 +1222,17 @@ def load(
     )
     if (folder / "LATEST").is_file() or any(folder.glob("step-*/config.json")):
         raise SelfAttnError(trained_here)
-    raw = read_json(folder / "config.json", "config.json")
+    config_path = folder / "config.json"
+    raw = read_json(config_path, "config.json")
     if raw.get("format") == "selfattn-train-checkpoint":  # one step-* folder of such a run
         raise SelfAttnError(trained_here)
+    check_entries(raw, config_path)
     if saved:
         dtype = placement(raw.get("dtype") or raw.get("torch_dtype") or "float32", device)[0]
     model_type = raw.get("model_type")
     if model_type not in ARCHITECTURES:
         why = NOT_BUILT.get(model_type, f"supported: {', '.join(ARCHITECTURES)}")
-        raise SelfAttnError(
-            f"unsupported model_type {model_type!r} in {folder / 'config.json'}; {why}"
-        )
+        raise SelfAttnError(f"unsupported model_type {model_type!r} in {config_path}; {why}")
     weights_path, files = weight_files(folder)
     tensors, skipped = read_checkpoint(files, ARCHITECTURES[model_type])
     try:
@@ -1132,8 +1240,14 @@ def load(
             network, rules, info, sentence = BUILDERS[model_type](raw, tensors, folder)
     except KeyError as missing:
         raise SelfAttnError(
-            f"{folder / 'config.json'} lacks the entry {missing} that {model_type} needs; "
+            f"{config_path} lacks the entry {missing} that {model_type} needs; "
             "restore the checkpoint's original config.json"
+        ) from None
+    except SelfAttnError:
+        raise
+    except ValueError as error:  # sizes a config class refuses together: heads that do not divide
+        raise SelfAttnError(
+            f"{config_path}: {error}; restore the checkpoint's original config.json"
         ) from None
     allocate(network, dtype, device)
     load_weights(network, rules, tensors, weights_path)
