@@ -745,6 +745,67 @@ def test_truncate_runs_the_first_tokens_and_says_where_it_cut():
     assert compared.exit_code == 0, compared.output
 
 
+@pytest.mark.parametrize("text", ["नमस्ते", "bank\u200b", "a b \u0301"])
+def test_a_text_ending_in_characters_that_make_no_token_is_neither_cut_nor_altered(
+    model, text, tmp_path
+):
+    # MiniLM reads नमस्ते as न ##म ##स ##त: no token covers the final vowel sign े (nor a
+    # zero-width space, nor a lone accent). That said "the text was cut (--truncate)" without
+    # --truncate, and the header and the JSON showed नमस्त.
+    assert model.run(text).read_text == text
+    result = invoke("explain", text, "--index", "1", "--json")
+    assert result.exit_code == 0, result.output
+    assert "note" not in result.stderr
+    assert json.loads(result.stdout)["text"] == text
+    page = tmp_path / "page.html"
+    viewed = invoke("view", text, "-o", str(page))
+    assert viewed.exit_code == 0, viewed.output
+    assert "note" not in viewed.stderr
+
+
+def test_the_header_shows_the_final_vowel_sign_the_tokenizer_drops():
+    result = invoke("explain", "नमस्ते", "--index", "1")
+    assert result.exit_code == 0, result.output
+    assert re.search(r"text नमस्ते\s", result.stdout)
+
+
+def test_a_cut_after_a_character_with_dropped_marks_keeps_its_marks():
+    # [CLS] a b, then न ##म ##स ##त per word: the 512th token is the [SEP] after 127 words,
+    # the last of them read to its vowel sign (which no token covers), not to त.
+    text = "a b " + "नमस्ते " * 200
+    read = "a b " + "नमस्ते " * 126 + "नमस्ते"
+    result = invoke("explain", text, "--index", "1", "--truncate", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["text"] == read
+    note = " ".join(result.stderr.split())
+    assert f"its first {len(read):,} of {len(text):,} characters" in note
+
+
+NOT_UTF8 = "bank \udcff"  # how Python's argv holds the bytes b"bank \xff" (surrogateescape)
+NOT_UTF8_ERROR = "the text is not valid UTF-8 (byte 0xff at character 5); re-encode it as UTF-8"
+
+
+def test_a_text_that_is_not_utf8_is_one_line_naming_the_byte(model, tmp_path):
+    # It said "characters not in the model's vocabulary: ' \udcff'", though MiniLM has [UNK].
+    commands = [
+        ("explain", NOT_UTF8, "--word", "bank"),
+        ("compare", NOT_UTF8, MONEY, "--word", "bank"),
+        ("view", NOT_UTF8, "-o", str(tmp_path / "page.html")),
+    ]
+    for args in commands:
+        result = invoke(*args)
+        assert result.exit_code == 1, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("Error:"), result.stderr
+        assert NOT_UTF8_ERROR in lines[0] and "vocabulary" not in lines[0]
+        assert "Traceback" not in result.output
+    with pytest.raises(SelfAttnError) as error:
+        model.run(NOT_UTF8)
+    assert str(error.value) == NOT_UTF8_ERROR
+    with pytest.raises(SelfAttnError, match=r"texts\[1\] is not valid UTF-8 \(a lone surrogate"):
+        model.encode([MONEY, "\ud83d bank"])
+
+
 def test_a_map_wider_than_the_terminal_keeps_one_line_per_row_around_the_query(monkeypatch):
     # 512 keys in 80 columns wrapped every row of the map into seven lines of noise before.
     monkeypatch.setenv("COLUMNS", "80")

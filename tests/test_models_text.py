@@ -270,3 +270,63 @@ def test_a_punctuation_mark_or_symbol_is_found_after_a_word_but_not_inside_one(w
         encoding.find(".", occurrence=1)  # the "." of 3.50 is part of the number
     with pytest.raises(SelfAttnError, match="not in the text"):
         encoding.find("'")  # the apostrophe of "Don't" is part of the word
+
+
+@pytest.mark.parametrize("text", ["नमस्ते", "bank\u200b", "a b \u0301", "bank\u200b\u200b"])
+def test_characters_that_make_no_token_at_the_end_are_not_a_cut(wordpiece, text):
+    # MiniLM reads नमस्ते as न ##म ##स ##त: no token covers the final vowel sign े, nor a
+    # trailing zero-width space or lone accent. Nothing was dropped: the text was read whole.
+    for max_length in (None, 512):
+        encoding = wordpiece.encode(text, max_length=max_length)
+        assert encoding.read_end is None
+        assert encoding.read_text == text
+
+
+def test_a_cut_keeps_the_marks_of_its_last_token_and_stops_at_the_first_dropped_one(wordpiece):
+    # The tokenizer leaves the final accent of "de" + U+0301 and the vowel sign े out of
+    # every span: the text read ends after them, not before, and before the spaces after them.
+    cases = [
+        ("ab\u0301c\u0301 de\u0301 fg", 4, "ab\u0301c\u0301 de\u0301"),
+        ("one two\u0301\u200b three", 4, "one two\u0301"),  # a zero-width space is no mark
+        ("a b " + "नमस्ते " * 3, 8, "a b नमस्ते"),  # [CLS] a b न ##म ##स ##त [SEP]
+        ("one two three", 4, "one two"),
+    ]
+    for text, max_length, read in cases:
+        encoding = wordpiece.encode(text, max_length=max_length)
+        assert (encoding.read_end, encoding.read_text) == (len(read), read), text
+    exact = "one two"  # as many tokens as allowed: nothing dropped
+    assert wordpiece.encode(exact, max_length=wordpiece.count(exact)).read_end is None
+
+
+def test_a_cut_leaves_out_a_mark_that_a_dropped_token_reads(tmp_path):
+    # Byte-level BPE reads a combining mark in tokens of its own: when those were dropped,
+    # the model did not read the mark, and the text read ends before it.
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet, show_progress=False)
+    backend.train_from_iterator(["one two three"] * 4, trainer)
+    tokenizer = Tokenizer(backend)
+    text = "one e\u0301\u0301 three"  # one, Ġ, e, then two bytes per accent, Ġthree
+    assert tokenizer.encode(text, max_length=3).read_text == "one e"
+    assert tokenizer.encode(text, max_length=5).read_text == "one e\u0301"
+    assert tokenizer.encode(text).read_text == text
+
+
+def test_a_text_that_is_not_utf8_is_refused_naming_the_byte(wordpiece):
+    # Bytes of the command line that are not UTF-8 reach Python as lone surrogates (0xff is
+    # U+DCFF); the tokenizer cannot take them, and it is no matter of the vocabulary.
+    fix = "; re-encode it as UTF-8"
+    for call in (wordpiece.encode, wordpiece.count, lambda text: wordpiece.encode_ids([text])):
+        with pytest.raises(SelfAttnError) as error:
+            call("bank \udcff")
+        assert str(error.value) == f"the text is not valid UTF-8 (byte 0xff at character 5){fix}"
+    with pytest.raises(SelfAttnError) as error:
+        wordpiece.encode_ids(["bank", "x\ud800 bank"], max_length=8)
+    assert str(error.value) == (
+        f"texts[1] is not valid UTF-8 (a lone surrogate U+D800 at character 1){fix}"
+    )

@@ -793,6 +793,36 @@ def _error_line(args: list[str]) -> str:
     return lines[0]
 
 
+def test_data_that_is_no_regular_file_is_named_for_what_it_is(tmp_path):
+    # /dev/null "did not exist"; a folder, a device and a pipe each say what they are (each
+    # process of a distributed run reads the file: a pipe would give its text to one).
+    base = ["train", "--preset", "tiny", "--out", str(tmp_path / "out"), "--data"]
+    fix = "not a regular file; pass a text file with --data (to train on a command's output, "
+    assert _error_line([*base, "/dev/null"]) == (
+        f"Error: data file /dev/null is a character device, {fix}save it to a file first)"
+    )
+    assert _error_line([*base, str(tmp_path)]) == (
+        f"Error: data file {tmp_path} is a folder; pass a text file with --data"
+    )
+    missing = tmp_path / "missing.txt"
+    assert _error_line([*base, str(missing)]) == (
+        f"Error: data file {missing} does not exist; pass a text file with --data"
+    )
+    if hasattr(os, "mkfifo"):
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        assert f"data file {fifo} is a pipe (FIFO), {fix}" in _error_line([*base, str(fifo)])
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line_naming_the_byte(trained):
+    # Bytes of the command line that are not UTF-8 reach Python as lone surrogates: that is
+    # what the line says, not "characters not in the model's vocabulary: '\udcff'".
+    line = _error_line(["generate", "--checkpoint", str(trained), "All: \udcff"])
+    assert line == (
+        "Error: the text is not valid UTF-8 (byte 0xff at character 5); re-encode it as UTF-8"
+    )
+
+
 def test_bad_inputs_give_one_clear_line(corpus, trained, tmp_path):
     """Each mistake: exit code 1 or 2, one "Error: ..." line on stderr, no traceback."""
     empty, short = tmp_path / "empty.txt", tmp_path / "short.txt"

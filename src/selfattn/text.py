@@ -45,6 +45,8 @@ APOSTROPHE = str.maketrans("’", "'")  # l'amico finds l’amico, and l’amico
 LISTED_WORDS = 30  # a "not in the text" error names at most this many of its words
 METASPACE = "\u2581"  # "▁": a space, in sentencepiece-style vocabularies
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte fallback
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # no UTF-8 text decodes to one
+JOINERS = "\u200c\u200d"  # zero-width non-joiner and joiner: part of the character before
 
 Span = tuple[int, int]  # (start, end) character positions, end excluded
 
@@ -69,6 +71,14 @@ class Encoding:
     offsets: list[Span]  # each token's characters in ``text``; (0, 0) for special tokens
     words: list[Word]  # the words that have at least one token (all, unless truncated)
     word_ids: list[int | None]  # index into ``words`` of each token; None for special tokens
+    read_end: int | None = None  # where truncation cut the text; None: it was read whole
+
+    @property
+    def read_text(self) -> str:
+        """The part of :attr:`text` the model read: all of it, unless truncation dropped
+        tokens (characters that make no token, a final vowel sign or a zero-width space, are
+        no reason to call a text cut)."""
+        return self.text if self.read_end is None else self.text[: self.read_end]
 
     def find(self, word: str, occurrence: int = 0) -> Span:
         """Character span of a whole-word, case-insensitive match of ``word`` (or a phrase)."""
@@ -153,8 +163,8 @@ class Encoding:
 
     def _check_read(self, word: str, occurrence: int, span: Span) -> None:
         """An error naming the occurrences the model read, for one that truncation cut off."""
-        read_end = max(end for _, end in self.offsets)
-        if span[0] < read_end:
+        read_end = self.read_end
+        if read_end is None or span[0] < read_end:
             return
         matches = self._matches(word)
         read = sum(start < read_end for start, _ in matches)
@@ -226,7 +236,8 @@ class Tokenizer:
         else:
             pieces = list(encoded.tokens)
         words, word_ids = align_words(text, offsets)
-        return Encoding(text, list(encoded.ids), pieces, offsets, words, word_ids)
+        cut = cut_end(text, offsets, encoded.overflowing) if encoded.overflowing else None
+        return Encoding(text, list(encoded.ids), pieces, offsets, words, word_ids, cut)
 
     def piece(self, token_id: int) -> str:
         """One token as read: " bank" for byte-level BPE and for "▁bank" alike; a byte that is
@@ -246,6 +257,10 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=True)
 
     def _encode_batch(self, texts: list[str], max_length: int | None) -> list:
+        """Every text's encoding, cut to ``max_length`` if given: the one place that every text
+        goes through before it is tokenized (so it checks them)."""
+        for number, text in enumerate(texts):
+            check_encodable(text, number if len(texts) > 1 else None)
         with self._lock:
             if max_length is not None:
                 self.backend.enable_truncation(max_length)
@@ -265,6 +280,43 @@ class Tokenizer:
 
     def _known_characters(self) -> set[str]:
         return {token for token in self.backend.get_vocab() if len(token) == 1}
+
+
+def check_encodable(text: str, number: int | None = None) -> None:
+    """One line for a text with a lone surrogate, which no tokenizer takes: undecodable bytes
+    of the command line (Python keeps byte 0xff as U+DCFF), or a str built so in Python."""
+    if not isinstance(text, str):
+        return  # the tokenizer names what it takes
+    found = LONE_SURROGATE.search(text)
+    if found is None:
+        return
+    code = ord(found.group())
+    what = (
+        f"byte 0x{code - 0xDC00:02x}"
+        if 0xDC80 <= code <= 0xDCFF
+        else f"a lone surrogate U+{code:04X}"
+    )
+    name = "the text" if number is None else f"texts[{number}]"
+    raise SelfAttnError(
+        f"{name} is not valid UTF-8 ({what} at character {found.start():,}); re-encode it as UTF-8"
+    )
+
+
+def cut_end(text: str, kept: list[Span], overflowing: list) -> int:
+    """Where the part of ``text`` that truncation kept ends: after the last kept token, with
+    the combining marks and joiners that follow it up to the first dropped token (a tokenizer
+    may leave a final vowel sign or accent out of every token's span, as MiniLM does)."""
+    end = max(stop for _, stop in kept)
+    dropped = [
+        start
+        for part in overflowing
+        for (start, stop), special in zip(part.offsets, part.special_tokens_mask, strict=True)
+        if not special and start < stop
+    ]
+    limit = min(dropped, default=len(text))
+    while end < limit and (is_mark(text[end]) or text[end] in JOINERS):
+        end += 1
+    return end
 
 
 def check_word(word: str) -> None:

@@ -175,9 +175,9 @@ class Run:
 
     @property
     def read_text(self) -> str:
-        """The part of :attr:`text` the model read: all of it, unless ``truncate`` cut it."""
-        end = max(end for _, end in self.offsets)
-        return self.text if not self.text[end:].strip() else self.text[:end]
+        """The part of :attr:`text` the model read: all of it, unless ``truncate`` dropped
+        tokens (characters that make no token, a final vowel sign, are still the text's)."""
+        return self.encoding.read_text
 
     @property
     def tokens(self) -> list[str]:

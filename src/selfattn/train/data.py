@@ -8,6 +8,7 @@ windows of ``block_size + 1`` characters at random offsets, inputs and next-char
 from __future__ import annotations
 
 import json
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,12 +153,25 @@ class TextData:
 
 
 def read_text(path: Path) -> str:
-    """The file's text; a one-line error if it is missing, unreadable or empty."""
+    """The file's text; a one-line error if it is missing, a folder, no regular file (a
+    device, a pipe: each process of a distributed run reads the file, and a pipe gives its
+    text to one), unreadable or empty."""
     path = Path(path)
-    if path.is_dir():
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise SelfAttnError(
+            f"data file {path} does not exist; pass a text file with --data"
+        ) from None
+    except OSError as error:
+        raise SelfAttnError(f"cannot read {path}: {error.strerror or error}") from None
+    if stat.S_ISDIR(mode):
         raise SelfAttnError(f"data file {path} is a folder; pass a text file with --data")
-    if not path.is_file():
-        raise SelfAttnError(f"data file {path} does not exist; pass a text file with --data")
+    if not stat.S_ISREG(mode):
+        raise SelfAttnError(
+            f"data file {path} is {_file_kind(mode)}, not a regular file; pass a text file "
+            "with --data (to train on a command's output, save it to a file first)"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
@@ -170,6 +184,19 @@ def read_text(path: Path) -> str:
     if not text:
         raise SelfAttnError(f"data file {path} is empty; pass a file with text in it")
     return text
+
+
+def _file_kind(mode: int) -> str:
+    """What a file that is not a regular one or a folder is, for a message."""
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISFIFO(mode):
+        return "a pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a special file"
 
 
 class RandomBatches:
