@@ -1,7 +1,11 @@
-"""The command line's choices of model and its serve start lines (no model is loaded: the
-loads and the server are replaced, or fail before any weights are read)."""
+"""The command line's choices of model, its serve start lines, and the mistakes it refuses
+before any work (no model is loaded but MiniLM for compare --truncate: the loads and the
+server are replaced, or fail before any weights are read)."""
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Annotated, get_args, get_origin, get_type_hints
 
 import pytest
 import typer.main
@@ -185,3 +189,232 @@ def test_generate_model_help_names_every_decoder_family_the_command_takes():
     )
     for family in ("GPT-2", "GPT-NeoX", "Llama", "Mistral", "Qwen", "Phi-3", "Gemma"):
         assert family in option.help
+
+
+# --- files and folders: empty paths, outputs checked before the model loads ---------------
+
+MINIMAL_ARGS = {  # each command's required arguments, none of them the option tried
+    "explain": ["the bank"],
+    "compare": ["the bank", "a bank", "--word", "bank"],
+    "view": ["the bank", "-o", "page.html"],
+    "serve": [],
+    "generate": ["the bank"],
+    "train": ["--data", "corpus.txt", "--out", "runs"],
+}
+
+
+def _path_options() -> list[tuple[str, str]]:
+    """(command, flag) of every option that takes a file or folder (annotated a Path)."""
+    found = []
+    commands = typer.main.get_command(app).commands
+    for registered in app.registered_commands:
+        name = registered.name or registered.callback.__name__
+        hints = get_type_hints(registered.callback, include_extras=True)
+        for param in commands[name].params:
+            hint = hints[param.name]
+            base = get_args(hint)[0] if get_origin(hint) is Annotated else hint
+            if param.param_type_name == "option" and Path in (base, *get_args(base)):
+                found.append((name, param.opts[-1]))
+    return found
+
+
+def _one_error_line(result) -> str:
+    assert "Traceback" not in result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    return lines[0]
+
+
+def test_every_file_or_folder_option_is_found():
+    assert set(_path_options()) >= {
+        ("train", "--data"), ("train", "--out"), ("generate", "--checkpoint"),
+        ("generate", "--html"), ("generate", "--json"), ("explain", "--png"),
+        ("explain", "--svg"), ("explain", "--html"), ("view", "--output"),
+        ("serve", "--checkpoint"), ("compare", "--checkpoint"),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(("command", "flag"), _path_options())
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_path_is_refused_naming_its_option(command, flag, value, monkeypatch, tmp_path):
+    """Path("") is the current folder: `train --out ""` trained into it, `generate
+    --checkpoint ""` loaded it; now one line, before anything is read or written."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "_load", _never_loaded)
+    monkeypatch.setattr(server, "listen", lambda *args: pytest.fail("listened"))
+    result = CliRunner().invoke(app, [command, *MINIMAL_ARGS[command], flag, value])
+    assert result.exit_code == 2, result.output
+    line = _one_error_line(result)
+    assert f"'{flag}'" in line and f"the path is empty ({value!r})" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "outputs",
+    [
+        ["--png", "b.png", "--html", "b.png"],
+        ["--svg", "b.svg", "--html", "./b.svg"],
+        ["--png", "b.png", "--svg", "b.svg", "--html", "sub/../b.svg"],
+    ],
+)
+def test_two_outputs_naming_one_file_are_refused_before_the_model_loads(
+    outputs, monkeypatch, tmp_path
+):
+    """--png b.png --html b.png wrote the figure, then the page over it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    monkeypatch.setattr(cli, "_load", _never_loaded)
+    result = CliRunner().invoke(app, ["explain", "the bank", "--word", "bank", *outputs])
+    assert result.exit_code == 2, result.output
+    line = _one_error_line(result)
+    assert " both name " in line and line.endswith("; give each its own file"), line
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["sub"]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize(
+    ("command", "outputs", "flag"),
+    [
+        (["explain", "the bank"], ["--png", "b.png", "--html", "/proc/b.html"], "--html"),
+        (["view", "the bank"], ["-o", "/proc/b.html"], "--output"),
+        (
+            ["generate", "ROMEO", "--model", "m"],
+            ["--json", "g.json", "--html", "/proc/g.html"],
+            "--html",
+        ),
+    ],
+)
+def test_an_output_folder_that_takes_no_file_is_refused_before_the_model_loads(
+    command, outputs, flag, monkeypatch, tmp_path
+):
+    """/proc takes no new file: that was found when writing, after the model had run and the
+    other outputs were written."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "_load", _never_loaded)
+    result = CliRunner().invoke(app, [*command, *outputs])
+    assert result.exit_code == 2, result.output
+    line = _one_error_line(result)
+    assert line.startswith(f"Error: cannot write {outputs[-1]}: its folder /proc "), line
+    assert line.endswith(f"; give {flag} a file in another folder"), line
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- compare --truncate -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return load("minilm")
+
+
+def test_compare_notes_each_sentence_truncate_cut(minilm, monkeypatch):
+    """explain and view said where --truncate cut the text; compare said nothing, and showed
+    (and gave in --json) the whole sentence, of which the model had read only a part."""
+    monkeypatch.setattr(cli, "_load", lambda model, checkpoint: minilm)
+    long = " ".join(["the bank by the river"] * 110)  # 552 words: past 512 tokens
+    args = ["compare", "a bank", long, "--word", "bank", "--truncate", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    short, read = json.loads(result.stdout)["sentences"]
+    assert short == "a bank" and long.startswith(read) and len(read) < len(long)
+    assert result.stderr.splitlines() == [
+        "note: sentence 2 was cut to the model's 512 tokens (--truncate): its first "
+        f"{len(read):,} of {len(long):,} characters"
+    ]
+
+
+# --- numbers: train's whole numbers, generate's seed and layer --------------------------
+
+
+def _integer_train_flags() -> list[str]:
+    hints = get_type_hints(cli.train, include_extras=True)
+    params = typer.main.get_command(app).commands["train"].params
+    return [param.opts[-1] for param in params if int in get_args(get_args(hints[param.name])[0])]
+
+
+@pytest.fixture
+def train_settings(monkeypatch) -> dict:
+    """`selfattn train` up to training: the overrides it would train with."""
+    given = {}
+
+    def train_decoder(data, out, *, overrides, **rest):
+        given.update(overrides)
+        raise SelfAttnError("stopped before training")
+
+    monkeypatch.setattr("selfattn.train.train_decoder", train_decoder)
+    return given
+
+
+def test_train_takes_whole_numbers_written_as_floats(train_settings):
+    """The README: 5e3 is taken as 5000 (as train_decoder takes max_iters=5e3); the command
+    line said "Input should be a valid integer"."""
+    flags = _integer_train_flags()
+    assert {"--max-iters", "--seed", "--n-layer", "--eval-interval"} <= set(flags)
+    args = ["train", "--data", "corpus.txt", "--out", "runs"]
+    values = ["5e3", "5000.0", "5000", " 1_000 ", "-0.0", "1E2"]
+    expected = [5000, 5000, 5000, 1000, 0, 100]
+    for value, number in zip(values, expected, strict=True):
+        train_settings.clear()
+        result = CliRunner().invoke(app, [*args, "--max-iters", value, "--seed", value])
+        assert result.stderr == "Error: stopped before training\n", result.output
+        assert train_settings == {"max_iters": number, "seed": number}
+        assert type(train_settings["max_iters"]) is int
+
+
+@pytest.mark.parametrize("flag", _integer_train_flags())
+@pytest.mark.parametrize("value", ["2.5", "inf", "ten"])
+def test_train_refuses_a_number_that_is_not_whole_naming_the_flag(flag, value, train_settings):
+    args = ["train", "--data", "corpus.txt", "--out", "runs", flag, value]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert _one_error_line(result) == (
+        f"Error: Invalid value for '{flag}': {value} must be a whole number (5e3 and 5000.0 "
+        "are taken as 5000). See `root train --help`."  # root: the test runner's name
+    )
+    assert train_settings == {}
+
+
+def test_generate_seeds_are_the_explorers_checked_before_the_model_loads(monkeypatch):
+    """--seed 1e23 was "Overflow when unpacking long long" after loading, --seed -1 taken
+    (torch wraps it), while the explorer's POST /api/generate takes 0..2**32-1."""
+    assert cli.MAX_SAMPLING_SEED == server.MAX_SEED == 2**32 - 1
+    monkeypatch.setattr(cli, "_load", _never_loaded)
+    for seed in ["-1", "4294967296", "99999999999999999999999"]:
+        result = CliRunner().invoke(app, ["generate", "ROMEO", "--model", "m", "--seed", seed])
+        assert result.exit_code == 2, result.output
+        assert _one_error_line(result) == (
+            f"Error: --seed {seed} is out of range; choose one between 0 and 4294967295"
+        )
+    sampled = {}
+
+    def generate(prompt, new_tokens, **sampling):
+        sampled.update(sampling)
+        return "!"
+
+    stand_in = SimpleNamespace(generate=generate)
+    monkeypatch.setattr(cli, "_load", lambda model, checkpoint: stand_in)
+    for seed in [0, 2**32 - 1]:
+        result = CliRunner().invoke(app, ["generate", "ROMEO", "--model", "m", "--seed", str(seed)])
+        assert result.exit_code == 0 and result.stdout == "ROMEO!\n", result.output
+        assert sampled["seed"] == seed
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "message"),
+    [
+        (["explain", "the bank"], ["--layer", "-1"], "--layer must be 0 or more"),
+        (["generate", "ROMEO", "--html", "g.html"], ["--layer", "-1"], "--layer must be 0 or more"),
+        (["explain", "the bank"], ["--head", "-2"], "heads are numbered from 0"),
+        (["generate", "ROMEO", "--html", "g.html"], ["--head", "-1"], "heads are numbered from 0"),
+    ],
+)
+def test_layers_and_heads_count_from_0_on_every_command(
+    command, option, message, monkeypatch, tmp_path
+):
+    """explain refused --layer -1 (once the model had run), generate read it from the end:
+    both refuse it now, before the model loads, as the help's "(0 = first)" says."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "_load", _never_loaded)
+    result = CliRunner().invoke(app, [*command, "--model", "m", *option])
+    assert result.exit_code == 2, result.output
+    assert message in _one_error_line(result)

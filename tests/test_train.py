@@ -1828,3 +1828,25 @@ def test_a_resume_on_another_count_of_processes_says_what_its_batches_do(
     context = distributed.Context(0, running, 0, torch.device("cpu"))
     run_module._restore_rng(rng, context, batches, Console(file=io.StringIO()), trained)
     assert capsys.readouterr().err == f"note: the checkpoint was {note}\n"
+
+
+def test_a_resume_on_another_data_file_is_noted(trained, corpus, tmp_path):
+    """--resume with another text of the same characters went on silently, and the checkpoint
+    then named the new file as its data: one note on stderr now; the same file, however
+    spelled (here a link to it), gets none."""
+    out = tmp_path / "out"
+    save_checkpoint(out, *load_checkpoint(trained))
+    link, other = tmp_path / "link.txt", tmp_path / "other.txt"
+    link.symlink_to(corpus)
+    shutil.copy(corpus, other)
+    args = ["train", "--out", str(out), "--resume"]
+    result = CliRunner().invoke(app, [*args, "--data", str(link), "--max-iters", "31"])
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    result = CliRunner().invoke(app, [*args, "--data", str(other), "--max-iters", "32"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (
+        f"note: --data {other} is not the file the checkpoint was trained on ({link}); its "
+        "characters fit the vocabulary, so training goes on with it, and the checkpoint records "
+        "it from now on\n"
+    )
+    assert load_checkpoint(out)[2].data == str(other)

@@ -6,11 +6,14 @@ import importlib
 import inspect
 import json
 import math
+import os
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from decimal import Decimal, InvalidOperation
 from functools import partial
-from itertools import pairwise
+from itertools import combinations, pairwise
 from pathlib import Path
 from typing import Annotated
 
@@ -94,6 +97,51 @@ def _flag(name: str, text: str) -> typer.models.OptionInfo:
     return typer.Option(name, help=text, metavar="")
 
 
+def _given_path(value: str | Path) -> Path:
+    """Every path option's value (see :func:`_path_option`): an empty one, which ``Path`` reads
+    as the current folder (``--out ""`` trained into it), is refused naming the flag."""
+    if isinstance(value, str) and not value.strip():
+        raise _click.exceptions.BadParameter(
+            f"the path is empty ({value!r}); name a file or folder ('.' for the current one)"
+        )
+    return Path(value)
+
+
+def _path_option(*names: str, **settings) -> typer.models.OptionInfo:
+    """An option that takes a file or folder: its value a Path, never an empty one (shown as
+    `<path>` in the help, as typer shows a Path option)."""
+    return typer.Option(*names, parser=_given_path, metavar="<path>", **settings)
+
+
+def _whole_number(value: str | int) -> int:
+    """An integer setting of `selfattn train` as written: 5000, or a whole number written as a
+    float (5e3, 5000.0), as the presets take it from Python; 2.5 is refused, in a usage
+    error that click gives the flag's name."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        number = Decimal(text)
+    except InvalidOperation:
+        number = None
+    if number is None or not number.is_finite() or number != number.to_integral_value():
+        raise _click.exceptions.BadParameter(
+            f"{text} must be a whole number (5e3 and 5000.0 are taken as 5000)"
+        )
+    if number.adjusted() > 100:  # int() of 1e999999999 would take minutes
+        raise _click.exceptions.BadParameter(f"{text} is too large")
+    return int(number)
+
+
+def _whole_option(name: str) -> typer.models.OptionInfo:
+    """The option of an integer training setting, with its help (``TRAIN_HELP[name]``)."""
+    return typer.Option(help=TRAIN_HELP[name], parser=_whole_number)
+
+
 @app.callback()
 def _root() -> None:
     """Self-attention, step by step: explain it on real models, view it, run it, train it."""
@@ -171,30 +219,30 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
 
 @app.command()
 def train(
-    data: Annotated[Path, typer.Option(help=TRAIN_HELP["data"])],
-    out: Annotated[Path, typer.Option(help=TRAIN_HELP["out"])],
+    data: Annotated[Path, _path_option(help=TRAIN_HELP["data"])],
+    out: Annotated[Path, _path_option(help=TRAIN_HELP["out"])],
     preset: Annotated[str | None, typer.Option(help=TRAIN_HELP["preset"])] = None,
     resume: Annotated[bool, _flag("--resume", TRAIN_HELP["resume"])] = False,
-    max_iters: Annotated[int | None, typer.Option(help=TRAIN_HELP["max_iters"])] = None,
-    batch_size: Annotated[int | None, typer.Option(help=TRAIN_HELP["batch_size"])] = None,
-    block_size: Annotated[int | None, typer.Option(help=TRAIN_HELP["block_size"])] = None,
+    max_iters: Annotated[int | None, _whole_option("max_iters")] = None,
+    batch_size: Annotated[int | None, _whole_option("batch_size")] = None,
+    block_size: Annotated[int | None, _whole_option("block_size")] = None,
     lr: Annotated[float | None, typer.Option(help=TRAIN_HELP["lr"])] = None,
     min_lr: Annotated[float | None, typer.Option(help=TRAIN_HELP["min_lr"])] = None,
-    warmup_iters: Annotated[int | None, typer.Option(help=TRAIN_HELP["warmup_iters"])] = None,
-    lr_decay_iters: Annotated[int | None, typer.Option(help=TRAIN_HELP["lr_decay_iters"])] = None,
+    warmup_iters: Annotated[int | None, _whole_option("warmup_iters")] = None,
+    lr_decay_iters: Annotated[int | None, _whole_option("lr_decay_iters")] = None,
     weight_decay: Annotated[float | None, typer.Option(help=TRAIN_HELP["weight_decay"])] = None,
     beta1: Annotated[float | None, typer.Option(help=TRAIN_HELP["beta1"])] = None,
     beta2: Annotated[float | None, typer.Option(help=TRAIN_HELP["beta2"])] = None,
     grad_clip: Annotated[float | None, typer.Option(help=TRAIN_HELP["grad_clip"])] = None,
-    eval_interval: Annotated[int | None, typer.Option(help=TRAIN_HELP["eval_interval"])] = None,
-    eval_iters: Annotated[int | None, typer.Option(help=TRAIN_HELP["eval_iters"])] = None,
-    log_interval: Annotated[int | None, typer.Option(help=TRAIN_HELP["log_interval"])] = None,
-    seed: Annotated[int | None, typer.Option(help=TRAIN_HELP["seed"])] = None,
+    eval_interval: Annotated[int | None, _whole_option("eval_interval")] = None,
+    eval_iters: Annotated[int | None, _whole_option("eval_iters")] = None,
+    log_interval: Annotated[int | None, _whole_option("log_interval")] = None,
+    seed: Annotated[int | None, _whole_option("seed")] = None,
     arch: Annotated[str | None, typer.Option(help=TRAIN_HELP["arch"])] = None,
-    n_layer: Annotated[int | None, typer.Option(help=TRAIN_HELP["n_layer"])] = None,
-    n_head: Annotated[int | None, typer.Option(help=TRAIN_HELP["n_head"])] = None,
-    n_kv_head: Annotated[int | None, typer.Option(help=TRAIN_HELP["n_kv_head"])] = None,
-    n_embd: Annotated[int | None, typer.Option(help=TRAIN_HELP["n_embd"])] = None,
+    n_layer: Annotated[int | None, _whole_option("n_layer")] = None,
+    n_head: Annotated[int | None, _whole_option("n_head")] = None,
+    n_kv_head: Annotated[int | None, _whole_option("n_kv_head")] = None,
+    n_embd: Annotated[int | None, _whole_option("n_embd")] = None,
     dropout: Annotated[float | None, typer.Option(help=TRAIN_HELP["dropout"])] = None,
     device: Annotated[str, typer.Option(help=TRAIN_HELP["device"])] = "auto",
 ) -> None:
@@ -266,12 +314,13 @@ def _interrupted_outside_the_loop(out: Path) -> str:
 
 
 DEFAULT_PROMPT = "\n"  # where nanoGPT's sampling starts too
+MAX_SAMPLING_SEED = 2**32 - 1  # generate's --seed, as the explorer's (server.MAX_SEED)
 
 
 @app.command()
 def generate(
     checkpoint: Annotated[
-        Path | None, typer.Option(help="A `selfattn train --out` directory.")
+        Path | None, _path_option(help="A `selfattn train --out` directory.")
     ] = None,
     model: Annotated[
         str | None,
@@ -297,17 +346,20 @@ def generate(
     top_k: Annotated[
         int | None, typer.Option(min=1, help="Sample among the k likeliest only.")
     ] = None,
-    seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(help=f"Seed for reproducible sampling, 0 to {MAX_SAMPLING_SEED:,}."),
+    ] = None,
     html: Annotated[
         Path | None,
-        typer.Option(
+        _path_option(
             help="Also write an offline HTML page: one strip per new token, the attention that "
             "chose it over the prompt and the tokens before it."
         ),
     ] = None,
     json_file: Annotated[
         Path | None,
-        typer.Option("--json", help="Also write that attention, every layer and head, as JSON."),
+        _path_option("--json", help="Also write that attention, every layer and head, as JSON."),
     ] = None,
     layer: Annotated[
         int | None,
@@ -326,10 +378,12 @@ def generate(
             "or --model FOLDER (a GPT-2, GPT-NeoX, Llama, Mistral, Qwen, Phi-3 or Gemma one)",
             2,
         )
-    for path, option in ((html, "--html"), (json_file, "--json")):
-        _check_output(path, option)
-    if html is not None and json_file is not None and html.resolve() == json_file.resolve():
-        raise _fail(f"--html and --json both name {html}; give each its own file", 2)
+    if seed is not None and not 0 <= seed <= MAX_SAMPLING_SEED:
+        raise _fail(
+            f"--seed {seed} is out of range; choose one between 0 and {MAX_SAMPLING_SEED}", 2
+        )
+    _check_layer(layer)
+    _check_outputs((html, "--html"), (json_file, "--json"))
     if html is not None and max_new_tokens == 0:
         raise _fail("--html shows the attention of new tokens; give --max-new-tokens 1 or more", 2)
     if html is None and (layer is not None or head is not None):
@@ -439,14 +493,39 @@ def _user_errors() -> Iterator[None]:
         raise _fail(message[0] if message else type(error).__name__) from None
 
 
-def _check_output(path: Path | None, option: str) -> None:
-    """Fail before any work if ``path`` cannot be written: a folder, or in a missing one."""
-    if path is None:
-        return
-    if path.is_dir():
-        raise _fail(f"{option} {path} is a folder; give a file name", 2)
-    if not path.parent.is_dir():
-        raise _fail(f"{option} {path}: the folder {path.parent} does not exist; create it first", 2)
+def _check_outputs(*outputs: tuple[Path | None, str]) -> None:
+    """Fail before any work (the model not yet loaded) if an output, ``(path, option)``, cannot
+    be written: a folder, in a folder that is missing or takes no new file, a file that may
+    not be written, or a file another output names too (the second write replaced the first)."""
+    given = [(path, option) for path, option in outputs if path is not None]
+    for path, option in given:
+        if path.is_dir():
+            raise _fail(f"{option} {path} is a folder; give a file name", 2)
+        if not path.parent.is_dir():
+            raise _fail(
+                f"{option} {path}: the folder {path.parent} does not exist; create it first", 2
+            )
+    for (path, option), (other, other_option) in combinations(given, 2):
+        if path.resolve() == other.resolve():
+            raise _fail(f"{option} and {other_option} both name {path}; give each its own file", 2)
+    for path, option in given:
+        _check_writable(path, option)
+
+
+def _check_writable(path: Path, option: str) -> None:
+    """Refuse ``path`` where its folder takes no new file (read-only, /proc: tried with a
+    temporary file, removed at once), or where it is a file that may not be written."""
+    try:
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as error:
+        raise _fail(
+            f"cannot write {path}: its folder {path.parent} takes no new file "
+            f"({error.strerror or error}); give {option} a file in another folder",
+            2,
+        ) from None
+    if path.exists() and not os.access(path, os.W_OK):
+        raise _fail(f"cannot write {path}: the file is read-only; give {option} another file", 2)
 
 
 def _write(path: Path, write: Callable[[Path], object]) -> None:
@@ -469,23 +548,37 @@ def _save_text(text: str, path: Path) -> None:
     path.write_text(text, encoding="utf-8")
 
 
-def _note_truncation(run) -> None:
-    """Say on stderr when ``--truncate`` cut the text, and where."""
+def _note_truncation(run, name: str = "the text") -> None:
+    """Say on stderr when ``--truncate`` cut the text (``name``: which text), and where."""
     if run.read_text != run.text:
         Console(stderr=True).print(
-            f"note: the text was cut to the model's {len(run.tokens)} tokens (--truncate): "
+            f"note: {name} was cut to the model's {len(run.tokens)} tokens (--truncate): "
             f"its first {len(run.read_text):,} of {len(run.text):,} characters",
             soft_wrap=True,
         )
 
 
+def _check_layer(layer: int | None) -> None:
+    """Layers are numbered from 0 on every command: a negative one is refused (not read from
+    the end) before the model loads; one past the model's last, once it has loaded."""
+    if layer is not None and layer < 0:
+        raise _fail(f"--layer must be 0 or more (0 is the first layer), got {layer}", 2)
+
+
 def _parse_head(head: str | None) -> int | str | None:
+    """--head as a number (from 0, as --layer) or 'mean'."""
     if head is None or head == "mean":
         return head
     try:
-        return int(head)
+        number = int(head)
     except ValueError:
         raise _fail(f"--head must be a head number or 'mean', got {head!r}", 2) from None
+    if number < 0:
+        raise _fail(
+            f"--head must be a head number or 'mean', got {head!r}: heads are numbered from 0",
+            2,
+        )
+    return number
 
 
 @app.command(epilog=EXPLAIN_EPILOG)
@@ -507,7 +600,7 @@ def explain(
         str | None, typer.Option(help="Head number or 'mean'; default: the most telling one.")
     ] = None,
     model: Annotated[str | None, typer.Option(help=MODEL_HELP, show_default=False)] = None,
-    checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
+    checkpoint: Annotated[Path | None, _path_option(help=CHECKPOINT_HELP)] = None,
     words: Annotated[
         bool, _flag("--words", "Merge word pieces: keys summed, queries averaged.")
     ] = False,
@@ -520,10 +613,10 @@ def explain(
     ] = None,
     truncate: Annotated[bool, _flag("--truncate", TRUNCATE_HELP)] = False,
     as_json: Annotated[bool, _flag("--json", JSON_HELP)] = False,
-    png: Annotated[Path | None, typer.Option(help="Write the heatmap as a PNG figure.")] = None,
-    svg: Annotated[Path | None, typer.Option(help="Write the heatmap as an SVG figure.")] = None,
+    png: Annotated[Path | None, _path_option(help="Write the heatmap as a PNG figure.")] = None,
+    svg: Annotated[Path | None, _path_option(help="Write the heatmap as an SVG figure.")] = None,
     html: Annotated[
-        Path | None, typer.Option(help="Write the interactive, offline HTML page.")
+        Path | None, _path_option(help="Write the interactive, offline HTML page.")
     ] = None,
 ) -> None:
     """Show step by step what self-attention did to one word of TEXT on a real model.
@@ -547,8 +640,8 @@ def explain(
         if path is not None and path.suffix.lower() != suffix:
             raise _fail(f"--{suffix[1:]} needs a file name ending in {suffix}, got {path}", 2)
     head_choice = _parse_head(head)
-    for path, option in ((png, "--png"), (svg, "--svg"), (html, "--html")):
-        _check_output(path, option)
+    _check_layer(layer)
+    _check_outputs((png, "--png"), (svg, "--svg"), (html, "--html"))
     with _user_errors():
         network = _load(model, checkpoint)
         run, explanation = explaining.explain_text(
@@ -580,7 +673,7 @@ def compare(
         typer.Option(help="Which occurrence of --word in each sentence (0 = first, -1 = last)."),
     ] = 0,
     model: Annotated[str | None, typer.Option(help=MODEL_HELP, show_default=False)] = None,
-    checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
+    checkpoint: Annotated[Path | None, _path_option(help=CHECKPOINT_HELP)] = None,
     truncate: Annotated[bool, _flag("--truncate", TRUNCATE_HELP)] = False,
     as_json: Annotated[bool, _flag("--json", JSON_HELP)] = False,
 ) -> None:
@@ -598,21 +691,22 @@ def compare(
         raise _fail("give at least two sentences to compare", 2)
     with _user_errors():
         network = _load(model, checkpoint)
-        comparison = explaining.compare_texts(
-            network, sentences, word, occurrence=occurrence, truncate=truncate
-        )
+        runs = explaining.run_sentences(network, sentences, word, truncate=truncate)
+        comparison = explaining.compare(runs, word, occurrence=occurrence)
         if as_json:
             typer.echo(json.dumps(comparison.to_json() | {"model": network.name}))
         else:
             report.print_comparison(console, comparison, network.name)
+        for number, run in enumerate(runs, 1):
+            _note_truncation(run, f"sentence {number}")
 
 
 @app.command()
 def view(
     text: Annotated[str, typer.Argument(metavar="TEXT", help="The sentence to explore.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="The HTML file to write.")],
+    output: Annotated[Path, _path_option("-o", "--output", help="The HTML file to write.")],
     model: Annotated[str | None, typer.Option(help=MODEL_HELP, show_default=False)] = None,
-    checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
+    checkpoint: Annotated[Path | None, _path_option(help=CHECKPOINT_HELP)] = None,
     truncate: Annotated[bool, _flag("--truncate", TRUNCATE_HELP)] = False,
 ) -> None:
     """Write one self-contained, offline HTML page to explore every layer and head of TEXT."""
@@ -620,7 +714,7 @@ def view(
     from selfattn.viz import report
 
     _one_model(model, checkpoint)
-    _check_output(output, "--output")
+    _check_outputs((output, "--output"))
     with _user_errors():
         network = _load(model, checkpoint)
         run = network.run(text, truncate=truncate)
@@ -632,7 +726,7 @@ def view(
 @app.command(epilog="Example: selfattn serve, then open http://127.0.0.1:8000/")
 def serve(
     model: Annotated[str | None, typer.Option(help=MODEL_HELP, show_default=False)] = None,
-    checkpoint: Annotated[Path | None, typer.Option(help=CHECKPOINT_HELP)] = None,
+    checkpoint: Annotated[Path | None, _path_option(help=CHECKPOINT_HELP)] = None,
     host: Annotated[
         str, typer.Option(help="Address to listen on; other than 127.0.0.1, the network sees it.")
     ] = "127.0.0.1",

@@ -748,8 +748,18 @@ def compare_texts(
 ) -> Comparison:
     """Run each sentence through ``model`` and compare ``word`` across them (:func:`compare`).
 
-    This is what ``selfattn compare`` calls; an error names the sentence it is about.
+    This is what the explorer calls; an error names the sentence it is about.
     """
+    runs = run_sentences(model, sentences, word, truncate=truncate)
+    return compare(runs, word, occurrence=occurrence)  # type: ignore[arg-type]
+
+
+def run_sentences(
+    model: TextModel, sentences: list[str], word: str, *, truncate: bool = False
+) -> list[RecordedRun]:
+    """Each sentence run through ``model``, once the request is one :func:`compare` can take
+    (two sentences or more, a word); ``selfattn compare`` calls it, then :func:`compare`, so
+    that it can say which sentences ``truncate`` cut."""
     if isinstance(sentences, str) or len(sentences) < 2:
         got = "one str" if isinstance(sentences, str) else str(len(sentences))
         raise SelfAttnError(f"give a list of at least two sentences to compare, got {got}")
@@ -758,7 +768,7 @@ def compare_texts(
     for number, sentence in enumerate(sentences, 1):
         with _naming_sentence(number, sentence):
             runs.append(model.run(sentence, truncate=truncate))
-    return compare(runs, word, occurrence=occurrence)  # type: ignore[arg-type]
+    return runs
 
 
 def compare(runs: list[VectorRun], word: str, top: int = 3, occurrence: int = 0) -> Comparison:
@@ -780,7 +790,7 @@ def compare(runs: list[VectorRun], word: str, top: int = 3, occurrence: int = 0)
     similarity = torch.einsum("ald,bld->lab", unit, unit).clamp(-1.0, 1.0)  # (L+1, N, N)
     last = n_layers - 2
     attended = [attended_words(run, run.word_tokens(word, occurrence), last, top) for run in runs]
-    texts = [run.text for run in runs]
+    texts = [run.read_text for run in runs]  # as explain shows its text: what the model read
     causal = runs[0].captures[0].causal
     return Comparison(word, texts, similarity, attended, last, occurrence, causal)
 

@@ -134,7 +134,7 @@ def _train_decoder(
         chosen = get_preset(preset_name) if preset_name else base
         _check_same_arch(out, base.arch, overrides.get("arch", chosen.arch))
         preset = chosen.override(**overrides)
-        data = _resumed_data(data_path, preset.train.block_size, tokenizer, saved.data)
+        data = _resumed_data(data_path, preset.train.block_size, tokenizer, saved.data, console)
     else:
         preset = get_preset(preset_name or DEFAULT_PRESET).override(**overrides)
         data = TextData.from_file(data_path, preset.train.block_size)
@@ -265,9 +265,14 @@ def _gib(size: int) -> str:
 
 
 def _resumed_data(
-    path: Path, block_size: int, tokenizer: CharTokenizer, trained_on: str
+    path: Path,
+    block_size: int,
+    tokenizer: CharTokenizer,
+    trained_on: str,
+    console: Console | None = None,
 ) -> TextData:
-    """The text of a resumed run in the checkpoint's vocabulary, or why it does not fit."""
+    """The text of a resumed run in the checkpoint's vocabulary, or why it does not fit; a
+    note if it is another file than the one the checkpoint was trained on (``trained_on``)."""
     text = read_text(path)
     unknown = tokenizer.unknown_characters(text)
     if unknown:
@@ -275,7 +280,23 @@ def _resumed_data(
             f"{path} has characters that the checkpoint's vocabulary lacks ({unknown}); "
             f"resume with the text it was trained on ({trained_on})"
         )
+    if not _same_file(path, Path(trained_on)):
+        _note(
+            console,
+            f"--data {path} is not the file the checkpoint was trained on ({trained_on}); its "
+            "characters fit the vocabulary, so training goes on with it, and the checkpoint "
+            "records it from now on",
+        )
     return TextData.from_text(text, block_size, tokenizer, source=path)
+
+
+def _same_file(path: Path, other: Path) -> bool:
+    """Whether two paths name one file (a link, another spelling of the path); where one no
+    longer exists (moved, or relative to another folder), whether both resolve alike."""
+    try:
+        return path.samefile(other)
+    except OSError:
+        return path.resolve() == other.resolve()
 
 
 def _keep_saved_seed(
