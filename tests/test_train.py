@@ -476,9 +476,37 @@ def test_a_signal_during_an_evaluation_abandons_it_before_its_next_batch(signum)
 
     result = train(model, configure_optimizer(model, config), batches, config, save=save)
     assert result.interrupted and result.step == 10 and batches.vals == 53
+    assert result.signal == signum
     assert [record["step"] for record in result.history] == [0]
     assert saved == [(10, [0], 10)]
     assert signal.getsignal(signum) is handler
+
+
+@pytest.mark.parametrize(
+    ("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["INT", "TERM"]
+)
+def test_the_command_exits_with_128_plus_the_signal_that_stopped_it(
+    corpus, tmp_path, monkeypatch, signum, status
+):
+    """Ctrl-C exits 130 and SIGTERM 143 (128 + the signal, as shells and `selfattn serve`
+    say it), after the step and its save; SIGTERM used to exit 130 as if it were Ctrl-C."""
+
+    class Signalling(RandomBatches):
+        drawn = 0
+
+        def batch(self, split):
+            if split == "train":
+                Signalling.drawn += 1
+                if Signalling.drawn == 3:
+                    os.kill(os.getpid(), signum)
+            return super().batch(split)
+
+    monkeypatch.setattr(run_module, "RandomBatches", Signalling)
+    out = tmp_path / "out"
+    args = ["train", "--data", str(corpus), "--out", str(out), "--preset", "tiny"]
+    result = CliRunner().invoke(app, [*args, "--max-iters", "20"])
+    assert result.exit_code == status, result.output
+    assert f"Interrupted at step 3: checkpoint saved in {out}" in result.output
 
 
 def _ctrl_c_at_validation_batch(number: int, drawn: list, ctrl_c: bool = True) -> type:

@@ -7,6 +7,7 @@ import inspect
 import json
 import math
 import os
+import signal
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
@@ -281,7 +282,7 @@ def train(
                 f"Interrupted at step {result.step}: checkpoint saved in {out} (--resume).",
                 soft_wrap=True,
             )
-        raise typer.Exit(130)
+        raise typer.Exit(128 + (result.signal or signal.SIGINT))  # 130 for Ctrl-C, 143 TERM
     if not _is_main_process():
         return
     if result.step == result.start_step and not result.evaluations:

@@ -213,6 +213,7 @@ class TrainResult:
     losses: list[float]  # training loss of each step this call took (this rank's batch)
     history: list[dict[str, float]]  # evaluations: step, train (ranks' mean since last), val
     interrupted: bool = False
+    signal: int | None = None  # what interrupted this rank: SIGINT, SIGTERM (None: another rank)
     train_seconds: float = 0.0  # time in training steps, without evaluation and checkpoints
     wall_seconds: float = 0.0
     tokens_per_step: int = 0  # global: batch_size × block_size × world size
@@ -294,7 +295,7 @@ def train(
             if _evaluation_due(result.step, history, config):
                 val = evaluate(model, batches, config.eval_iters, stop=stopping, **shown)
                 if val is None:  # a signal: the step stays unevaluated (a resume evaluates it)
-                    result.interrupted = True
+                    result.interrupted, result.signal = True, stop.signal
                     break
                 since_eval = _since_eval(carried, step_losses[window:])
                 record: dict[str, float] = {"step": result.step}
@@ -318,7 +319,7 @@ def train(
             if result.step >= config.max_iters:
                 break
             if _stop_requested(stop, result.step, config, device):
-                result.interrupted = True
+                result.interrupted, result.signal = True, stop.signal
                 break
             tick = time.perf_counter()
             lr = learning_rate(result.step, config)
@@ -405,7 +406,7 @@ def _evaluation_due(step: int, history: list[dict[str, float]], config: TrainCon
 
 
 def _stop_requested(
-    stop: threading.Event, step: int, config: TrainConfig, device: torch.device
+    stop: _SignalStop, step: int, config: TrainConfig, device: torch.device
 ) -> bool:
     """Whether a signal asked to stop before the next step; under DDP all ranks decide
     together, at log steps only (no collective and no device sync on the other steps)."""
@@ -414,7 +415,7 @@ def _stop_requested(
     return _stop_agreed(stop, device)
 
 
-def _stop_agreed(stop: threading.Event, device: torch.device) -> bool:
+def _stop_agreed(stop: _SignalStop, device: torch.device) -> bool:
     """Whether a signal asked to stop, on any rank (one collective under DDP, before each
     evaluation batch and at log steps)."""
     return distributed.any_across_ranks(stop.is_set(), device)
@@ -523,17 +524,27 @@ def _progress(
         yield progress
 
 
+class _SignalStop(threading.Event):
+    """Set by a signal; ``signal`` says which (the last one received)."""
+
+    signal: int | None = None
+
+    def receive(self, signum: int, _frame: object = None) -> None:
+        self.signal = signum
+        self.set()
+
+
 @contextmanager
-def _stop_on_signals() -> Iterator[threading.Event]:
+def _stop_on_signals() -> Iterator[_SignalStop]:
     """An event set by Ctrl-C (SIGINT) or SIGTERM while the block runs, so that no step (nor
     evaluation batch) is cut."""
-    stop = threading.Event()
+    stop = _SignalStop()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     for sig in previous:
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, stop.receive)
     try:
         yield stop
     finally:
