@@ -362,11 +362,45 @@ def test_torch_kernel_backward_twice_with_retained_graph_and_once_without():
         torch.autograd.grad(output.sum(), q)
 
 
-def test_torch_kernel_refuses_second_derivatives_through_dropout():
-    q, k, v = qkv((2,), 4, 4, 3, 3, grad=True)
-    output = attention(q, k, v, dropout_p=0.5, backend="sdpa")
-    with pytest.raises(RuntimeError, match=r"cannot differentiate dropout twice.*'explicit'"):
-        torch.autograd.grad(output.sum(), q, create_graph=True)
+def test_second_derivatives_when_one_tensor_is_query_key_and_value():
+    """attention(x, x, x) and attention(x, x, v): a gradient taken with create_graph=True is
+    the explicit path's within 1e-12 (float64), and so is its own gradient. The first version
+    gave each argument the whole gradient of x, 3x (2x) the true one."""
+    x = torch.randn(1, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    v = torch.randn(1, 4, 8, dtype=torch.float64)
+    results = {}
+    for backend in ("sdpa", "explicit"):
+        inputs = [x.clone().requires_grad_(), v.clone().requires_grad_()]
+        (grad,) = torch.autograd.grad(
+            attention(inputs[0], inputs[0], inputs[0], backend=backend).square().sum()
+            + attention(inputs[0], inputs[0], inputs[1], backend=backend).sum(),
+            inputs[0],
+            create_graph=True,
+        )
+        grad.square().sum().backward()
+        results[backend] = (grad.detach(), inputs[0].grad, inputs[1].grad)
+    for got, want in zip(results["sdpa"], results["explicit"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_torch_kernel_output_may_change_in_place_and_keeps_nothing_after_backward():
+    """The output may be changed in place (a view made by an autograd.Function may not be:
+    the first version refused ``out += 1``), and after backward nothing holds the query: a
+    context that kept the call kept q, k and v of every layer until the graph was dropped."""
+    import weakref
+
+    leaf = torch.randn(2, 2, 6, 8, requires_grad=True)
+    query = leaf * 1.0
+    alive = weakref.ref(query)
+    output = attention(query, leaf, leaf, causal=True, backend="sdpa")
+    del query
+    output += 1
+    output.sum().backward()
+    assert alive() is None
+    expected = torch.autograd.grad(
+        attention(leaf, leaf, leaf, causal=True, backend="explicit").sum(), leaf
+    )[0]
+    torch.testing.assert_close(leaf.grad, expected, atol=1e-5, rtol=0)
 
 
 sizes = st.integers(min_value=1, max_value=9)

@@ -45,7 +45,7 @@ import math
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -194,15 +194,13 @@ def _sdpa(call: AttentionCall) -> Tensor:
     if (
         not torch.is_grad_enabled()
         or not any(x is not None and x.requires_grad for x in inputs)
+        or call.dropout_p > 0  # the math kernel would draw other dropout
         or torch.compiler.is_compiling()  # a compiled graph has first derivatives only
-        or torch._C._are_functorch_transforms_active()  # torch.func differentiates it itself
+        or torch._C._are_functorch_transforms_active()  # torch.func: first derivatives only
     ):
         return output
-
-    def run(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
-        return _fused(replace(call, query=query, key=key, value=value, mask=mask))
-
-    return _HigherOrderThroughMath.apply(output, run, call.dropout_p, *inputs)
+    settings = (call.causal, call.similarity, call.scale)
+    return _HigherOrderThroughMath.apply(output, settings, *inputs)
 
 
 class _HigherOrderThroughMath(torch.autograd.Function):
@@ -213,30 +211,27 @@ class _HigherOrderThroughMath(torch.autograd.Function):
     has derivatives of every order."""
 
     @staticmethod
-    def forward(ctx, output: Tensor, run: Callable[..., Tensor], dropout_p: float, *inputs):
-        ctx.run, ctx.dropout_p = run, dropout_p
+    def forward(ctx, output: Tensor, settings: tuple[bool, str, float], *inputs: Tensor | None):
+        ctx.settings = settings  # the tensors only as saved ones (freed, hooked as any)
         ctx.save_for_backward(*inputs)
-        return output.view_as(output)
+        return output.clone()  # not a view: a caller may change it in place
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        by_input: list[Tensor | None] = [None] * len(ctx.needs_input_grad[3:])
+        by_input: list[Tensor | None] = [None] * len(ctx.needs_input_grad[2:])
         if not torch.is_grad_enabled():
-            return (grad_output, None, None, *by_input)
-        if ctx.dropout_p > 0:  # the math kernel would draw other dropout
-            raise RuntimeError(  # as refuse_double_backward's
-                "backend 'sdpa' cannot differentiate dropout twice (torch's math kernel "
-                "would drop other weights); use backend='explicit' or dropout_p=0"
-            )
-        inputs = ctx.saved_tensors
-        wanted = [i for i, needs in enumerate(ctx.needs_input_grad[3:]) if needs]
+            return (grad_output, None, *by_input)
+        inputs = list(ctx.saved_tensors)
+        wanted = [i for i, needs in enumerate(ctx.needs_input_grad[2:]) if needs]
+        for i in wanted:  # a node of its own per argument: attention(x, x, x) sums three parts
+            inputs[i] = inputs[i].view_as(inputs[i])
         with sdpa_kernel(SDPBackend.MATH):
-            output = ctx.run(*inputs)
+            output = _fused(AttentionCall(*inputs, *ctx.settings, dropout_p=0.0))
         sources = [inputs[i] for i in wanted]
         grads = torch.autograd.grad(output, sources, grad_output, create_graph=True)
         for i, grad in zip(wanted, grads, strict=True):
             by_input[i] = grad
-        return (None, None, None, *by_input)
+        return (None, None, *by_input)
 
 
 def _fused(call: AttentionCall) -> Tensor:
