@@ -294,19 +294,19 @@ def detail(response, status: int) -> str:
         ({"text": BANK, "index": 11}, 400, "token index 11 is out of range"),
         ({"text": BANK, "word": "bank", "index": 1}, 400, "either a word or a token index"),
         ({"text": TWO_BANKS, "word": "bank", "occurrence": 2}, 400, "occurrence 2 of the word"),
-        ({"text": BANK, "layer": "1"}, 422, "layer: Input should be a valid integer"),
-        ({"text": BANK, "layer": 1.5}, 422, "layer"),
-        ({"text": BANK, "head": "all"}, 422, "head: give a head number (0 = first) or 'mean'"),
-        ({"text": BANK, "head": 1.5}, 422, "head: give a head number (0 = first) or 'mean'"),
-        ({"text": BANK, "similarity": "euclid"}, 422, "similarity"),
-        ({"text": BANK, "scale": "big"}, 422, "scale"),
-        ({"text": BANK, "words": "yes"}, 422, "words"),
-        ({"text": 42}, 422, "text: Input should be a valid string"),
-        ({"word": "bank"}, 422, "text: Field required"),
+        ({"text": BANK, "layer": "1"}, 422, "the Layer field: Input should be a valid integer"),
+        ({"text": BANK, "layer": 1.5}, 422, "the Layer field: Input should be a valid integer"),
+        ({"text": BANK, "head": "all"}, 422, "the Head field: give a head number (0 = first) or"),
+        ({"text": BANK, "head": 1.5}, 422, "the Head field: give a head number (0 = first) or"),
+        ({"text": BANK, "similarity": "euclid"}, 422, "the Similarity field: Input should be"),
+        ({"text": BANK, "scale": "big"}, 422, "the Scale field: Input should be a valid number"),
+        ({"text": BANK, "words": "yes"}, 422, "words: Input should be a valid boolean"),
+        ({"text": 42}, 422, "the Text field: Input should be a valid string"),
+        ({"word": "bank"}, 422, "the Text field: Field required"),
         ({"text": BANK, "colour": "red"}, 422, "colour: Extra inputs are not permitted"),
         ({"text": BANK, "model": "/etc/passwd"}, 422, "model: Extra inputs are not permitted"),
         ({"text": BANK, "checkpoint": "../../x"}, 422, "checkpoint: Extra inputs"),
-        ({"text": BANK, "word": "b" * 2001}, 422, "word: String should have at most 2000"),
+        ({"text": BANK, "word": "b" * 2001}, 422, "the Word field: String should have at most"),
         ({"text": BANK, "odd\nname": 1}, 422, "odd\\nname: Extra inputs are not permitted"),
         ({"text": "x" * (server.MAX_CHARS + 1)}, 413, "2,001 characters; the explorer takes"),
         ({"text": "! " * 600}, 413, "602 tokens; all-MiniLM-L6-v2 takes at most 512: shorten it"),
@@ -375,12 +375,21 @@ def test_bodies_must_declare_a_bounded_size(client):
     assert "Content-Length" in detail(chunked, 411)
 
 
+@pytest.mark.parametrize(
+    "request_model", [server.ExplainRequest, server.CompareRequest, server.GenerateRequest]
+)
+def test_every_field_the_page_sends_has_the_pages_name(request_model):
+    """One table names the fields for the 422s and the options for the 400s; `words` is the
+    API's only (the page never sends it)."""
+    assert set(request_model.model_fields) - {"words"} <= set(server.PAGE_NAMES)
+
+
 def test_non_finite_scale_is_refused(client):
     body = json.dumps({"text": BANK, "word": "bank"})[:-1] + ', "scale": NaN}'
     response = client.post(
         "/api/explain", content=body, headers={"content-type": "application/json"}
     )
-    assert "scale" in detail(response, 422)
+    assert detail(response, 422) == "the Scale field: Input should be a finite number"
 
 
 @pytest.mark.parametrize(
@@ -391,12 +400,13 @@ def test_non_finite_scale_is_refused(client):
         ({"sentences": [BANK, "No such word here."], "word": "bank"}, 400, "bank"),
         ({"sentences": [BANK, "\u200b"], "word": "bank"}, 400, "): all-MiniLM-L6-v2 reads nothing"),
         ({"sentences": [TWO_BANKS, BANK], "word": "bank", "occurrence": 1}, 400, "sentence 2"),
-        ({"sentences": [BANK, RIVER]}, 422, "word: Field required"),
-        ({"sentences": BANK, "word": "bank"}, 422, "sentences"),
+        ({"sentences": [BANK, RIVER]}, 422, "the Word field: Field required"),
+        ({"sentences": BANK, "word": "bank"}, 422, "the sentences: Input should be a valid list"),
+        ({"sentences": [BANK, 42], "word": "bank"}, 422, "sentence 2: Input should be a valid str"),
         ({"sentences": [BANK, "y" * 2001], "word": "bank"}, 413, "sentence 2 is 2,001 characters"),
         ({"sentences": [BANK, "! " * 600], "word": "bank"}, 413, "sentence 2 is 602 tokens"),
         ({"sentences": [BANK, RIVER], "word": "bank", "model": "gpt2"}, 422, "model"),
-        ({"sentences": [BANK, RIVER], "word": "b" * 2001}, 422, "word: String should have at most"),
+        ({"sentences": [BANK, RIVER], "word": "b" * 2001}, 422, "the Word field: String should"),
     ],
 )
 def test_compare_errors(client, body, status, words):
@@ -497,23 +507,42 @@ def test_generate_with_a_seed_gives_the_same_text_again(decoder_client):
         ({"prompt": PROMPT, "max_new_tokens": 201}, 413, "201 new tokens asked for; the explorer"),
         ({"prompt": PROMPT, "max_new_tokens": 10**6}, 413, "generates at most 200 a run"),
         ({"prompt": "a" * 2001}, 413, "the prompt is 2,001 characters; the explorer takes"),
-        ({"prompt": PROMPT, "max_new_tokens": 0}, 422, "max_new_tokens: Input should be greater"),
-        ({"prompt": PROMPT, "max_new_tokens": "9"}, 422, "max_new_tokens: Input should be a valid"),
-        ({"prompt": PROMPT, "temperature": -1}, 422, "temperature: Input should be greater"),
-        ({"prompt": PROMPT, "top_k": 0}, 422, "top_k: Input should be greater than or equal to 1"),
-        ({"prompt": PROMPT, "seed": -1}, 422, "seed: Input should be greater than or equal to 0"),
-        ({"prompt": PROMPT, "seed": 2**32}, 422, "seed: Input should be less than or equal to"),
+        ({"prompt": PROMPT, "max_new_tokens": 0}, 422, "the New tokens field: Input should be gr"),
+        ({"prompt": PROMPT, "max_new_tokens": "9"}, 422, "the New tokens field: Input should be a"),
+        ({"prompt": PROMPT, "temperature": -1}, 422, "the Temperature field: Input should be"),
+        ({"prompt": PROMPT, "top_k": 0}, 422, "the Top-k field: Input should be greater than or"),
+        ({"prompt": PROMPT, "seed": -1}, 422, "the Seed field: Input should be greater than or"),
+        ({"prompt": PROMPT, "seed": 2**32}, 422, "the Seed field: Input should be less than or"),
         ({"prompt": PROMPT, "layer": 2}, 400, "layer 2 out of range"),
         ({"prompt": PROMPT, "head": 2}, 400, "head 2 out of range"),
-        ({"prompt": PROMPT, "head": "all"}, 422, "head: give a head number (0 = first) or 'mean'"),
+        ({"prompt": PROMPT, "head": "all"}, 422, "the Head field: give a head number (0 = first)"),
+        ({"prompt": PROMPT, "step": 1.5}, 422, "a new token clicked in Generate: Input should be"),
         ({"prompt": PROMPT, "max_new_tokens": 5, "step": 5}, 400, "step 5 out of range"),
-        ({"prompt": 42}, 422, "prompt: Input should be a valid string"),
-        ({"max_new_tokens": 5}, 422, "prompt: Field required"),
+        ({"prompt": 42}, 422, "the Prompt field: Input should be a valid string"),
+        ({"max_new_tokens": 5}, 422, "the Prompt field: Field required"),
         ({"prompt": PROMPT, "model": "gpt2"}, 422, "model: Extra inputs are not permitted"),
     ],
 )
 def test_generate_errors(decoder_client, body, status, words):
     assert words in detail(decoder_client.post("/api/generate", json=body), status)
+
+
+def test_generate_takes_a_prompt_longer_than_the_models_positions(decoder_client, decoder):
+    """As `selfattn generate` does: the window slides past the positions, and each step's
+    recorded attention starts where its window does."""
+    prompt = "First Citizen: Before we proceed"  # 32 characters: the model has 16 positions
+    assert decoder.tokenizer.count(prompt) > decoder.config.max_positions == 16
+    body = {"prompt": prompt, "max_new_tokens": 5, "seed": 1}
+    response = decoder_client.post("/api/generate", json=body)
+    assert response.status_code == 200, response.text
+    from selfattn.viz.generation import generation_payload
+
+    generation = decoder.generate_recorded(prompt, 5, temperature=0.8, seed=1)
+    expected = generation_payload(generation) | {"text": generation.text}
+    assert response.json() == json.loads(json.dumps(expected))
+    assert response.json()["starts"] == [16, 17, 18, 19, 20]  # step s: the last 16 of 32 + s keys
+    long = {"prompt": "a" * (server.MAX_CHARS + 1), "max_new_tokens": 5}
+    assert "2,001 characters" in detail(decoder_client.post("/api/generate", json=long), 413)
 
 
 def test_generate_needs_a_decoder(client):

@@ -545,15 +545,15 @@ def ablation_outcome(page) -> dict:
     ("given", "error"),
     [
         ("&word=bank&layer=9", "layer 9 is out of range: this model has layers 0..5"),
-        ("&word=bank&layer=abc", "layer: Input should be a valid integer"),
+        ("&word=bank&layer=abc", "the Layer field: Input should be a valid integer"),
         (
             "&word=bank&head=mean",
             "another similarity or scale is recomputed for one query of one head: give a head "
             "number instead of 'mean' (or no head, to have one chosen)",
         ),
-        ("&word=bank&similarity=euclid", "similarity: Input should be 'dot' or 'cosine'"),
-        ("&word=bank&scale=abc", "scale: Input should be a valid number"),
-        ("&word=bank&scale=1e999", "scale: Input should be a valid number"),
+        ("&word=bank&similarity=euclid", "the Similarity field: Input should be 'dot' or 'cosine'"),
+        ("&word=bank&scale=abc", "the Scale field: Input should be a valid number"),
+        ("&word=bank&scale=1e999", "the Scale field: Input should be a valid number"),
         (
             "&layer=1",
             "give a word: Similarity & scale recomputes the weights of one word as the query",
@@ -587,8 +587,8 @@ def test_compare_from_an_address_without_a_word_says_it_needs_one(browser, base_
 @pytest.mark.parametrize(
     ("given", "error"),
     [
-        ("layer=abc", "layer: Input should be a valid integer"),
-        ("head=x", "head: give a head number (0 = first) or 'mean'"),
+        ("layer=abc", "the Layer field: Input should be a valid integer"),
+        ("head=x", "the Head field: give a head number (0 = first) or 'mean'"),
         ("index=-1", "token index -1 is out of range: tokens 0..10"),
         ("word=bank&index=3", "give either a word or a token index, not both"),  # not index dropped
         (
@@ -613,7 +613,7 @@ def test_back_to_a_bad_address_shows_no_choice_that_did_not_apply(browser, base_
     refused = ablation_outcome(page)
     assert refused == {
         "ready": "error",
-        "error": "scale: Input should be a valid number",
+        "error": "the Scale field: Input should be a valid number",
         "picked": ["", "", "cosine", ""],  # the selects blank: they offer no layer 9 nor 'mean'
     }
     page.select_option("#ablation-layer", "1")
@@ -1354,7 +1354,7 @@ def test_explore_and_generate_results_on_one_page_have_no_id_twice(browser, deco
     [
         ({"n": 500}, "500 new tokens asked for; the explorer generates at most 200 a run: ask for"),
         ({"prompt": "THE"}, "characters not in the model's vocabulary: 'EHT'; use only"),
-        ({"seed": "x"}, "seed: Input should be a valid integer"),
+        ({"seed": "x"}, "the Seed field: Input should be a valid integer"),
         ({"layer": 2}, "layer 2 out of range: the model has layers 0..1 (or -2..-1)"),
     ],
 )

@@ -19,7 +19,8 @@ Safety, because a browser tab is an untrusted client:
   fields only (unknown fields are refused) and of a declared size under ``MAX_BODY`` (411/413,
   before they are read); texts are limited in characters (413) and a generation in new tokens
   (413) before a request is admitted, and texts in the model's positions (413) on its worker,
-  before its run.
+  before its run; a prompt is not (its generation's window slides past them, as `selfattn
+  generate` does).
 - Model runs happen on a small thread pool under ``torch.inference_mode()``; at most
   ``workers + queue`` requests are admitted, the rest get 503 "busy" at once, so a burst
   waits in a bounded queue instead of piling up memory. The event loop never waits for a run,
@@ -52,7 +53,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from importlib.resources import files
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 import uvicorn
@@ -64,7 +65,7 @@ from starlette.exceptions import HTTPException
 from uvicorn.server import HANDLED_SIGNALS
 
 from selfattn import explain as explaining
-from selfattn.errors import SelfAttnError, message_of, worded
+from selfattn.errors import Message, Options, SelfAttnError, message_of, worded
 from selfattn.models.model import Model
 from selfattn.recording import in_range
 from selfattn.viz import report
@@ -111,6 +112,8 @@ class StrictBody(BaseModel):
     """Strict JSON: no "1" for 1, no unknown fields (no way to name a file or model)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+    # whether its texts must fit in the model's positions (else 413 on the worker)
+    within_positions: ClassVar[bool] = True
 
 
 Text = Annotated[str, Field(description=f"The text to run (at most {MAX_CHARS} characters).")]
@@ -164,6 +167,10 @@ class CompareRequest(StrictBody):
 
 class GenerateRequest(StrictBody):
     """`selfattn generate --html`'s options: the sampling, and what its page opens on."""
+
+    # a prompt longer than the model's positions is taken, as by `selfattn generate`: the window
+    # slides (Model.generate_recorded records each step's keys from GenerationStep.start)
+    within_positions: ClassVar[bool] = False
 
     prompt: str = Field(description=f"The text to continue (at most {MAX_CHARS} characters).")
     max_new_tokens: int = Field(
@@ -281,8 +288,9 @@ def check_length(body: Body) -> None:
 
 def check_tokens(model: Model, body: Body) -> None:
     """413 for a text over the model's positions: on the worker, before the run (counting
-    tokenizes, under the tokenizer's lock that runs hold while they tokenize)."""
-    if model.tokenizer is None:
+    tokenizes, under the tokenizer's lock that runs hold while they tokenize). A prompt to
+    generate from is not counted: its window slides past the positions."""
+    if model.tokenizer is None or not body.within_positions:
         return
     limit = model.config.max_positions
     for name, text in body.texts().items():
@@ -366,19 +374,31 @@ def json_text(value: Any) -> str:
     return json.dumps(value)
 
 
-# The page's names for the options that messages name: its form fields, and Explore's tokens
+# The page's names for the request fields (and the options messages name, by the same names):
+# its form fields, Explore's tokens and Generate's new tokens. The one table for every message:
+# the 400s' options (errors.Message.worded) and the 422s' fields (_validation_detail).
 PAGE_NAMES = {
+    "text": "the Text field",
     "word": "the Word field",
     "occurrence": "the Occurrence field",
     "layer": "the Layer field",
     "head": "the Head field",
     "index": "a token clicked in Explore",
+    "similarity": "the Similarity field",
+    "scale": "the Scale field",
+    "sentences": "the sentences",
+    "prompt": "the Prompt field",
+    "max_new_tokens": "the New tokens field",
+    "temperature": "the Temperature field",
+    "top_k": "the Top-k field",
+    "seed": "the Seed field",
+    "step": "a new token clicked in Generate",
 }
 
 
 def page_naming(options: tuple[str, ...]) -> str:
     """Options as the page names them: "the Layer field or the Head field" (an option it has
-    no name for by its API field)."""
+    no name for by its API field: an unknown field, or ``words``, which the page never sends)."""
     return " or ".join(PAGE_NAMES.get(name, name) for name in options)
 
 
@@ -466,7 +486,7 @@ def create_app(
     async def run(function: Run, body: Body, request: Request) -> Response:
         """``function(model, body)`` on a worker, once admitted (else 503 at once); a text over
         the character limit is refused before (413), one over the model's positions on the
-        worker (413)."""
+        worker (413; not a prompt to generate from)."""
         check_length(body)
         return await pool.run(_fitted, function, model, body, receive=request.receive)
 
@@ -500,7 +520,8 @@ def create_app(
 
 
 def _fitted(function: Run, model: Model, body: Body) -> Response:
-    """``function(model, body)`` once the body's texts fit the model's positions (413)."""
+    """``function(model, body)`` once the body's texts fit the model's positions (413; a
+    prompt to generate from need not)."""
     check_tokens(model, body)
     return function(model, body)
 
@@ -561,10 +582,10 @@ def _one_line(error: BaseException | str) -> str:
 
 NOT_JSON = "the request body is not valid JSON; send one JSON object, in UTF-8"
 FIELDS = "its fields are in /openapi.json"
-HEAD_CHOICE = "head: give a head number (0 = first) or 'mean'"
+HEAD_CHOICE = Message(Options("head", ("head",)), ": give a head number (0 = first) or 'mean'")
 SENTENCE_COUNT = f"give 2 to {MAX_SENTENCES} sentences to compare"
 # (field, Pydantic's error type) -> what to send instead, where Pydantic's message is unclear
-PLAIN_DETAILS = {
+PLAIN_DETAILS: dict[tuple[str, str], str] = {
     ("sentences", "too_short"): SENTENCE_COUNT,
     ("sentences", "too_long"): SENTENCE_COUNT,
     ("head.int", "int_type"): HEAD_CHOICE,
@@ -577,15 +598,28 @@ FASTAPI_PARSE_ERROR = "There was an error parsing the body"  # FastAPI's 400 for
 
 
 def _validation_detail(error: RequestValidationError) -> str:
-    """Pydantic's error list as one line: 'layer: Input should be a valid integer'."""
+    """Pydantic's error list as one line, each field named as the page names it (as the 400s
+    name options): 'the Layer field: Input should be a valid integer'."""
     parts = []
     for item in error.errors():
         if item["type"] == "json_invalid":
             return NOT_JSON
-        where = ".".join(str(part) for part in item["loc"] if part != "body")
+        path = [part for part in item["loc"] if part != "body"]
+        where = ".".join(str(part) for part in path)
         plain = PLAIN_DETAILS.get((where, item["type"]))
-        parts.append(plain or (f"{where}: {item['msg']}" if where else item["msg"]))
+        parts.append(worded(plain or _field_message(path, item["msg"]), page_naming))
     return "; ".join(dict.fromkeys(parts)) or "invalid request"
+
+
+def _field_message(path: list[str | int], message: str) -> str:
+    """Pydantic's message about the field at ``path`` (none: the body), its field an option
+    (worded as the page names it); one of the sentences as the 413s name it, "sentence 2"."""
+    if not path:
+        return message
+    if path[0] == "sentences" and len(path) == 2 and isinstance(path[1], int):
+        return f"sentence {path[1] + 1}: {message}"
+    where = ".".join(str(part) for part in path)
+    return Message(Options(where, (str(path[0]),)), f": {message}")
 
 
 def _http_detail(request: Request, error: HTTPException) -> tuple[int, str]:
