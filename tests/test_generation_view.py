@@ -306,6 +306,34 @@ def test_strips_answer_hover_and_keys(browser, gpt2_page):
 
 
 @in_chromium
+def test_keys_move_the_strip_with_nothing_focused(browser, gpt2_page):
+    # As the page's hint and the explorer's page have it: the arrow keys, Home and End did
+    # nothing until a strip or a token had the focus. Not in a form's field.
+    path, generation = gpt2_page
+    watched = Watched(browser, path)
+    page = watched.page
+    steps = len(generation.steps)
+
+    def new_token(s: int) -> bool:
+        return f"new token {generation.n_prompt + s} " in page.text_content("#selection")
+
+    assert page.evaluate("document.activeElement === document.body")
+    page.keyboard.press("End")
+    assert new_token(steps - 1)
+    page.keyboard.press("ArrowUp")
+    assert new_token(steps - 2)
+    assert_top_keys_are(watched, generation.weights(steps - 2, 2).mean(0))
+    page.keyboard.press("Home")
+    assert new_token(0)
+    page.keyboard.press("ArrowRight")
+    assert new_token(1)
+    page.focus("#head")
+    page.keyboard.press("End")  # the select's own key
+    assert new_token(1)
+    watched.check_clean()
+
+
+@in_chromium
 def test_page_follows_dark_mode(browser, gpt2_page):
     path, _ = gpt2_page
     grounds, images = {}, {}

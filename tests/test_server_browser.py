@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from urllib.parse import quote, urlencode
+from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 import httpx
 import pytest
@@ -570,6 +570,18 @@ def test_similarity_and_scale_refuses_a_bad_address_in_one_line(browser, base_ur
     assert page.url == base_url + address
 
 
+def test_compare_from_an_address_with_one_sentence_says_how_many_it_takes(browser, base_url):
+    # It showed S1 and an empty S2, and no result nor error: the address's one sentence is the
+    # server's one line, as the form's is.
+    address = compare_address(("a bank",), "bank")
+    watched = Watched(browser, base_url, address)
+    page = watched.page
+    page.wait_for_selector("#compare-result[data-ready='error']", state="attached", timeout=30_000)
+    assert page.text_content("#error") == "give 2 to 4 sentences to compare"
+    assert page.eval_on_selector("#compare-result", "(e) => e.childElementCount") == 0
+    assert page.url == base_url + address
+
+
 def test_compare_from_an_address_without_a_word_says_it_needs_one(browser, base_url):
     address = compare_address((BANK, RIVER), "")
     watched = Watched(browser, base_url, address)
@@ -997,6 +1009,14 @@ def test_more_sentences_than_the_limit_are_said_to_be_left_out(browser, base_url
     )
     assert page.locator(".compare-sentence").count() == 4
     assert page.locator("#compare-attended li").count() == 4
+    # the address keeps what is shown (it kept all five: a reload said "1 more left out" again)
+    query = parse_qs(urlsplit(page.url).query)
+    assert (query["s"], query["word"], query["view"]) == (list(five[:4]), ["bank"], ["compare"])
+    page.reload()
+    page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+    watched.wait("#compare-result")
+    assert not page.is_visible("#compare-notice")
+    assert page.locator("#compare-attended li").count() == 4
     page.click("#compare-bank")
     assert not page.is_visible("#compare-notice")
     watched.check_clean()
@@ -1023,6 +1043,24 @@ def test_wording_of_equal_entropies_sentence_counts_and_the_text_limit(browser, 
     page.click("#compare-run")
     page.wait_for_selector("#compare-result[data-ready='error']", state="attached")
     assert page.text_content("#error") == "give 2 to 4 sentences to compare"
+
+
+def test_each_sentence_to_compare_is_held_to_the_text_limit_and_says_so(browser, base_url):
+    watched = Watched(browser, base_url, "/?view=compare")
+    page = watched.page
+    page.click("#compare-add")
+    limit = server.MAX_CHARS
+    for n in (2, 3):  # a sentence added too
+        sentence = f".sentence-row:nth-child({n}) .compare-sentence"
+        page.fill(sentence, "x" * (limit + 500))
+        assert len(page.input_value(sentence)) == limit
+        assert page.text_content("#compare-sentences-limit") == (
+            "2,000 characters at most: the rest of a longer text is left out."
+        )
+        assert page.get_attribute(sentence, "aria-describedby") == "compare-sentences-limit"
+        page.fill(sentence, BANK)
+        assert not page.is_visible("#compare-sentences-limit")
+    watched.check_clean()
 
 
 def test_the_text_limit_is_said_when_a_text_was_cut_only(browser, base_url):

@@ -11,7 +11,7 @@
   const {
     h, fmt, decodeTensor, readPalette, channels, clip, paintToken, headName, readHash, noteHash, renderEmbedded, renders, applySelection,
     markChosen, onPixelRatioChange, onColourChange, keepBandInView, keepTokenInView, buildControls, buildLegend, topKeys, drawLegend, sizedContext,
-    drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents, windowOf, outsideWindow, shown, tokenName,
+    drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents, windowOf, outsideWindow, shown, tokenName, pageKeys,
   } = window.selfattn;
   const TOP_KEYS = 6; // keys listed for the chosen strip; the rest is one line of left-over weight
 
@@ -156,6 +156,8 @@
     };
     ui.flow.addEventListener("keydown", moveStep);
     ui.map.addEventListener("keydown", moveStep);
+    // the same keys with no strip nor token focused (not in a form's field); Page Up and Down still scroll the page
+    pageKeys(root, (event) => event.key.startsWith("Page") || moveStep(event), signal);
     attachStripEvents(ui, model, state, strips, select, showStep);
     onPixelRatioChange(draw, signal);
     onColourChange(() => {

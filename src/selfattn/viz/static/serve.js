@@ -195,6 +195,7 @@
     const inputs = sentenceInputs();
     if (inputs.length >= limits().max_sentences) return;
     const input = h("input", { class: "compare-sentence", autocomplete: "off", dir: "auto" }); // named by renumber()
+    limitText(input, $("compare-sentences-limit")); // the server's limit on a text, said under the sentences
     input.value = value;
     const remove = h("button", { type: "button", class: "secondary remove" }, "×"); // named by renumber()
     const row = h("div", { class: "sentence-row" }, h("span", { class: "label" }, `S${inputs.length + 1}`), input, remove);
@@ -235,6 +236,7 @@
     $("compare-sentences").replaceChildren();
     for (const sentence of sentences.slice(0, most)) addSentence(sentence);
     while (sentenceInputs().length < 2) addSentence();
+    say("compare-sentences-limit", ""); // said of a sentence no longer there
     say("compare-notice", more > 0 ? `The explorer compares at most ${most} sentences: ${more} more left out.` : "");
   }
 
@@ -242,6 +244,8 @@
     const { s: sentences, word } = inputs("compare");
     for (const input of sentenceInputs()) if (!input.value.trim()) removeSentence(input.parentElement); // S2 is then the same sentence in the form and in the result
     if (!fromAddress) navigate("compare");
+    // an address of more sentences than the server compares keeps those shown, run and said: a reload shows them with nothing left out
+    else if (params().getAll("s").length > limits().max_sentences) history.replaceState(history.state, "", addressWith({ s: sentences }));
     const body = { sentences, word, ...addressFields(params(), ["occurrence"]) };
     await request("compare", {
       fetch: async () => {
@@ -514,7 +518,11 @@
   function describeModel() {
     const model = info.models[0];
     $("model-info").textContent = `${model.name} · ${model.kind} · ${model.layers} layers × ${model.heads} heads · up to ${model.max_positions} tokens`;
-    for (const id of ["explore-text", "ablation-text", "generate-prompt"]) limitText(id);
+    for (const id of ["explore-text", "ablation-text", "generate-prompt"]) {
+      const notice = h("p", { id: `${id}-limit`, class: "notice wide", role: "status", hidden: "" });
+      $(id).closest("label").after(notice);
+      limitText($(id), notice);
+    }
     $("tab-generate").hidden = model.kind !== "decoder"; // the API refuses Generate for an encoder in one line
     $("generate-n").max = String(limits().max_new_tokens);
     $("generate-n").title = `at most ${limits().max_new_tokens} new tokens a run`;
@@ -523,18 +531,16 @@
   }
 
   /**
-   * The server's limit on a text; the browser cuts a longer paste (or typing) there without a word, so
-   * a notice under it says so, until the next edit: shown when an edit inserts more than the room left,
-   * never for a text that fits, one of exactly the limit included.
+   * The server's limit on a text, for the field `input`; the browser cuts a longer paste (or typing) there
+   * without a word, so the element `notice` (Compare's sentences share one) says so, until the next edit:
+   * shown when an edit inserts more than the room left, never for a text that fits, one of exactly the limit included.
    */
-  function limitText(id) {
+  function limitText(input, notice) {
     const most = limits().max_chars;
-    const notice = h("p", { id: `${id}-limit`, class: "notice wide", role: "status", hidden: "" });
-    $(id).closest("label").after(notice);
-    $(id).setAttribute("aria-describedby", notice.id);
-    $(id).maxLength = most;
-    $(id).addEventListener("beforeinput", (event) => {
-      const { value, selectionStart, selectionEnd } = $(id);
+    input.setAttribute("aria-describedby", notice.id);
+    input.maxLength = most;
+    input.addEventListener("beforeinput", (event) => {
+      const { value, selectionStart, selectionEnd } = input;
       const inserted = (event.data ?? event.dataTransfer?.getData("text/plain") ?? "").replace(/\r\n?/g, "\n"); // a line break counts one
       const cut = inserted.length > most - value.length + (selectionEnd - selectionStart);
       say(notice.id, cut ? `${most.toLocaleString("en")} characters at most: the rest of a longer text is left out.` : "");
@@ -556,7 +562,8 @@
     const view = offered(asked) ? asked : "explore";
     for (const name of first ? Object.keys(VIEWS) : [view]) fill(name, p);
     showView(view);
-    const ready = { explore: p.get("text"), compare: p.getAll("s").length >= 2, ablation: p.get("text"), generate: p.get("prompt") }; // without a word, compare and ablation say they need one
+    // without a word, compare and ablation say they need one; with one sentence, compare the server's line on how many it takes
+    const ready = { explore: p.get("text"), compare: p.getAll("s").length >= 1, ablation: p.get("text"), generate: p.get("prompt") };
     if (ready[view] && !history.state?.idle) VIEWS[view](true);
     else clearResult(view);
     if (asked === "generate" && view !== asked) api("/api/generate", { prompt: p.get("prompt") ?? "" }).catch((error) => showError(error.message)); // the server refuses an encoder first

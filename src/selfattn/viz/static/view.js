@@ -457,14 +457,13 @@
       draw();
     }, signal);
     ui.flow.addEventListener("scroll", redrawLines);
-    document.addEventListener(
-      "keydown",
+    pageKeys(
+      root,
       (event) => {
-        if (event.defaultPrevented || event.target.closest("select, input, textarea, button") || !onScreen(root)) return;
         if (event.key === "ArrowRight") select({ query: Math.min(T - 1, state.query + 1) });
         if (event.key === "ArrowLeft") select({ query: Math.max(0, state.query - 1) });
       },
-      { signal },
+      signal,
     );
     update();
     document.title = `${model.model}: attention explorer`;
@@ -553,6 +552,23 @@
 
   /** Whether `el` is on screen: an explorer in a hidden view (another tab of the live page) has no boxes. */
   const onScreen = (el) => el.getClientRects().length > 0;
+
+  /**
+   * Keys pressed anywhere on the page while `root` shows, to `handle(event)`: not those a part of the page
+   * answered itself (the tokens, the map), nor those in a form's field or on a button, nor with Ctrl, Alt
+   * or Meta (the browser's own: Alt+← is Back). Until `signal` aborts (the next render in `root`).
+   */
+  function pageKeys(root, handle, signal) {
+    document.addEventListener(
+      "keydown",
+      (event) => {
+        if (event.defaultPrevented || event.ctrlKey || event.altKey || event.metaKey) return;
+        if (event.target.closest?.("select, input, textarea, button") || !onScreen(root)) return;
+        handle(event);
+      },
+      { signal },
+    );
+  }
 
   /** The sliding window of `layer` (a query sees itself and the window's previous tokens), or null: none. */
   const windowOf = (model, layer) => model.windows?.[layer] ?? null;
@@ -1101,7 +1117,7 @@
     render, clear: explorers.clear, h, fmt, fmtScale, shown, tokenName, decodeTensor, readPalette, channels, clip, paintToken, headName,
     readHash, noteHash, renderEmbedded, renders, applySelection, markChosen, onPixelRatioChange, onColourChange, keepBandInView, keepTokenInView,
     buildControls, buildLegend, topKeys, drawLegend, sizedContext, drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents,
-    windowOf, outsideWindow,
+    windowOf, outsideWindow, pageKeys,
   };
   renderEmbedded("selfattn-payload", render);
 })();
