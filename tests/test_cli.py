@@ -3,6 +3,7 @@ before any work (no model is loaded but MiniLM for compare --truncate: the loads
 server are replaced, or fail before any weights are read)."""
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Annotated, get_args, get_origin, get_type_hints
@@ -269,6 +270,22 @@ def test_two_outputs_naming_one_file_are_refused_before_the_model_loads(
     line = _one_error_line(result)
     assert " both name " in line and line.endswith("; give each its own file"), line
     assert sorted(path.name for path in tmp_path.iterdir()) == ["sub"]
+
+
+def test_an_existing_writable_file_is_taken_whatever_its_folder_allows(monkeypatch, tmp_path):
+    """An existing file is written in place: /dev/stdout, /dev/null or a file of a folder that
+    takes no new one are writable outputs (the folder check refused them to a non-root user).
+    The folder's refusal is played by a TemporaryFile that fails."""
+
+    def no_new_file(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cli.tempfile, "TemporaryFile", no_new_file)
+    existing = tmp_path / "g.json"
+    existing.write_text("")
+    cli._check_outputs((existing, "--json"), (Path(os.devnull), "--html"))
+    with pytest.raises(typer.Exit):
+        cli._check_outputs((tmp_path / "new.json", "--json"))
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")

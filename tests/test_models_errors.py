@@ -160,6 +160,28 @@ def test_unsupported_model_type(tmp_path):
         assert family in message.split("supported: ")[1].split(", ")
 
 
+def test_another_familys_config_is_unsupported_whatever_its_entries_hold(tmp_path):
+    """GPT-Neo's config holds "intermediate_size": null, and ModernBERT's "rope_theta": null:
+    the entries' kinds were checked before the family, so the message asked to restore a
+    valid config.json instead of naming the families supported."""
+    write(tmp_path, {**BERT, "model_type": "gpt_neo", "intermediate_size": None}, {})
+    refused(tmp_path, "unsupported model_type 'gpt_neo' .*; supported: ")
+
+
+def test_config_classes_take_numpy_numbers():
+    """Sizes and rates computed with NumPy (np.int64, np.float32) are numbers like any;
+    NumPy's True still is no size."""
+    import numpy as np
+
+    config = GPTConfig(
+        vocab_size=np.int64(65), block_size=8, n_layer=1, n_head=2, n_embd=8,
+        dropout=np.float32(0.1),
+    )  # fmt: skip
+    assert GPT(config).config.vocab_size == 65
+    with pytest.raises(ValueError, match=r"GPTConfig\.vocab_size must be an integer, got"):
+        GPTConfig(vocab_size=np.bool_(True), block_size=8, n_layer=1, n_head=2, n_embd=8)
+
+
 def test_config_without_a_size(tmp_path):
     config = {key: value for key, value in BERT.items() if key != "hidden_size"}
     write(tmp_path, config, bert_tensors())

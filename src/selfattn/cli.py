@@ -514,8 +514,15 @@ def _check_outputs(*outputs: tuple[Path | None, str]) -> None:
 
 
 def _check_writable(path: Path, option: str) -> None:
-    """Refuse ``path`` where its folder takes no new file (read-only, /proc: tried with a
-    temporary file, removed at once), or where it is a file that may not be written."""
+    """Refuse ``path`` where it is a file that may not be written, or (a new file) where its
+    folder takes no new file (read-only, /proc: tried with a temporary file, removed at once).
+    A file that exists is written in place, so its folder's rights do not matter (/dev/stdout)."""
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise _fail(
+                f"cannot write {path}: the file is read-only; give {option} another file", 2
+            )
+        return
     try:
         with tempfile.TemporaryFile(dir=path.parent):
             pass
@@ -525,8 +532,6 @@ def _check_writable(path: Path, option: str) -> None:
             f"({error.strerror or error}); give {option} a file in another folder",
             2,
         ) from None
-    if path.exists() and not os.access(path, os.W_OK):
-        raise _fail(f"cannot write {path}: the file is read-only; give {option} another file", 2)
 
 
 def _write(path: Path, write: Callable[[Path], object]) -> None:

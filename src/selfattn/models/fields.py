@@ -10,15 +10,16 @@ number here, though Python counts it as 1.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable
 
 
-def _integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _integer(value: object) -> bool:  # numbers.Integral: NumPy's integers too
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _strings(value: object) -> bool:

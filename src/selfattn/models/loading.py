@@ -219,14 +219,19 @@ ROPE_ENTRIES = {  # inside rope_parameters (or rope_scaling)
 }
 
 
-def check_entries(raw: dict, path: Path) -> None:
+def check_entries(raw: dict, path: Path, only: tuple[str, ...] | None = None) -> None:
     """A one-line error naming the first entry of ``config.json`` (at ``path``) that is not of
     its kind in :data:`CONFIG_ENTRIES`: a string where a size belongs, a fraction of a layer,
-    true for a number, null for a size; entries of RoPE's settings by :data:`ROPE_ENTRIES`."""
+    true for a number, null for a size; entries of RoPE's settings by :data:`ROPE_ENTRIES`.
+    ``only``: just these entries (those read before the family is known)."""
     rope = raw.get("rope_parameters") or raw.get("rope_scaling")
     rope_key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
-    entries = [(key, raw[key], kind) for key, kind in CONFIG_ENTRIES.items() if key in raw]
-    if isinstance(rope, dict):
+    entries = [
+        (key, raw[key], kind)
+        for key, kind in CONFIG_ENTRIES.items()
+        if key in raw and (only is None or key in only)
+    ]
+    if isinstance(rope, dict) and only is None:
         entries += [
             (f"{rope_key}.{k}", rope[k], kind) for k, kind in ROPE_ENTRIES.items() if k in rope
         ]
@@ -1226,13 +1231,14 @@ def load(
     raw = read_json(config_path, "config.json")
     if raw.get("format") == "selfattn-train-checkpoint":  # one step-* folder of such a run
         raise SelfAttnError(trained_here)
-    check_entries(raw, config_path)
+    check_entries(raw, config_path, only=("model_type", "dtype", "torch_dtype"))
     if saved:
         dtype = placement(raw.get("dtype") or raw.get("torch_dtype") or "float32", device)[0]
     model_type = raw.get("model_type")
     if model_type not in ARCHITECTURES:
         why = NOT_BUILT.get(model_type, f"supported: {', '.join(ARCHITECTURES)}")
         raise SelfAttnError(f"unsupported model_type {model_type!r} in {config_path}; {why}")
+    check_entries(raw, config_path)  # a family read here (another's may hold other kinds)
     weights_path, files = weight_files(folder)
     tensors, skipped = read_checkpoint(files, ARCHITECTURES[model_type])
     try:

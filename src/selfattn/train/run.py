@@ -291,12 +291,13 @@ def _resumed_data(
 
 
 def _same_file(path: Path, other: Path) -> bool:
-    """Whether two paths name one file (a link, another spelling of the path); where one no
-    longer exists (moved, or relative to another folder), whether both resolve alike."""
+    """Whether two paths name one file (a link, another spelling of the path); True where
+    ``other`` cannot be found (moved, or relative to the folder the run started in): the note
+    is for a file that is known to be another."""
     try:
         return path.samefile(other)
     except OSError:
-        return path.resolve() == other.resolve()
+        return True
 
 
 def _keep_saved_seed(
