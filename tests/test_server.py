@@ -521,6 +521,8 @@ def test_generate_with_a_seed_gives_the_same_text_again(decoder_client):
         ({"prompt": 42}, 422, "the Prompt field: Input should be a valid string"),
         ({"max_new_tokens": 5}, 422, "the Prompt field: Field required"),
         ({"prompt": PROMPT, "model": "gpt2"}, 422, "model: Extra inputs are not permitted"),
+        # a field of another request is named as sent, not as that request's page field
+        ({"prompt": PROMPT, "text": "x"}, 422, "text: Extra inputs are not permitted"),
     ],
 )
 def test_generate_errors(decoder_client, body, status, words):

@@ -1019,6 +1019,13 @@ def test_more_sentences_than_the_limit_are_said_to_be_left_out(browser, base_url
     assert page.locator("#compare-attended li").count() == 4
     page.click("#compare-bank")
     assert not page.is_visible("#compare-notice")
+    # an empty s= takes no place: four sentences besides it all run, none said left out
+    blank = "&".join(f"s={quote(s)}" for s in ("", *five[:4]))
+    page.goto(f"{base_url}/?view=compare&{blank}&word=bank")
+    page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+    watched.wait("#compare-result")
+    assert not page.is_visible("#compare-notice")
+    assert page.locator("#compare-attended li").count() == 4
     watched.check_clean()
 
 

@@ -607,6 +607,9 @@ def _validation_detail(error: RequestValidationError) -> str:
         path = [part for part in item["loc"] if part != "body"]
         where = ".".join(str(part) for part in path)
         plain = PLAIN_DETAILS.get((where, item["type"]))
+        if item["type"] == "extra_forbidden":  # not a field of this request: named as sent
+            parts.append(f"{where}: {item['msg']}")
+            continue
         parts.append(worded(plain or _field_message(path, item["msg"]), page_naming))
     return "; ".join(dict.fromkeys(parts)) or "invalid request"
 

@@ -156,8 +156,8 @@
     };
     ui.flow.addEventListener("keydown", moveStep);
     ui.map.addEventListener("keydown", moveStep);
-    // the same keys with no strip nor token focused (not in a form's field); Page Up and Down still scroll the page
-    pageKeys(root, (event) => event.key.startsWith("Page") || moveStep(event), signal);
+    // ← and → with no strip nor token focused (not in a form's field), as Explore's; the other keys scroll the page
+    pageKeys(root, (event) => event.key.startsWith("Arrow") && !event.key.match(/Up|Down/) && moveStep(event), signal);
     attachStripEvents(ui, model, state, strips, select, showStep);
     onPixelRatioChange(draw, signal);
     onColourChange(() => {

@@ -212,6 +212,8 @@
   function removeSentence(row) {
     if (sentenceInputs().length > 2) row.remove();
     renumber();
+    // the limit's notice is for a sentence still there
+    if (!sentenceInputs().some((input) => input.value.length >= input.maxLength)) say("compare-sentences-limit", "");
   }
 
   /** Number the rows again; their "×" is off (its title says why) while two rows are left. */
@@ -232,6 +234,7 @@
   /** The form's sentences: the first few (the server's limit, said when more are given), at least two. */
   function setSentences(sentences) {
     const most = limits().max_sentences;
+    sentences = sentences.filter((sentence) => sentence.trim()); // an empty s= takes no place among them
     const more = sentences.length - most;
     $("compare-sentences").replaceChildren();
     for (const sentence of sentences.slice(0, most)) addSentence(sentence);
@@ -245,7 +248,7 @@
     for (const input of sentenceInputs()) if (!input.value.trim()) removeSentence(input.parentElement); // S2 is then the same sentence in the form and in the result
     if (!fromAddress) navigate("compare");
     // an address of more sentences than the server compares keeps those shown, run and said: a reload shows them with nothing left out
-    else if (params().getAll("s").length > limits().max_sentences) history.replaceState(history.state, "", addressWith({ s: sentences }));
+    else if (params().getAll("s").filter((s) => s.trim()).length > limits().max_sentences) history.replaceState(history.state, "", addressWith({ s: sentences }));
     const body = { sentences, word, ...addressFields(params(), ["occurrence"]) };
     await request("compare", {
       fetch: async () => {

@@ -562,7 +562,7 @@
     document.addEventListener(
       "keydown",
       (event) => {
-        if (event.defaultPrevented || event.ctrlKey || event.altKey || event.metaKey) return;
+        if (event.defaultPrevented || event.ctrlKey || event.altKey || event.metaKey || event.shiftKey) return;
         if (event.target.closest?.("select, input, textarea, button") || !onScreen(root)) return;
         handle(event);
       },
