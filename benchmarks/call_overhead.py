@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,14 @@ def forward_backward(run, inputs) -> None:
     run(*inputs).sum().backward()
 
 
+def torch_sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def ours(q, k, v):
+    return attention(q, k, v, causal=True, backend="sdpa")
+
+
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     torch.set_num_threads(1)
@@ -49,15 +58,8 @@ def main() -> None:
     for t, head_dim in SHAPES:
         inputs = [torch.randn(4, 4, t, head_dim, requires_grad=True) for _ in range(3)]
         calls = max(2, 50 * 256 // t)
-
-        def torch_sdpa(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-        def ours(q, k, v):
-            return attention(q, k, v, causal=True, backend="sdpa")
-
-        reference = best_seconds(lambda: forward_backward(torch_sdpa, inputs), calls=calls)
-        measured = best_seconds(lambda: forward_backward(ours, inputs), calls=calls)
+        reference = best_seconds(partial(forward_backward, torch_sdpa, inputs), calls=calls)
+        measured = best_seconds(partial(forward_backward, ours, inputs), calls=calls)
         print(
             f"| {t:,} | {head_dim} | {reference * 1e6:,.0f} µs | {measured * 1e6:,.0f} µs "
             f"| {measured / reference:.2f}x | {(measured - reference) * 1e6:+,.0f} µs |"
