@@ -114,13 +114,11 @@ def _path_option(*names: str, **settings) -> typer.models.OptionInfo:
     return typer.Option(*names, parser=_given_path, metavar="<path>", **settings)
 
 
-def _whole_number(value: str | int) -> int:
+def _whole_number(value: str) -> int:
     """An integer setting of `selfattn train` as written: 5000, or a whole number written as a
     float (5e3, 5000.0), as the presets take it from Python; 2.5 is refused, in a usage
     error that click gives the flag's name."""
-    if isinstance(value, int):
-        return value
-    text = str(value).strip()
+    text = value.strip()
     try:
         return int(text)
     except ValueError:

@@ -157,7 +157,7 @@
     ui.flow.addEventListener("keydown", moveStep);
     ui.map.addEventListener("keydown", moveStep);
     // ← and → with no strip nor token focused (not in a form's field), as Explore's; the other keys scroll the page
-    pageKeys(root, (event) => event.key.startsWith("Arrow") && !event.key.match(/Up|Down/) && moveStep(event), signal);
+    pageKeys(root, (event) => ["ArrowLeft", "ArrowRight"].includes(event.key) && moveStep(event), signal);
     attachStripEvents(ui, model, state, strips, select, showStep);
     onPixelRatioChange(draw, signal);
     onColourChange(() => {

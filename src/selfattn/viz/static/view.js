@@ -555,8 +555,8 @@
 
   /**
    * Keys pressed anywhere on the page while `root` shows, to `handle(event)`: not those a part of the page
-   * answered itself (the tokens, the map), nor those in a form's field or on a button, nor with Ctrl, Alt
-   * or Meta (the browser's own: Alt+← is Back). Until `signal` aborts (the next render in `root`).
+   * answered itself (the tokens, the map), nor those in a form's field or on a button, nor with Ctrl, Alt,
+   * Meta or Shift (the browser's own: Alt+← is Back). Until `signal` aborts (the next render in `root`).
    */
   function pageKeys(root, handle, signal) {
     document.addEventListener(
