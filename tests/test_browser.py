@@ -381,6 +381,84 @@ def test_a_narrow_window_does_not_scroll_sideways(browser, tmp_path):
     watched.check_clean()
 
 
+def test_a_phone_shows_the_step_tables_weights_whole(browser, tmp_path):
+    """At 375 px the step table was wider than its box, its weight column (the answer) cut
+    at "0.08", with no sign that the table scrolled sideways."""
+    tokens = ["[CLS]", "i", "went", "to", "the", "bank", "to", "deposit", "money", ".", "[SEP]"]
+    path, _ = write_page(tmp_path, tokens=tokens)
+    watched = OfflinePage(browser, path)
+    watched.page.set_viewport_size({"width": 375, "height": 800})
+    cut = watched.page.evaluate(
+        """() => {
+            const box = document.querySelector('.steps-scroll').getBoundingClientRect();
+            return [...document.querySelectorAll('#steps th, #steps td')]
+                .filter((cell) => cell.getBoundingClientRect().right > box.right + 0.5)
+                .map((cell) => cell.textContent);
+        }"""
+    )
+    assert cut == []
+    watched.check_clean()
+
+
+INKED_TOKENS = """(query) => {
+    const canvas = document.getElementById('lines');
+    const box = canvas.getBoundingClientRect();
+    const ink = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+    const inked = (x, y) => ink[4 * (y * canvas.width + x) + 3] > 0;
+    const keys = [...document.querySelectorAll('.top-keys li')].map((li) => +li.dataset.key);
+    return [...document.querySelectorAll('.token')].filter((token, j) => {
+        if (j === query || keys.includes(j)) return false;
+        const r = token.getBoundingClientRect();
+        for (let y = Math.ceil(r.top - box.top); y < r.bottom - box.top; y++) {
+            for (let x = Math.ceil(r.left - box.left); x < r.right - box.left; x++) {
+                if (inked(x, y)) return true;
+            }
+        }
+        return false;
+    }).map((token) => token.textContent);
+}"""
+
+
+def test_the_strips_lines_cross_no_token_of_a_wrapped_text(browser, tmp_path):
+    """The curves ran from the query's top to each key's, over any line of tokens between
+    them, and high arcs on one line over the line above: lines crossed the text. Only the
+    query and its keys may have ink of the lines on them."""
+    path, _ = write_page(tmp_path, tokens=[f"word{i}" for i in range(90)])
+    watched = OfflinePage(browser, path)
+    page = watched.page
+    lines = "(tokens) => new Set(tokens.map((t) => t.getBoundingClientRect().top)).size"
+    assert page.eval_on_selector_all(".token", lines) >= 3  # wrapped
+    for query in (30, 50, 70):  # keys on its line, on others, and itself
+        page.click(f".token[data-index='{query}']")
+        assert page.evaluate(INKED_TOKENS, query) == []
+    watched.check_clean()
+
+
+MAP_FITS_ITS_BOX = """() => {
+    const box = document.querySelector('.map-scroll').getBoundingClientRect();
+    const map = document.getElementById('heatmap').getBoundingClientRect();
+    return map.width > 0 && map.right <= box.right;
+}"""
+
+
+@pytest.mark.parametrize(("n", "narrow"), [(11, 375), (23, 375), (101, 600)])
+def test_the_whole_map_fits_its_box_wide_and_narrow(browser, tmp_path, n, narrow):
+    """The map's cells took 640 px whatever the window, and its label margins more: its last
+    keys were cut off behind a scroll bar, even at 1400 px. It fits its box, and fits it
+    again when the window narrows (at a phone's 375 px, 3 px cells fit some 80 tokens);
+    a click on its last cell then picks that row."""
+    path, _ = write_page(tmp_path, tokens=[f"tok{i}" for i in range(n)])
+    watched = OfflinePage(browser, path)
+    page = watched.page
+    assert page.evaluate(MAP_FITS_ITS_BOX)
+    page.set_viewport_size({"width": narrow, "height": 800})
+    page.wait_for_function(MAP_FITS_ITS_BOX, timeout=5_000)
+    side = page.evaluate("document.getElementById('heatmap').getBoundingClientRect().height")
+    page.click("#heatmap", position={"x": side - 2, "y": side - 2})  # the cells end at its foot
+    assert page.get_attribute(".token.selected", "data-index") == str(n - 1)
+    watched.check_clean()
+
+
 def focused(page) -> str:
     """What has the keyboard focus: a token's index, the map, a thumbnail's layer/head, or a tag."""
     return page.evaluate(
@@ -410,8 +488,9 @@ def test_keyboard_alone_reaches_and_moves_tokens_map_and_model_view(browser, tmp
         assert focused(page) == f"token {query}"  # focus follows the selection
         assert page.get_attribute(f".token[data-index='{query}']", "aria-selected") == "true"
     page.locator(".token[data-index='7']").focus()
-    page.keyboard.press(" ")
-    assert page.evaluate("scrollY") == 0 and focused(page) == "token 7"
+    scrolled = page.evaluate("scrollY")
+    page.keyboard.press(" ")  # picks the token; the page does not scroll down
+    assert page.evaluate("scrollY") == scrolled and focused(page) == "token 7"
     assert_row_matches(watched, reference(q, k, v, 1, 2), 7)
 
     page.focus("#heatmap")

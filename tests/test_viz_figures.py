@@ -159,5 +159,39 @@ def test_thinned_labels_keep_the_query_rows_label():
     tokens = [f"t{i}" for i in range(130)]  # over MAX_TICK_LABELS: every 3rd token labelled
     fig = heatmap_figure(torch.eye(130), tokens, tokens, "long", query_row=52)
     rows = [label.get_text() for label in fig.axes[0].get_yticklabels()]
-    assert rows[:3] == ["t1", "t4", "t7"] and "t52" in rows  # evenly spaced through the query
+    assert rows[:3] == ["1 t1", "4 t4", "7 t7"] and "52 t52" in rows  # spaced through the query
     assert len(rows) <= figures.MAX_TICK_LABELS
+
+
+def test_thinned_labels_say_which_token_each_is():
+    """Every 2nd of 101 tokens labelled, as bare words, read as a sentence with words
+    missing, and "the" twice could be either; the index says which token a label is."""
+    tokens = ["the", ","] * 50 + ["tides"]
+    fig = heatmap_figure(torch.eye(101), tokens, tokens, "long")
+    axes = fig.axes[0]
+    for labels in (axes.get_yticklabels(), axes.get_xticklabels()):
+        assert [label.get_text() for label in labels][:3] == ["0 the", "2 the", "4 the"]
+
+
+def map_width(tokens) -> float:
+    """The drawn width of a heatmap of ``tokens``, in pixels."""
+    fig = heatmap_figure(torch.eye(len(tokens)), tokens, tokens, "x")
+    fig.canvas.draw()  # constrained layout places the map as it draws
+    return fig.axes[0].get_window_extent().width
+
+
+def test_a_long_word_is_clipped_and_does_not_shrink_the_map():
+    """A 45-letter word was drawn whole on both axes, and the layout shrank the 3x3 map to
+    a sixth of the figure to make room; it is cut as the terminal and the page cut it."""
+    word = "Pneumonoultramicroscopicsilicovolcanoconiosis"
+    fig = heatmap_figure(torch.eye(3), ["[CLS]", word, "[SEP]"], ["[CLS]", word, "[SEP]"], "x")
+    axes = fig.axes[0]
+    for labels in (axes.get_yticklabels(), axes.get_xticklabels()):
+        assert labels[1].get_text() == word[: figures.LABEL_CHARS - 1] + "…"
+    assert map_width(["[CLS]", word, "[SEP]"]) > 2 / 3 * map_width(["[CLS]", "lung", "[SEP]"])
+
+
+def test_a_clipped_label_keeps_each_letter_with_its_marks():
+    long_word = "a" * 14 + "e\u0301t"  # the cut falls between "e" and its accent
+    fig = heatmap_figure(torch.eye(1), [long_word], [long_word], "x")
+    assert fig.axes[0].get_yticklabels()[0].get_text() == "a" * 14 + "…"

@@ -9,8 +9,8 @@ from rich.cells import cell_len
 from rich.console import Console
 
 from selfattn import attention
-from selfattn.explain import Attended, Comparison
-from selfattn.viz.report import print_comparison
+from selfattn.explain import Attended, Comparison, Explanation
+from selfattn.viz.report import print_comparison, print_explanation
 from selfattn.viz.terminal import bar, heatmap, step_table, weights_bars, written_scale
 
 TOKENS = ["[CLS]", "i", "went", "to", "the", "bank", "[unused1]", "money", "[SEP]"]
@@ -278,3 +278,22 @@ def test_heatmap_wider_than_the_terminal_shows_the_keys_around_the_focus_and_say
     assert "--png too" in " ".join(lines)
     # A map that fits says nothing of the kind.
     assert "shown" not in render(heatmap(tokens[:20], tokens[:20], torch.eye(20), "fits"))
+
+
+@pytest.mark.parametrize(
+    "groups", [None, [("[CLS]", [0]), ("love", [1]), ("[UNK]", [2]), ("rain", [3])]]
+)
+def test_explain_names_unknown_tokens_on_the_heatmap_as_the_step_table_does(groups):
+    # MiniLM reads 🙂 as [UNK]: the heatmap labelled its row and column "[UNK]", which every
+    # unknown character shares, while the lists of keys and the figure call it '🙂' ([UNK]).
+    tokens = ["[CLS]", "love", "[UNK]", "rain"]
+    e = Explanation(
+        model="m", text="love 🙂 rain", tokens=tokens, layer=0, head=None, choice="as asked",
+        query=None, attention=torch.full((4, 4), 0.25), steps=None, recorded_output=None,
+        alternative=None, groups=groups, query_word=None, causal=False,
+        masked=torch.zeros(4, 4, dtype=torch.bool), hidden={2: "🙂"},
+    )  # fmt: skip
+    console = Console(record=True, width=120, color_system=None)
+    print_explanation(console, e)
+    lines = console.export_text().splitlines()
+    assert "2 '🙂' ([UN… ████████████" in lines  # its row, named as in the table, cut to 10 cells

@@ -30,12 +30,14 @@ from matplotlib import font_manager
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from selfattn.text import is_mark
 from selfattn.viz.terminal import CAPTION, ArrayLike, as_numpy
 
 FORMATS = (".png", ".svg")
 CMAP = "Blues"
 PIN = "#f59e0b"  # the query row's outline, the colour the HTML page pins a query with
-MAX_TICK_LABELS = 64  # beyond this, every n-th token is labelled
+MAX_TICK_LABELS = 64  # beyond this, every n-th token is labelled, with its index
+LABEL_CHARS = 16  # a longer token is cut ("…"), so that one long label does not shrink the map
 
 # Tried in this order after the user's font for glyphs it lacks; those not installed are left
 # out. Colour emoji fonts (Noto Color Emoji, Apple Color Emoji) are bitmaps matplotlib cannot draw.
@@ -127,10 +129,25 @@ def _tick_labels(
     set_ticks, labels: Sequence[str], first: int, shown: Callable[[str], str], **text
 ) -> None:
     """Label every token, or when there are too many to read every n-th one, counted from
-    ``first`` both ways; each label as ``shown`` writes it."""
+    ``first`` both ways and each with its index ("12 bank"); each label clipped, then as
+    ``shown`` writes it."""
     step = max(1, -(-len(labels) // MAX_TICK_LABELS))
     positions = list(range(first % step, len(labels), step))
-    set_ticks(positions, [shown(labels[i]) for i in positions], fontsize="small", **text)
+    texts = [_clipped(labels[i]) for i in positions]
+    if step > 1:
+        texts = [f"{i} {clipped}" for i, clipped in zip(positions, texts, strict=True)]
+    set_ticks(positions, [shown(label) for label in texts], fontsize="small", **text)
+
+
+def _clipped(label: str) -> str:
+    """``label`` cut to ``LABEL_CHARS`` characters, "…" the last, where it is longer; cut before
+    a character whose combining marks would be cut from it."""
+    if len(label) <= LABEL_CHARS:
+        return label
+    end = LABEL_CHARS - 1
+    while end > 0 and is_mark(label[end]):
+        end -= 1
+    return label[:end] + "…"
 
 
 def _style() -> dict:

@@ -59,10 +59,11 @@ def shown(tokens: list[str]) -> list[str]:
 
 
 def _labels(e: Explanation) -> tuple[list[str], object]:
-    """Labels and matrix of the heatmap: tokens, or words when merged."""
+    """Labels and matrix of the heatmap: tokens, or words when merged, each as the lists of
+    keys name it (an unknown one by its text: '🙂' ([UNK]))."""
     if e.groups is None:
-        return shown(e.tokens), e.attention
-    return shown([word for word, _ in e.groups]), merge_words(e.attention, [m for _, m in e.groups])
+        return shown(e.key_names), e.attention
+    return shown(e.word_names), merge_words(e.attention, [m for _, m in e.groups])
 
 
 HEADLINE_CHARS = 160  # longer texts are cut short in the header (every token is listed below)
@@ -139,8 +140,9 @@ def print_explanation(console: Console, e: Explanation) -> None:
     labels, matrix = _labels(e)
     if e.groups is not None and e.query is not None:
         row = _query_row(e)
-        named = e.name(labels[row], e.groups[row][1])
-        words = key_labels(shown(e.word_names), [members[0] for _, members in e.groups])
+        word, pieces = e.groups[row]
+        named = e.name(shown([word])[0], pieces)
+        words = key_labels(labels, [members[0] for _, members in e.groups])
         console.print(weights_bars(words, matrix[row], f"{named} by word (pieces merged)"))
     title = f"attention, {_where(e)}{_causal_note(e)}"
     more = "a wider terminal, --png, --svg or --html shows them all"
@@ -259,8 +261,7 @@ def save_heatmap(e: Explanation, path: Path) -> Path:
     labelled as the lists of keys name it (an unknown one by its text: '🙂' ([UNK]))."""
     from selfattn.viz.figures import heatmap_figure, save_figure  # matplotlib: 0.3 s to import
 
-    _, matrix = _labels(e)
-    labels = shown(e.key_names if e.groups is None else e.word_names)
+    labels, matrix = _labels(e)
     figure = heatmap_figure(matrix, labels, labels, f"{e.model}: {_where(e)}", _query_row(e))
     return save_figure(figure, path, close=True)
 

@@ -408,7 +408,7 @@
           h(
             "table",
             { id: "ablation-table", class: "grid-table" },
-            h("thead", {}, h("tr", {}, h("th", {}, "key"), h("th", {}, "model"), h("th"), h("th", {}, "recomputed"), h("th"))),
+            h("thead", {}, h("tr", {}, h("th", {}, "key"), h("th", {}, "model"), h("th", { class: "bar-cell" }), h("th", {}, "recomputed"), h("th", { class: "bar-cell" }))),
             h("tbody", {}, ...rows),
           ),
         ),

@@ -16,6 +16,7 @@
   const TOP_K = 8; // lines drawn per query when there are more than ALL_LINES keys
   const ALL_LINES = 16;
   const OUTPUT_DIMS = 8; // output values listed; the norm covers the rest
+  const MAP_BOX_HEIGHT = 760; // .map-scroll's max-height (view.css)
 
   // ---------- data ----------
 
@@ -363,7 +364,7 @@
       thumbs.forEach((el) => markChosen(el, +el.dataset.layer === state.layer && +el.dataset.head === state.head, "aria-checked"));
       if (state.head === "mean") thumbs[state.layer * model.heads].tabIndex = 0; // Tab still reaches the model view
       draw();
-      const { cell, margin } = mapGeometry(T);
+      const { cell, margin } = geometry();
       keepBandInView(ui.map.parentElement, margin + state.query * cell, cell);
       ui.map.setAttribute("aria-label", describeMap(model, state, result.weights[state.query], headText));
       fillSteps(ui, model, result, state);
@@ -372,9 +373,13 @@
       onChange?.({ layer: state.layer, head: state.head, query: state.query });
     }
 
+    let mapWidth = 0; // the width of the map's box when the map was drawn
+    const geometry = () => mapGeometry(T, mapWidth); // the map's cells and margins, as drawn
+
     /** The canvases and the token colours for what is chosen, at the window's pixel ratio and colours. */
     function draw() {
-      const largest = drawHeatmap(ui.map, current().weights, model, state);
+      mapWidth = ui.map.parentElement.clientWidth;
+      const largest = drawHeatmap(ui.map, current().weights, model, state, geometry());
       drawLegend(ui.legend, palette, state.shadeBy === "row" ? "each row's largest" : fmt(largest, 3));
       showRow(state.hover ?? state.query);
     }
@@ -438,7 +443,7 @@
       select(step);
       thumbs[state.layer * model.heads + (state.head === "mean" ? 0 : state.head)].focus();
     });
-    attachMapEvents(ui, model, state, current, select);
+    attachMapEvents(ui, model, state, current, select, geometry);
     if (hash) window.addEventListener("hashchange", selectFromHash, { signal });
     const redrawLines = () => showRow(state.hover ?? state.query);
     // The token strip changes size with the window, and from none to its own when a hidden explorer
@@ -448,7 +453,12 @@
       redrawLines();
     });
     stripSize.observe(ui.strip);
-    signal.addEventListener("abort", () => stripSize.disconnect());
+    // The map fits its box: drawn again when the box's width changes (the window, a hidden view shown), not its height (the map's).
+    const mapSize = new ResizeObserver(() => {
+      if (ui.map.parentElement.clientWidth !== mapWidth) draw();
+    });
+    mapSize.observe(ui.map.parentElement);
+    signal.addEventListener("abort", () => (stripSize.disconnect(), mapSize.disconnect()));
     // A zoom or a move to another screen changes the pixel ratio: redraw sharp at the new one.
     onPixelRatioChange(draw, signal);
     onColourChange(() => {
@@ -714,7 +724,7 @@
     const steps = h(
       "table",
       { id: idOf("steps"), class: "step-table" },
-      h("thead", {}, h("tr", {}, ...["key", "score", "scaled", ...(model.bias ? ["+ bias"] : []), "weight", ""].map((x) => h("th", {}, x)))),
+      h("thead", {}, h("tr", {}, ...["key", "score", "scaled", ...(model.bias ? ["+ bias"] : []), "weight"].map((x) => h("th", {}, x)), h("th", { class: "bar-cell" }))),
       stepsBody,
       stepsFoot,
     );
@@ -827,11 +837,17 @@
 
   // ---------- drawing ----------
 
-  /** Cell size and label margin of the heatmap for T tokens: big cells when few, 3 px at 512. */
-  function mapGeometry(T) {
-    const cell = Math.max(3, Math.min(44, Math.floor(640 / T)));
-    const labels = cell >= 9;
-    return { cell, labels, margin: labels ? 84 : 36 };
+  /**
+   * Cells and margins of the heatmap for T tokens in a box `width` px wide: the whole map fits the box (and
+   * its height, so that no scroll bar takes width from it), token labels while cells are 9 px or more, else
+   * indices; cells 44 px at most and 3 px at the least, where the box scrolls.
+   */
+  function mapGeometry(T, width) {
+    const room = Math.min(width, MAP_BOX_HEIGHT);
+    const fit = (margin, right) => Math.max(3, Math.min(44, Math.floor((room - margin - right) / T)));
+    const cell = fit(84, 84); // right: room for the last rotated key label
+    if (cell >= 9) return { cell, labels: true, margin: 84, right: 84 };
+    return { cell: fit(36, 14), labels: false, margin: 36, right: 14 }; // right: the last index label and the pin
   }
 
   /** The colour scale: the palette's 256 steps, weight 0 at the left; `largest` says what the right end means. */
@@ -887,14 +903,13 @@
     ctx.strokeRect(left - 1, top - 1, width + 2, height + 2);
   }
 
-  /** The T×S map on one canvas (one pixel per cell, scaled up); masked cells in grey. Returns the
-   *  largest weight, the colour scale's end. */
-  function drawHeatmap(canvas, weights, model, state) {
+  /** The T×S map on one canvas (one pixel per cell, scaled up) in the cells and margins mapGeometry gives;
+   *  masked cells in grey. Returns the largest weight, the colour scale's end. */
+  function drawHeatmap(canvas, weights, model, state, { cell, labels, margin, right }) {
     const T = weights.length;
     const tokens = model.tokens;
-    const { cell, labels, margin } = mapGeometry(T);
     const side = margin + T * cell;
-    const width = side + (labels ? margin : 0); // room for the last rotated key label
+    const width = side + right;
     const ctx = sizedContext(canvas, width, side);
     ctx.fillStyle = palette.ground;
     ctx.fillRect(0, 0, width, side);
@@ -934,28 +949,38 @@
     return matrixMax;
   }
 
-  /** Curves from the query token to its top keys over the token strip; width ∝ weight. */
+  /**
+   * Over the token strip, the query's top keys; width ∝ weight. A key on the query's line: a curve from the
+   * query, in the space above the line; a key on another line: a mark over it (a curve would cross the lines
+   * between); the query itself: a loop.
+   */
   function drawLines(canvas, strip, tokenEls, i, top, row) {
     const box = strip.getBoundingClientRect();
     const ctx = sizedContext(canvas, box.width, box.height);
-    const anchor = (el) => {
+    const place = (el) => {
       const r = el.getBoundingClientRect();
-      return [r.left + r.width / 2 - box.left, r.top - box.top + 2];
+      return { left: r.left - box.left, right: r.right - box.left, x: r.left + r.width / 2 - box.left, y: r.top - box.top + 2 };
     };
-    const [x0, y0] = anchor(tokenEls[i]);
+    const query = place(tokenEls[i]);
+    const height = tokenEls[i].getBoundingClientRect().height;
+    const gap = parseFloat(getComputedStyle(tokenEls[i].parentElement).lineHeight) - height; // between two lines' tokens
     const largest = row[top[0]] || 1;
     for (const j of top) {
-      const [x1, y1] = anchor(tokenEls[j]);
+      const key = place(tokenEls[j]);
       const strength = row[j] / largest;
       ctx.strokeStyle = `rgba(${palette.accent.join(", ")}, ${0.25 + 0.7 * strength})`;
       ctx.lineWidth = 1 + 4 * strength;
       ctx.beginPath();
-      ctx.moveTo(x0, y0);
       if (j === i) {
-        ctx.arc(x0, y0 - 7, 7, Math.PI / 2, Math.PI * 2.5);
+        ctx.moveTo(query.x, query.y);
+        ctx.arc(query.x, query.y - 7, 7, Math.PI / 2, Math.PI * 2.5);
+      } else if (Math.abs(key.y - query.y) < height / 2) {
+        const lift = Math.min(gap - 3, 10 + Math.abs(key.x - query.x) / 6); // the curve rises ¾ of it
+        ctx.moveTo(query.x, query.y);
+        ctx.bezierCurveTo(query.x, query.y - lift, key.x, key.y - lift, key.x, key.y);
       } else {
-        const lift = Math.min(40, 10 + Math.abs(x1 - x0) / 6);
-        ctx.bezierCurveTo(x0, Math.min(y0, y1) - lift, x1, Math.min(y0, y1) - lift, x1, y1);
+        ctx.moveTo(key.left + 2, key.y - 6);
+        ctx.lineTo(key.right - 2, key.y - 6);
       }
       ctx.stroke();
     }
@@ -1030,7 +1055,7 @@
     );
     const total = weights.reduce((a, b) => a + b, 0);
     const blanks = Array.from({ length: perHead }, () => h("td"));
-    ui.stepsFoot.replaceChildren(h("tr", {}, h("td", {}, "total"), ...blanks, h("td", { class: "num strong" }, fmt(total)), h("td")));
+    ui.stepsFoot.replaceChildren(h("tr", {}, h("td", {}, "total"), ...blanks, h("td", { class: "num strong" }, fmt(total)), h("td", { class: "bar-cell" })));
     const tensors = model.bias && !model.bias.table ? "q, k, v and the bias" : "q, k and v"; // a table is float32
     const rounded = model.dtype === "float16" ? ` ${tensors} came as float16 to keep this long text's page small: the numbers agree with Python's to about 3 significant digits.` : "";
     const biased = model.bias ? " + bias" : "";
@@ -1063,9 +1088,9 @@
     ui.output.dataset.values = JSON.stringify([...output]);
   }
 
-  function attachMapEvents(ui, model, state, current, select) {
+  function attachMapEvents(ui, model, state, current, select, geometry) {
     const cellAt = (event) => {
-      const { cell, margin } = mapGeometry(model.length);
+      const { cell, margin } = geometry();
       const r = ui.map.getBoundingClientRect();
       const i = Math.floor((event.clientY - r.top - margin) / cell);
       const j = Math.floor((event.clientX - r.left - margin) / cell);
