@@ -597,6 +597,10 @@ class _GlobalBatch:
         pairs = [ranks.batch(split) for ranks in self.ranks]
         return torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])
 
+    def start_evaluation(self, step: int) -> None:
+        for ranks in self.ranks:
+            ranks.start_evaluation(step)
+
 
 @pytest.mark.parametrize(
     "architecture", [{}, {"arch": "llama", "n_head": 4, "n_kv_head": 2}], ids=["gpt", "llama"]
@@ -866,7 +870,7 @@ def test_bad_inputs_give_one_clear_line(corpus, trained, tmp_path):
     assert "unknown preset 'huge'" in line and "shakespeare-char-cpu" in line and "tiny" in line
     line = _error_line(["train", "--data", str(corpus), "--out", str(trained), "--resume",
                         "--n-embd", "64", "--max-iters", "40"])  # fmt: skip
-    assert "another configuration" in line and "n_embd 32 vs 64" in line
+    assert "another configuration" in line and "(--n-embd 32 vs 64:" in line
     assert "--resume" in _error_line(["train", "--data", str(corpus), "--out", str(trained)])
     assert "nothing to resume" in _error_line([*base, "--data", str(corpus), "--resume"])
     line = _error_line([*base, "--data", str(corpus), "--n-head", "3"])
@@ -1372,7 +1376,7 @@ def _damage(trained: Path, tmp_path: Path, name: str, change) -> Path:
             "state.json: the losses since the last evaluation are not 0 finite numbers",
         ),
         ("tokenizer.json", lambda data: data.update(chars="abc"), "tokenizer.json: 3 characters"),
-        ("config.json", lambda data: data["model"].update(n_embd=64), "model.safetensors: size"),
+        ("config.json", lambda data: data["model"].update(n_embd=64), "config.json: its sizes"),
         ("model.safetensors", lambda data: data[:1000], "model.safetensors: Error while"),
         ("rng.safetensors", lambda data: b"", "rng.safetensors: "),
         (

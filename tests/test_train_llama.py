@@ -260,14 +260,16 @@ def test_a_resume_as_the_other_architecture_is_refused(llama_run, corpus, tmp_pa
     assert "is a gpt model and this run a llama one" in str(error.value)
     assert "\n" not in str(error.value)
     line = _error_line([*base, "--out", str(out), "--n-kv-head", "1"])  # same arch, other shape
-    assert "another configuration (n_kv_heads 2 vs 1" in line, line
+    assert "another configuration (--n-kv-head 2 vs 1: checkpoint vs this run)" in line, line
+    line = _error_line([*base, "--out", str(out), "--block-size", "32", "--n-embd", "64"])
+    assert "configuration (--n-embd 32 vs 64, --block-size 16 vs 32: checkpoint" in line, line
 
 
 def test_an_unknown_model_type_in_a_checkpoint_names_its_config(llama_run, tmp_path):
     _, out = llama_run
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
-    config = next(copy.glob("step-*/config.json"))
+    config = copy / (copy / "LATEST").read_text().strip() / "config.json"  # (the previous too)
     config.write_text(config.read_text().replace('"model_type": "llama"', '"model_type": "rwkv"'))
     with pytest.raises(SelfAttnError) as error:
         load_model(copy)

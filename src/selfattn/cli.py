@@ -247,9 +247,6 @@ def train(
 ) -> None:
     """Train a character-level GPT (or with --arch llama, a Llama) on a text file; `torchrun
     --nproc_per_node=N -m selfattn train ...` trains on N processes with DistributedDataParallel."""
-    from selfattn.errors import SelfAttnError
-    from selfattn.train import train_decoder
-
     given = {
         "max_iters": max_iters, "batch_size": batch_size, "block_size": block_size,
         "learning_rate": lr, "min_lr": min_lr, "warmup_iters": warmup_iters,
@@ -263,16 +260,25 @@ def train(
         raise _fail(f"unknown device {device!r}; choose auto, cpu or cuda", 2)
     overrides = {key: value for key, value in given.items() if value is not None}
     try:
-        run = train_decoder(
-            data, out, preset=preset, overrides=overrides, resume=resume, device=device,
-            console=console,
-        )  # fmt: skip
+        from selfattn.train import train_decoder  # (torch: seconds to import)
+        from selfattn.train.loop import signals_held_after_a_stop
+
+        with signals_held_after_a_stop():  # a repeated signal cannot cut the last line short
+            run = train_decoder(
+                data, out, preset=preset, overrides=overrides, resume=resume, device=device,
+                console=console,
+            )  # fmt: skip
+            _report_training(run, out)
     except SelfAttnError as error:
         raise _fail(str(error)) from None
     except KeyboardInterrupt:  # outside the loop, which saves on Ctrl-C: before it or after
         if _is_main_process():
             console.print(_interrupted_outside_the_loop(out), soft_wrap=True)
         raise typer.Exit(130) from None
+
+
+def _report_training(run, out: Path) -> None:
+    """The line that ends `selfattn train`: what was trained and saved, or why not."""
     result = run.result
     if result.interrupted:
         if _is_main_process():

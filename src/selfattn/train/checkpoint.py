@@ -16,7 +16,10 @@ Layout of ``OUT/`` (what ``selfattn train --out OUT`` writes)::
 
 A checkpoint is written into a temporary directory, synced, renamed into place, and only then
 does ``LATEST`` point at it (``os.replace``); an interruption at any moment leaves the previous
-checkpoint current and intact. Nothing is ever unpickled.
+checkpoint current and intact. The checkpoint before the new one stays too, until the next save,
+so that a reader which found it through ``LATEST`` a moment earlier can finish; a reader that
+still lost its folder reads the new one. Only folders named as a save names them and holding
+our files are ever removed. Nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import TypeVar
 
 import safetensors.torch
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file, save_model
 from torch import Tensor, nn
 
@@ -45,7 +48,7 @@ from selfattn.models.llama import Llama, LlamaConfig
 from selfattn.models.model import Model, ModelConfig, set_backend
 from selfattn.text import Tokenizer
 from selfattn.train.data import CharTokenizer
-from selfattn.train.loop import TrainConfig
+from selfattn.train.loop import TrainConfig, is_number
 from selfattn.train.presets import DecoderConfig, architecture
 
 FORMAT = "selfattn-train-checkpoint"
@@ -53,6 +56,18 @@ LATEST = "LATEST"
 # How safetensors names the errno of a failed write: "(os error 28)", or before 0.4.2 or so
 # the Rust debug form "Os { code: 28, ... }".
 OS_ERROR = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")
+FILES = (
+    "model.safetensors",
+    "config.json",
+    "tokenizer.json",
+    "optimizer.safetensors",
+    "rng.safetensors",
+    "state.json",
+)
+TMP_PREFIX = ".tmp-"
+# what save_checkpoint names its folders: mkdtemp's 8 characters after the prefix or the step
+OURS = re.compile(rf"(?:{re.escape(TMP_PREFIX)}|step-\d{{7,}}-)[a-z0-9_]{{8}}")
+ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")  # what AdamW keeps per parameter
 T = TypeVar("T")  # what a checkpoint file reads as
 Network = GPT | Llama
 
@@ -111,7 +126,8 @@ def save_checkpoint(
     """Write a checkpoint under ``out_dir`` atomically and make it the latest; return its path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir))
+    previous = _latest_name(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=out_dir))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0o700 would hide the checkpoint from other users
         _write_tensors(tmp / "model.safetensors", lambda file: save_model(model, file))
@@ -134,7 +150,7 @@ def save_checkpoint(
             path.chmod(0o644)  # safetensors writes 0o600: readable like the JSON files
             _fsync(path)
         _fsync(tmp)  # its entries: the files' names are durable only once the folder is synced
-        final = out_dir / f"step-{state.step:07d}-{tmp.name.removeprefix('.tmp-')}"
+        final = out_dir / f"step-{state.step:07d}-{tmp.name.removeprefix(TMP_PREFIX)}"
         os.replace(tmp, final)
         _fsync(out_dir)
         pointer = out_dir / f".{LATEST}.tmp"
@@ -145,7 +161,7 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _remove_stale(out_dir, keep=final.name)
+    _remove_stale(out_dir, keep={final.name, previous})
     return final
 
 
@@ -158,13 +174,21 @@ def load_checkpoint(
     directory. Raises :class:`SelfAttnError` with a one-line message naming the file if there is
     none or one is missing, damaged or does not fit the others.
     """
-    directory = checkpoint_dir(path)
+    return _read_latest(path, lambda directory: _load_all(directory, device))
+
+
+def _load_all(
+    directory: Path, device: torch.device | str
+) -> tuple[Network, CharTokenizer, RunConfig, TrainingState]:
+    """What :func:`load_checkpoint` gives, of one checkpoint directory."""
     model, tokenizer, config = _load_trained(directory, device)
     step, history, losses_since_eval, groups = _read(directory, "state.json", _read_state)
+    tensors = _read(
+        directory, "optimizer.safetensors", lambda file: load_file(str(file), device=str(device))
+    )
+    _refuse_non_finite(directory, "optimizer.safetensors", tensors)
     optimizer = _read(
-        directory,
-        "optimizer.safetensors",
-        lambda file: _join_optimizer_state(load_file(str(file), device=str(device)), groups),
+        directory, "optimizer.safetensors", lambda _: _join_optimizer_state(tensors, groups)
     )
     rng = _read(directory, "rng.safetensors", lambda file: load_file(str(file)))
     state = TrainingState(step, history, optimizer, rng, losses_since_eval)
@@ -202,6 +226,7 @@ def _load_trained(
             f"{tokenizer.vocab_size} characters for a vocabulary of {config.model.vocab_size} "
             "in config.json",
         )
+    _check_size(directory, config.model)
     model = build_network(config.model)
     _read(
         directory,
@@ -210,6 +235,34 @@ def _load_trained(
     )
     _refuse_non_finite(directory, "model.safetensors", model.state_dict())
     return model.to(device).eval(), tokenizer, config
+
+
+def _check_size(directory: Path, config: DecoderConfig) -> None:
+    """Refuse sizes in config.json that make a network larger than the weights that
+    model.safetensors holds (read from its header) before allocating it: a changed size would
+    otherwise fail in the allocator, or be blamed on the batch size."""
+    wanted = _read(directory, "config.json", lambda _: _network_size(config))
+    held = _read(directory, "model.safetensors", _weight_count)
+    if wanted > held:
+        raise damaged(
+            directory,
+            "config.json",
+            f"its sizes make {wanted:,} weights, and model.safetensors holds {held:,}",
+        )
+
+
+def _network_size(config: DecoderConfig) -> int:
+    """How many weights the network of ``config`` has, counted without allocating them (a
+    RuntimeError for sizes past what torch can count)."""
+    with torch.device("meta"):
+        return sum(param.numel() for param in build_network(config).parameters())
+
+
+def _weight_count(file: Path) -> int:
+    """How many numbers a safetensors file holds, from its header."""
+    with safe_open(str(file), "pt") as saved:
+        keys = saved.keys()  # (no iterator: safe_open has none)
+        return sum(math.prod(saved.get_slice(key).get_shape()) for key in keys)
 
 
 def _refuse_non_finite(directory: Path, name: str, tensors: dict[str, Tensor]) -> None:
@@ -277,9 +330,26 @@ def _read_state(
         raise ValueError(
             f"the losses since the last evaluation are not {steps_since_eval} finite numbers"
         )
-    if not isinstance(groups, list) or not all(isinstance(item, dict) for item in groups):
-        raise ValueError("the optimizer parameter groups are not a list of objects")
+    if not isinstance(groups, list) or not all(_is_param_group(item) for item in groups):
+        raise ValueError(
+            "the optimizer parameter groups are not a list of objects with a list of parameter "
+            "numbers (params) and a pair of numbers (betas)"
+        )
+    numbers = sorted(index for group in groups for index in group["params"])
+    if numbers != list(range(len(numbers))):  # as torch numbers them
+        raise ValueError("the optimizer parameter groups do not number the parameters from 0")
     return step, history, losses, groups
+
+
+def _is_param_group(group: object) -> bool:
+    """Whether ``group`` is an optimizer parameter group as JSON holds it."""
+    if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+        return False
+    betas = group.get("betas", [])
+    return all(_is_count(index) for index in group["params"]) and (
+        "betas" not in group
+        or (isinstance(betas, list) and len(betas) == 2 and all(map(is_number, betas)))
+    )
 
 
 def _is_count(value: object) -> bool:
@@ -289,11 +359,26 @@ def _is_count(value: object) -> bool:
 def load_model(path: Path, device: torch.device | str = "cpu", backend: str = "auto") -> Model:
     """A checkpoint as a :class:`selfattn.models.model.Model`: what explain, generate and the
     viewers use. Reads the model's files only: the optimizer and random state may be absent."""
-    network, tokenizer, config = _load_trained(checkpoint_dir(path), device)
+    network, tokenizer, config = _read_latest(
+        path, lambda directory: _load_trained(directory, device)
+    )
     info = ModelConfig.for_decoder(config.model, architecture(config.model))
     model = Model(network, info, name=str(path), tokenizer=Tokenizer(tokenizer.to_hf()))
     set_backend(model, backend)
     return model.eval()
+
+
+def _read_latest(path: Path, read: Callable[[Path], T]) -> T:
+    """``read`` of the checkpoint directory that ``path`` names; once more if that failed and
+    ``LATEST`` names another one by now (a run saving into ``path`` removed the folder read)."""
+    directory = checkpoint_dir(path)
+    try:
+        return read(directory)
+    except SelfAttnError:
+        latest = checkpoint_dir(path)
+        if latest == directory:
+            raise
+        return read(latest)
 
 
 def checkpoint_dir(path: Path) -> Path:
@@ -316,6 +401,14 @@ def checkpoint_dir(path: Path) -> Path:
             "of `selfattn train`"
         )
     return path
+
+
+def _latest_name(out_dir: Path) -> str | None:
+    """The folder name in ``out_dir/LATEST``, if it can be read."""
+    try:
+        return (out_dir / LATEST).read_text(encoding="utf-8").strip()
+    except (OSError, ValueError):
+        return None
 
 
 def _latest_dir(out_dir: Path) -> Path:
@@ -385,10 +478,19 @@ def _split_optimizer_state(state_dict: dict) -> tuple[dict[str, Tensor], list[di
 
 
 def _join_optimizer_state(tensors: dict[str, Tensor], groups: list[dict]) -> dict:
+    """The optimizer state_dict of ``tensors`` and ``groups``; a ValueError unless AdamW's
+    state is whole: none yet, or every parameter's, with no negative squared-gradient mean."""
     state: dict[int, dict[str, Tensor]] = {}
     for key, value in tensors.items():
         index, name = key.split(".", 1)
         state.setdefault(int(index), {})[name] = value
+    if state:
+        for index in (index for group in groups for index in group["params"]):
+            missing = [name for name in ADAM_STATE if name not in state.get(index, {})]
+            if missing:
+                raise ValueError(f"no {missing[0]} of parameter {index}")
+            if bool((state[index]["exp_avg_sq"] < 0).any()):
+                raise ValueError(f"exp_avg_sq of parameter {index} is negative")
     for group in groups:
         if "betas" in group:
             group["betas"] = tuple(group["betas"])
@@ -422,9 +524,23 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _remove_stale(out_dir: Path, keep: str) -> None:
-    """Remove older checkpoints and temporary directories left by interrupted saves."""
+def _remove_stale(out_dir: Path, keep: set[str | None]) -> None:
+    """Remove older checkpoints and temporary directories left by interrupted saves: only
+    folders named as a save names them, holding nothing but a checkpoint's files (a step
+    folder: a config.json of ours); any other folder is the user's."""
     for entry in out_dir.iterdir():
-        stale = entry.name.startswith("step-") or entry.name.startswith(".tmp-")
-        if entry.is_dir() and stale and entry.name != keep:
+        if entry.name not in keep and _is_ours(entry):
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def _is_ours(entry: Path) -> bool:
+    """Whether ``entry`` is a folder that ``save_checkpoint`` wrote."""
+    if not OURS.fullmatch(entry.name) or entry.is_symlink() or not entry.is_dir():
+        return False
+    try:
+        names = {path.name for path in entry.iterdir()}
+    except OSError:
+        return False
+    if entry.name.startswith(TMP_PREFIX):
+        return names <= set(FILES)
+    return names == set(FILES) and is_checkpoint_folder(entry)

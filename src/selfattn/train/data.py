@@ -7,6 +7,7 @@ windows of ``block_size + 1`` characters at random offsets, inputs and next-char
 
 from __future__ import annotations
 
+import hashlib
 import json
 import stat
 from dataclasses import dataclass
@@ -30,8 +31,15 @@ class CharTokenizer:
     """One token per character; ids follow the sorted vocabulary."""
 
     def __init__(self, chars: str) -> None:
+        if not isinstance(chars, str):
+            raise ValueError(f"the vocabulary is a {type(chars).__name__}, not a string")
         if not chars or len(set(chars)) != len(chars):
             raise ValueError("a character vocabulary needs distinct characters, at least one")
+        surrogates = [char for char in chars if "\ud800" <= char <= "\udfff"]
+        if surrogates:  # no text holds one (UTF-8 cannot), and tokenizers refuses it
+            raise ValueError(
+                f"the vocabulary holds a lone surrogate ({surrogates[0]!r}), which is no character"
+            )
         self.chars = chars
         self._ids = {char: i for i, char in enumerate(chars)}
 
@@ -204,7 +212,10 @@ class RandomBatches:
 
     Each rank draws from generators seeded from ``(seed, rank, split)``, so ranks read different
     batches and the batch stream is reproducible; drawing validation batches never moves the
-    training stream. ``state_dict`` holds the generator states for an exact resume.
+    training stream. ``start_evaluation(step)`` reseeds the validation generator from ``(seed,
+    rank, step)``: an evaluation's batches depend on its step only, not on the evaluations
+    before it (a resumed run's equal a straight run's). ``state_dict`` holds the generator
+    states for an exact resume.
     """
 
     def __init__(
@@ -212,6 +223,8 @@ class RandomBatches:
     ) -> None:
         self.batch_size = batch_size
         self.block_size = block_size
+        self.seed = seed
+        self.rank = rank
         # (N - block, block + 1) overlapping views: row i is tokens i .. i + block
         self.windows = {
             split: getattr(data, split).unfold(0, block_size + 1, 1) for split in SPLITS
@@ -227,6 +240,10 @@ class RandomBatches:
         rows = windows[starts]  # (B, block + 1)
         return rows[:, :-1], rows[:, 1:]
 
+    def start_evaluation(self, step: int) -> None:
+        """Draw the validation batches of the evaluation at ``step`` from now on."""
+        self.generators["val"].manual_seed(evaluation_seed(self.seed, self.rank, step))
+
     def state_dict(self) -> dict[str, Tensor]:
         return {split: generator.get_state() for split, generator in self.generators.items()}
 
@@ -238,3 +255,9 @@ class RandomBatches:
 def batch_seed(seed: int, rank: int, split: str) -> int:
     """A distinct generator seed for each (seed, rank, split)."""
     return seed * 1_000_003 + 2 * rank + SPLITS.index(split)
+
+
+def evaluation_seed(seed: int, rank: int, step: int) -> int:
+    """A distinct generator seed for each (seed, rank, step), within torch's [0, 2⁶⁴)."""
+    digest = hashlib.blake2b(f"{seed} {rank} {step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")

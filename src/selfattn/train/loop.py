@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol, runtime_checkable
@@ -164,6 +165,14 @@ class Rewindable(Protocol):
     def load_state_dict(self, state: dict[str, Tensor]) -> None: ...
 
 
+@runtime_checkable
+class StepSeeded(Protocol):
+    """A batch source whose validation batches depend on the step evaluated only (as
+    RandomBatches'): :func:`train` calls ``start_evaluation(step)`` before each evaluation."""
+
+    def start_evaluation(self, step: int) -> None: ...
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -276,7 +285,7 @@ def train(
         history,
         tokens_per_step=config.batch_size * config.block_size * distributed.world_size(),
     )
-    if start_step >= config.max_iters and not _evaluation_due(start_step, history, config):
+    if not has_work(start_step, history, config):
         return result  # resumed at or past the target: no bar, no evaluation
     wall_start = time.perf_counter()
     model.train()
@@ -293,6 +302,8 @@ def train(
         stopping = partial(_stop_agreed, stop, device)  # asked before each evaluation batch
         while True:
             if _evaluation_due(result.step, history, config):
+                if isinstance(batches, StepSeeded):
+                    batches.start_evaluation(result.step)
                 val = evaluate(model, batches, config.eval_iters, stop=stopping, **shown)
                 if val is None:  # a signal: the step stays unevaluated (a resume evaluates it)
                     result.interrupted, result.signal = True, stop.signal
@@ -395,6 +406,11 @@ def _step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
+
+
+def has_work(start_step: int, history: list[dict[str, float]], config: TrainConfig) -> bool:
+    """Whether :func:`train` from ``start_step`` with ``history`` trains or evaluates at all."""
+    return start_step < config.max_iters or _evaluation_due(start_step, history, config)
 
 
 def _evaluation_due(step: int, history: list[dict[str, float]], config: TrainConfig) -> bool:
@@ -534,6 +550,29 @@ class _SignalStop(threading.Event):
         self.set()
 
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# inside signals_held_after_a_stop: a stopped train() leaves SIGNALS ignored
+_held_after_a_stop = ContextVar("held_after_a_stop", default=False)
+
+
+@contextmanager
+def signals_held_after_a_stop() -> Iterator[None]:
+    """While the block runs, a :func:`train` that a signal stopped leaves SIGINT and SIGTERM
+    ignored, instead of putting back the handlers it found, until the block ends: what the
+    caller prints about the stop (the CLI's line) cannot be cut short by a repeated signal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    token = _held_after_a_stop.set(True)
+    try:
+        yield
+    finally:
+        _held_after_a_stop.reset(token)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 @contextmanager
 def _stop_on_signals() -> Iterator[_SignalStop]:
     """An event set by Ctrl-C (SIGINT) or SIGTERM while the block runs, so that no step (nor
@@ -542,11 +581,12 @@ def _stop_on_signals() -> Iterator[_SignalStop]:
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
     for sig in previous:
         signal.signal(sig, stop.receive)
     try:
         yield stop
     finally:
+        held = stop.is_set() and _held_after_a_stop.get()
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if held else handler)

@@ -37,7 +37,7 @@ from selfattn.train.checkpoint import (
     save_checkpoint,
 )
 from selfattn.train.data import CharTokenizer, RandomBatches, TextData, read_text
-from selfattn.train.loop import TrainResult, configure_optimizer, setting, train
+from selfattn.train.loop import TrainResult, configure_optimizer, has_work, setting, train
 from selfattn.train.presets import (
     DEFAULT_PRESET,
     DecoderConfig,
@@ -118,6 +118,7 @@ def _train_decoder(
     """The run, with ``out`` locked (held by ``locks``) before its checkpoint is looked at."""
     checkpoint = None
     _refuse_a_step_folder(out)
+    _refuse_a_foreign_folder(out)
     if resume:
         if out.is_dir():  # locked first: a run still before its first save holds no checkpoint
             locks.enter_context(_one_run_in(out, context))
@@ -134,7 +135,7 @@ def _train_decoder(
         chosen = get_preset(preset_name) if preset_name else base
         _check_same_arch(out, base.arch, overrides.get("arch", chosen.arch))
         preset = chosen.override(**overrides)
-        data = _resumed_data(data_path, preset.train.block_size, tokenizer, saved.data, console)
+        data = _resumed_data(data_path, preset.train.block_size, tokenizer, saved.data)
     else:
         preset = get_preset(preset_name or DEFAULT_PRESET).override(**overrides)
         data = TextData.from_file(data_path, preset.train.block_size)
@@ -170,6 +171,8 @@ def _train_decoder(
     if state is not None:
         _load_optimizer_state(optimizer, state.optimizer, out)
         _restore_rng(state.rng, context, batches, console, out)
+        if has_work(state.step, state.history, settings):  # it trains and saves: the note holds
+            _note_another_file(data_path, saved.data, console)
 
     def save(
         step: int, history: list[dict[str, float]], losses_since_eval: list[float] | None
@@ -265,14 +268,10 @@ def _gib(size: int) -> str:
 
 
 def _resumed_data(
-    path: Path,
-    block_size: int,
-    tokenizer: CharTokenizer,
-    trained_on: str,
-    console: Console | None = None,
+    path: Path, block_size: int, tokenizer: CharTokenizer, trained_on: str
 ) -> TextData:
-    """The text of a resumed run in the checkpoint's vocabulary, or why it does not fit; a
-    note if it is another file than the one the checkpoint was trained on (``trained_on``)."""
+    """The text of a resumed run in the checkpoint's vocabulary, or why it does not fit (the
+    checkpoint was trained on ``trained_on``)."""
     text = read_text(path)
     unknown = tokenizer.unknown_characters(text)
     if unknown:
@@ -280,6 +279,11 @@ def _resumed_data(
             f"{path} has characters that the checkpoint's vocabulary lacks ({unknown}); "
             f"resume with the text it was trained on ({trained_on})"
         )
+    return TextData.from_text(text, block_size, tokenizer, source=path)
+
+
+def _note_another_file(path: Path, trained_on: str, console: Console | None) -> None:
+    """A note if a resumed run trains on another file than the checkpoint's (``trained_on``)."""
     if not _same_file(path, Path(trained_on)):
         _note(
             console,
@@ -287,7 +291,6 @@ def _resumed_data(
             "characters fit the vocabulary, so training goes on with it, and the checkpoint "
             "records it from now on",
         )
-    return TextData.from_text(text, block_size, tokenizer, source=path)
 
 
 def _same_file(path: Path, other: Path) -> bool:
@@ -334,6 +337,18 @@ def _refuse_a_step_folder(out: Path) -> None:
         else f"put it in a folder of its own with a {LATEST} file naming it, and pass that"
     )
     raise SelfAttnError(f"--out {out} is one checkpoint folder, not a training folder; {where}")
+
+
+def _refuse_a_foreign_folder(out: Path) -> None:
+    """--out holding another program's config.json (a Hugging Face model folder) is neither a
+    checkpoint to resume nor a folder to start one in."""
+    if (out / LATEST).is_file() or not (out / "config.json").is_file():
+        return
+    if not is_checkpoint_folder(out):
+        raise SelfAttnError(
+            f"--out {out} holds a config.json that is not a selfattn checkpoint (another "
+            "program's model folder?); choose another --out"
+        )
 
 
 @contextmanager
@@ -411,15 +426,40 @@ def _check_same_model(out: Path, saved: DecoderConfig, wanted: DecoderConfig) ->
     architecture, which ``_check_same_arch`` made sure of), naming what differs."""
     if saved == wanted:
         return
-    diffs = ", ".join(
-        f"{field.name} {getattr(saved, field.name)} vs {getattr(wanted, field.name)}"
-        for field in dataclasses.fields(saved)
-        if getattr(saved, field.name) != getattr(wanted, field.name)
-    )
+    diffs: dict[str, str] = {}  # by setting: a Llama's three biases are one
+    for field in dataclasses.fields(saved):
+        was, now = getattr(saved, field.name), getattr(wanted, field.name)
+        name = LLAMA_SETTINGS.get(field.name, field.name)
+        if was != now and name:
+            diffs.setdefault(name, f"{_flag(name)} {was} vs {now}")
     raise SelfAttnError(
-        f"the checkpoint in {out} is from another configuration ({diffs}: checkpoint vs this "
-        "run); resume with its settings or train into a new --out"
+        f"the checkpoint in {out} is from another configuration ({', '.join(diffs.values())}: "
+        "checkpoint vs this run); resume with its settings or train into a new --out"
     )
+
+
+# LlamaConfig's fields as the settings that make them ("": derived, from n_embd and n_head)
+LLAMA_SETTINGS = {
+    "max_positions": "block_size",
+    "d_model": "n_embd",
+    "n_layers": "n_layer",
+    "n_heads": "n_head",
+    "n_kv_heads": "n_kv_head",
+    "head_dim": "",
+    "d_ff": "",
+    "qkv_bias": "bias",
+    "out_bias": "bias",
+    "mlp_bias": "bias",
+}
+
+
+# the model's settings that `selfattn train` has a flag for (bias and activation: Python only)
+MODEL_FLAGS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "dropout")
+
+
+def _flag(name: str) -> str:
+    """A model setting as its `selfattn train` flag, where it has one."""
+    return "--" + name.replace("_", "-") if name in MODEL_FLAGS else name
 
 
 def _rng_state(batches: RandomBatches, context: distributed.Context) -> dict[str, Tensor]:
@@ -456,16 +496,16 @@ def _restore_rng(
 ) -> None:
     """Put this rank's saved generator states back; one line naming rng.safetensors if its
     entries are missing or are not generator states (the file was changed)."""
-    saved_ranks = {key.split(".", 1)[0] for key in rng}
-    if len(saved_ranks) != context.world_size:
+    saved = _saved_ranks(rng, out)
+    if saved != context.world_size:
         _note(
             console,
-            f"the checkpoint was written by {_processes(len(saved_ranks))}, this run has "
-            f"{context.world_size}; {_rank_streams(len(saved_ranks), context.world_size)}",
+            f"the checkpoint was written by {_processes(saved)}, this run has "
+            f"{context.world_size}; {_rank_streams(saved, context.world_size)}",
         )
     prefix = f"rank{context.rank}."
     mine = {key.removeprefix(prefix): value for key, value in rng.items() if key.startswith(prefix)}
-    if not mine:
+    if not mine:  # a rank beyond the saved ones: its fresh generators stay
         return
     missing = [name for name in ("batches.train", "batches.val", "torch") if name not in mine]
     try:
@@ -483,3 +523,17 @@ def _restore_rng(
             torch.cuda.set_rng_state(mine["cuda"], context.device)
     except (KeyError, TypeError, RuntimeError) as error:
         raise damaged(checkpoint_dir(out), "rng.safetensors", one_line(error)) from None
+
+
+def _saved_ranks(rng: dict[str, Tensor], out: Path) -> int:
+    """How many processes wrote ``rng``; one line naming rng.safetensors unless its entries
+    are those of rank0 onwards (a resume would otherwise start fresh generators unsaid)."""
+    saved = {key.split(".", 1)[0] for key in rng}
+    if saved and saved == {f"rank{rank}" for rank in range(len(saved))}:
+        return len(saved)
+    problem = (
+        f"its generator states are of {', '.join(sorted(saved))}, not of rank0 onwards"
+        if saved
+        else "it holds no generator states"
+    )
+    raise damaged(checkpoint_dir(out), "rng.safetensors", problem)
