@@ -118,6 +118,33 @@ class OfflinePage(WatchedPage):
         assert [url for url in self.requests if url != self.url] == []
 
 
+def patch_triton_language_once() -> None:
+    """Triton's interpreter patches ``triton.language`` anew on every call of a
+    ``@triton.jit`` helper inside a kernel (``inspect.getmembers`` over the language each
+    time), though the kernel's launch has patched it already and keeps it so until it returns:
+    about a third of an interpreted kernel's time. Skip the patch where the language is
+    patched already; the kernels compute the same. No change on a Triton whose interpreter is
+    laid out otherwise."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+
+        patch, nothing_patched = interpreter._patch_lang, interpreter._LangPatchScope
+    except (ImportError, AttributeError):
+        return
+    if getattr(patch, "once", False):
+        return
+
+    def patch_once(fn):
+        langs = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
+        if langs and not any(tl.core.is_builtin(lang.load) for lang in langs):
+            return nothing_patched()  # a launch is running and has patched these already
+        return patch(fn)
+
+    patch_once.once = True
+    interpreter._patch_lang = patch_once
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (for a process group's rendezvous)."""
     with socket.socket() as sock:

@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import free_port, spawn_ranks
+from conftest import free_port, patch_triton_language_once, spawn_ranks
 from selfattn import attention
 from selfattn.attention import TRITON_MIN_INTERPRETER
 from selfattn.kernels import ring
@@ -221,6 +221,7 @@ def _cases_worker(rank: int, port: int, size: int, out: Path) -> None:
     if HAS_TRITON:
         from selfattn.kernels import triton_attention
 
+        patch_triton_language_once()
         triton_attention.block_forward = _holding(
             _logging(triton_attention.block_forward, fused_forwards, query_at=0), held, returned
         )

@@ -27,8 +27,11 @@ pytest.importorskip("triton")
 if os.environ["TRITON_INTERPRET"] != "1":
     pytest.skip("these tests run the kernels under TRITON_INTERPRET=1", allow_module_level=True)
 
+from conftest import patch_triton_language_once
 from selfattn.attention import BACKENDS, attention, choose_backend, make_call
 from selfattn.kernels.chunked import LOG2E
+
+patch_triton_language_once()
 
 ABS_FLOOR = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 
