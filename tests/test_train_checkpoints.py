@@ -77,6 +77,29 @@ def test_a_save_removes_only_the_folders_training_wrote(trained, tmp_path):
     assert not left_over.exists() and not first.exists()
 
 
+def test_a_removal_cut_short_is_finished_by_the_next_save(trained, tmp_path, monkeypatch):
+    """A stale checkpoint is renamed .trash-… before it is removed, so a removal cut short (a
+    kill, EBUSY, an NFS reader's .nfs… file) is finished by a later save; a half-removed step
+    folder used to stay for good."""
+    out = _copy(trained, tmp_path / "out")
+    first = checkpoint_module.checkpoint_dir(out)
+    save_checkpoint(out, *load_checkpoint(out))
+    real_rmtree = shutil.rmtree
+
+    def cut_short(path, ignore_errors=False):
+        (Path(path) / "config.json").unlink()
+        (Path(path) / ".nfs0000000000abcd0001").write_bytes(b"held open")
+
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", cut_short)
+    save_checkpoint(out, *load_checkpoint(out))  # removes `first`, cut short
+    trash = out / (".trash-" + first.name[-8:])
+    assert not first.exists() and trash.is_dir()
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", real_rmtree)
+    save_checkpoint(out, *load_checkpoint(out))
+    assert not trash.exists()
+    assert len([entry for entry in out.iterdir() if entry.name.startswith("step-")]) == 2
+
+
 def test_a_reader_whose_checkpoint_a_save_removed_reads_the_next(trained, tmp_path, monkeypatch):
     """A save keeps the checkpoint before it, and a reader that lost its folder all the same
     (two saves while it read) reads the one LATEST names now: generate during training
@@ -118,6 +141,19 @@ def test_sizes_changed_in_config_json_are_one_line_before_any_allocation(trained
         load_model(out)
     line = _error_line(["train", "--data", str(corpus), "--out", str(out), "--resume"])
     assert "config.json: its sizes make" in line and "--batch-size" not in line, line
+
+
+def test_more_layers_in_config_json_than_the_weights_hold_is_one_line_at_once(trained, tmp_path):
+    """n_layer 100,000: the size check built every layer (on the meta device, no memory but
+    minutes); the layers are now counted against model.safetensors' first."""
+    out = _copy(
+        trained, tmp_path / "out", lambda data: data["model"].update(n_layer=100_000),
+        "config.json",
+    )  # fmt: skip
+    with pytest.raises(
+        SelfAttnError, match=re.escape("config.json: its sizes make 100,000 layers, and model")
+    ):
+        load_model(out)
 
 
 def test_a_lone_surrogate_in_the_vocabulary_is_one_line(trained, tmp_path):

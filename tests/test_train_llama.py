@@ -10,6 +10,7 @@ same generator states on CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -263,6 +264,18 @@ def test_a_resume_as_the_other_architecture_is_refused(llama_run, corpus, tmp_pa
     assert "another configuration (--n-kv-head 2 vs 1: checkpoint vs this run)" in line, line
     line = _error_line([*base, "--out", str(out), "--block-size", "32", "--n-embd", "64"])
     assert "configuration (--n-embd 32 vs 64, --block-size 16 vs 32: checkpoint" in line, line
+
+
+def test_a_size_no_flag_sets_is_named_by_its_field(llama_run):
+    """A derived size that differs alone (d_ff, which a rule computes from --n-embd) is named
+    by its field; it used to give an empty list, "configuration (: checkpoint vs this run)"."""
+    from selfattn.train.run import _check_same_model
+
+    _, out = llama_run
+    saved = load_checkpoint(out)[2].model
+    wider = dataclasses.replace(saved, d_ff=saved.d_ff + 32)
+    with pytest.raises(SelfAttnError, match=rf"configuration \(d_ff {saved.d_ff} vs"):
+        _check_same_model(out, saved, wider)
 
 
 def test_an_unknown_model_type_in_a_checkpoint_names_its_config(llama_run, tmp_path):

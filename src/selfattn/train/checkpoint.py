@@ -65,8 +65,12 @@ FILES = (
     "state.json",
 )
 TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"  # a stale folder is renamed so before it is removed
 # what save_checkpoint names its folders: mkdtemp's 8 characters after the prefix or the step
-OURS = re.compile(rf"(?:{re.escape(TMP_PREFIX)}|step-\d{{7,}}-)[a-z0-9_]{{8}}")
+OURS = re.compile(
+    rf"(?:{re.escape(TMP_PREFIX)}|{re.escape(TRASH_PREFIX)}|step-\d{{7,}}-)[a-z0-9_]{{8}}"
+)
+BLOCK = re.compile(r"blocks\.(\d+)\.")  # a transformer block's weights, GPT's and Llama's
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")  # what AdamW keeps per parameter
 T = TypeVar("T")  # what a checkpoint file reads as
 Network = GPT | Llama
@@ -241,8 +245,15 @@ def _check_size(directory: Path, config: DecoderConfig) -> None:
     """Refuse sizes in config.json that make a network larger than the weights that
     model.safetensors holds (read from its header) before allocating it: a changed size would
     otherwise fail in the allocator, or be blamed on the batch size."""
+    held, blocks = _read(directory, "model.safetensors", _weights_held)
+    layers = ModelConfig.for_decoder(config, architecture(config)).n_layers
+    if layers > blocks:  # first, as the count below builds every layer (on no memory)
+        raise damaged(
+            directory,
+            "config.json",
+            f"its sizes make {layers:,} layers, and model.safetensors holds {blocks:,}",
+        )
     wanted = _read(directory, "config.json", lambda _: _network_size(config))
-    held = _read(directory, "model.safetensors", _weight_count)
     if wanted > held:
         raise damaged(
             directory,
@@ -258,11 +269,14 @@ def _network_size(config: DecoderConfig) -> int:
         return sum(param.numel() for param in build_network(config).parameters())
 
 
-def _weight_count(file: Path) -> int:
-    """How many numbers a safetensors file holds, from its header."""
+def _weights_held(file: Path) -> tuple[int, int]:
+    """How many numbers a safetensors file of a network holds, and how many blocks, from its
+    header."""
     with safe_open(str(file), "pt") as saved:
         keys = saved.keys()  # (no iterator: safe_open has none)
-        return sum(math.prod(saved.get_slice(key).get_shape()) for key in keys)
+        numbers = sum(math.prod(saved.get_slice(key).get_shape()) for key in keys)
+    indices = [int(found.group(1)) for key in keys if (found := BLOCK.match(key))]
+    return numbers, max(indices, default=-1) + 1
 
 
 def _refuse_non_finite(directory: Path, name: str, tensors: dict[str, Tensor]) -> None:
@@ -527,10 +541,18 @@ def _fsync(path: Path) -> None:
 def _remove_stale(out_dir: Path, keep: set[str | None]) -> None:
     """Remove older checkpoints and temporary directories left by interrupted saves: only
     folders named as a save names them, holding nothing but a checkpoint's files (a step
-    folder: a config.json of ours); any other folder is the user's."""
+    folder: a config.json of ours); any other folder is the user's. Each is first renamed
+    ``.trash-…`` (one atomic step), so that a removal cut short is finished by a later save."""
     for entry in out_dir.iterdir():
         if entry.name not in keep and _is_ours(entry):
-            shutil.rmtree(entry, ignore_errors=True)
+            trash = entry
+            if not entry.name.startswith(TRASH_PREFIX):
+                trash = out_dir / (TRASH_PREFIX + entry.name[-8:])
+                try:
+                    os.replace(entry, trash)
+                except OSError:
+                    continue
+            shutil.rmtree(trash, ignore_errors=True)
 
 
 def _is_ours(entry: Path) -> bool:
@@ -541,6 +563,8 @@ def _is_ours(entry: Path) -> bool:
         names = {path.name for path in entry.iterdir()}
     except OSError:
         return False
+    if entry.name.startswith(TRASH_PREFIX):  # what a cut-short removal left (NFS: .nfs…)
+        return all(name in FILES or name.startswith(".nfs") for name in names)
     if entry.name.startswith(TMP_PREFIX):
         return names <= set(FILES)
     return names == set(FILES) and is_checkpoint_folder(entry)

@@ -427,13 +427,17 @@ def _check_same_model(out: Path, saved: DecoderConfig, wanted: DecoderConfig) ->
     if saved == wanted:
         return
     diffs: dict[str, str] = {}  # by setting: a Llama's three biases are one
+    derived: list[str] = []  # sizes no setting names: said only when no setting differs
     for field in dataclasses.fields(saved):
         was, now = getattr(saved, field.name), getattr(wanted, field.name)
         name = LLAMA_SETTINGS.get(field.name, field.name)
         if was != now and name:
             diffs.setdefault(name, f"{_flag(name)} {was} vs {now}")
+        elif was != now:
+            derived.append(f"{field.name} {was} vs {now}")
     raise SelfAttnError(
-        f"the checkpoint in {out} is from another configuration ({', '.join(diffs.values())}: "
+        f"the checkpoint in {out} is from another configuration "
+        f"({', '.join([*diffs.values()] or derived)}: "
         "checkpoint vs this run); resume with its settings or train into a new --out"
     )
 
