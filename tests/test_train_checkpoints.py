@@ -302,6 +302,22 @@ def test_a_resume_with_nothing_to_do_notes_no_other_data_file(trained, corpus, t
     assert result.stderr == ""
 
 
+def test_a_preset_given_on_resume_names_the_settings_it_replaces(trained, corpus, tmp_path):
+    """--preset tiny when resuming a run saved with --eval-interval 2: the run went back to
+    tiny's 25 without a word (flags set by this run are not listed); without --preset, no
+    note."""
+    out = _copy(trained, tmp_path / "out")
+    args = ["train", "--data", str(corpus), "--out", str(out), "--resume", "--max-iters"]
+    result = CliRunner().invoke(app, [*args, "6", "--preset", "tiny"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (
+        "note: --preset tiny replaces the checkpoint's training settings: eval_interval 2 -> "
+        "25; resume without --preset to keep them\n"
+    )
+    result = CliRunner().invoke(app, [*args, "8"])
+    assert result.exit_code == 0 and result.stderr == "", result.output
+
+
 def test_a_resume_evaluates_on_the_batches_a_straight_run_does(corpus, tmp_path):
     """20 steps + resume to 40 == 40 straight steps, validation losses included: the first
     run's evaluation at its end drew validation batches that a straight run does not, and

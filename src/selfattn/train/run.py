@@ -37,7 +37,14 @@ from selfattn.train.checkpoint import (
     save_checkpoint,
 )
 from selfattn.train.data import CharTokenizer, RandomBatches, TextData, read_text
-from selfattn.train.loop import TrainResult, configure_optimizer, has_work, setting, train
+from selfattn.train.loop import (
+    TrainConfig,
+    TrainResult,
+    configure_optimizer,
+    has_work,
+    setting,
+    train,
+)
 from selfattn.train.presets import (
     DEFAULT_PRESET,
     DecoderConfig,
@@ -135,6 +142,8 @@ def _train_decoder(
         chosen = get_preset(preset_name) if preset_name else base
         _check_same_arch(out, base.arch, overrides.get("arch", chosen.arch))
         preset = chosen.override(**overrides)
+        if preset_name:
+            _note_preset_settings(preset_name, base.train, preset.train, overrides, console)
         data = _resumed_data(data_path, preset.train.block_size, tokenizer, saved.data)
     else:
         preset = get_preset(preset_name or DEFAULT_PRESET).override(**overrides)
@@ -301,6 +310,29 @@ def _same_file(path: Path, other: Path) -> bool:
         return path.samefile(other)
     except OSError:
         return True
+
+
+def _note_preset_settings(
+    name: str,
+    saved: TrainConfig,
+    resumed: TrainConfig,
+    overrides: dict[str, object],
+    console: Console | None,
+) -> None:
+    """A note naming the checkpoint's training settings that ``--preset name`` replaces (those
+    no flag of this run set): a resume otherwise continues with the checkpoint's own."""
+    replaced = [
+        f"{field.name} {getattr(saved, field.name)} -> {getattr(resumed, field.name)}"
+        for field in dataclasses.fields(saved)
+        if field.name not in overrides
+        and getattr(saved, field.name) != getattr(resumed, field.name)
+    ]
+    if replaced:
+        _note(
+            console,
+            f"--preset {name} replaces the checkpoint's training settings: "
+            f"{', '.join(replaced)}; resume without --preset to keep them",
+        )
 
 
 def _keep_saved_seed(
