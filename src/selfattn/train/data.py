@@ -19,7 +19,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers
 from torch import Tensor
 
 from selfattn.errors import SelfAttnError
-from selfattn.text import quoted_characters
+from selfattn.text import LONE_SURROGATE, quoted_characters
 
 TRAIN_FRACTION = 0.9
 SPLITS = ("train", "val")
@@ -35,10 +35,11 @@ class CharTokenizer:
             raise ValueError(f"the vocabulary is a {type(chars).__name__}, not a string")
         if not chars or len(set(chars)) != len(chars):
             raise ValueError("a character vocabulary needs distinct characters, at least one")
-        surrogates = [char for char in chars if "\ud800" <= char <= "\udfff"]
-        if surrogates:  # no text holds one (UTF-8 cannot), and tokenizers refuses it
+        surrogate = LONE_SURROGATE.search(chars)
+        if surrogate:  # no text holds one (UTF-8 cannot), and tokenizers refuses it
             raise ValueError(
-                f"the vocabulary holds a lone surrogate ({surrogates[0]!r}), which is no character"
+                f"the vocabulary holds a lone surrogate ({surrogate.group()!r}), which is no "
+                "character"
             )
         self.chars = chars
         self._ids = {char: i for i, char in enumerate(chars)}

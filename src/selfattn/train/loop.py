@@ -118,8 +118,12 @@ def whole_number(name: str, value: object) -> int:
 def setting(name: str, value: object) -> str:
     """A setting as `selfattn train` takes it, then as Python does: "--lr 0.1 (learning_rate=
     in Python)", for messages that Python callers and the command line share."""
-    flag = "lr" if name == "learning_rate" else name.replace("_", "-")
-    return f"--{flag} {value} ({name}= in Python)"
+    return f"{flag(name)} {value} ({name}= in Python)"
+
+
+def flag(name: str) -> str:
+    """The `selfattn train` flag of a setting: "--lr" for learning_rate, "--n-embd" for n_embd."""
+    return "--" + ("lr" if name == "learning_rate" else name.replace("_", "-"))
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:

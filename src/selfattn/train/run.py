@@ -41,6 +41,7 @@ from selfattn.train.loop import (
     TrainConfig,
     TrainResult,
     configure_optimizer,
+    flag,
     has_work,
     setting,
     train,
@@ -495,7 +496,7 @@ MODEL_FLAGS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "dropou
 
 def _flag(name: str) -> str:
     """A model setting as its `selfattn train` flag, where it has one."""
-    return "--" + name.replace("_", "-") if name in MODEL_FLAGS else name
+    return flag(name) if name in MODEL_FLAGS else name
 
 
 def _rng_state(batches: RandomBatches, context: distributed.Context) -> dict[str, Tensor]:

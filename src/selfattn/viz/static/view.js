@@ -959,11 +959,10 @@
     const ctx = sizedContext(canvas, box.width, box.height);
     const place = (el) => {
       const r = el.getBoundingClientRect();
-      return { left: r.left - box.left, right: r.right - box.left, x: r.left + r.width / 2 - box.left, y: r.top - box.top + 2 };
+      return { left: r.left - box.left, right: r.right - box.left, x: r.left + r.width / 2 - box.left, y: r.top - box.top + 2, height: r.height };
     };
     const query = place(tokenEls[i]);
-    const height = tokenEls[i].getBoundingClientRect().height;
-    const gap = parseFloat(getComputedStyle(tokenEls[i].parentElement).lineHeight) - height; // between two lines' tokens
+    const gap = parseFloat(getComputedStyle(tokenEls[i].parentElement).lineHeight) - query.height; // between two lines' tokens
     const largest = row[top[0]] || 1;
     for (const j of top) {
       const key = place(tokenEls[j]);
@@ -974,7 +973,7 @@
       if (j === i) {
         ctx.moveTo(query.x, query.y);
         ctx.arc(query.x, query.y - 7, 7, Math.PI / 2, Math.PI * 2.5);
-      } else if (Math.abs(key.y - query.y) < height / 2) {
+      } else if (Math.abs(key.y - query.y) < query.height / 2) {
         const lift = Math.min(gap - 3, 10 + Math.abs(key.x - query.x) / 6); // the curve rises ¾ of it
         ctx.moveTo(query.x, query.y);
         ctx.bezierCurveTo(query.x, query.y - lift, key.x, key.y - lift, key.x, key.y);
