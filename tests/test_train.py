@@ -54,7 +54,7 @@ from selfattn.train import (
 from selfattn.train import checkpoint as checkpoint_module
 from selfattn.train import loop as loop_module
 from selfattn.train import run as run_module
-from selfattn.train.data import batch_seed
+from selfattn.train.data import batch_seed, read_text
 from selfattn.train.run import new_network
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: fastest on one thread
@@ -844,6 +844,18 @@ def test_data_that_is_no_regular_file_is_named_for_what_it_is(tmp_path):
         fifo = tmp_path / "fifo"
         os.mkfifo(fifo)
         assert f"data file {fifo} is a pipe (FIFO), {fix}" in _error_line([*base, str(fifo)])
+
+
+def test_a_byte_order_mark_is_no_character_of_the_vocabulary(tmp_path):
+    # Notepad and others start UTF-8 files with U+FEFF; it used to become a vocabulary character.
+    text = TRAINING_TEXT * 3
+    marked = tmp_path / "marked.txt"
+    marked.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    assert read_text(marked) == text
+    only_mark = tmp_path / "only-mark.txt"
+    only_mark.write_bytes(b"\xef\xbb\xbf")
+    with pytest.raises(SelfAttnError, match="is empty; pass a file with text in it"):
+        read_text(only_mark)
 
 
 def test_a_prompt_that_is_not_utf8_is_one_line_naming_the_byte(trained):

@@ -162,8 +162,9 @@ class TextData:
 
 
 def read_text(path: Path) -> str:
-    """The file's text; a one-line error if it is missing, a folder, no regular file (a
-    device, a pipe: each process of a distributed run reads the file, and a pipe gives its
+    """The file's text, without the byte-order mark some editors put first (it would become a
+    character of the vocabulary); a one-line error if it is missing, a folder, no regular file
+    (a device, a pipe: each process of a distributed run reads the file, and a pipe gives its
     text to one), unreadable or empty."""
     path = Path(path)
     try:
@@ -182,7 +183,7 @@ def read_text(path: Path) -> str:
             "with --data (to train on a command's output, save it to a file first)"
         )
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
         raise SelfAttnError(
             f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); convert it "
