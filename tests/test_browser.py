@@ -381,11 +381,14 @@ def test_a_narrow_window_does_not_scroll_sideways(browser, tmp_path):
     watched.check_clean()
 
 
-def test_a_phone_shows_the_step_tables_weights_whole(browser, tmp_path):
+@pytest.mark.parametrize("biased", [False, True])
+def test_a_phone_shows_the_step_tables_weights_whole(browser, tmp_path, biased):
     """At 375 px the step table was wider than its box, its weight column (the answer) cut
-    at "0.08", with no sign that the table scrolled sideways."""
+    at "0.08", with no sign that the table scrolled sideways; MPNet's "+ bias" column made it
+    so again."""
     tokens = ["[CLS]", "i", "went", "to", "the", "bank", "to", "deposit", "money", ".", "[SEP]"]
-    path, _ = write_page(tmp_path, tokens=tokens)
+    bias = random_bias((H, len(tokens), len(tokens))) if biased else None
+    path, _ = write_page(tmp_path, tokens=tokens, bias=bias)
     watched = OfflinePage(browser, path)
     watched.page.set_viewport_size({"width": 375, "height": 800})
     cut = watched.page.evaluate(
