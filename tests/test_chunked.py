@@ -546,6 +546,8 @@ def test_auto_picks_chunked_above_the_budget_for_masked_calls(monkeypatch):
     output = attention(query, key, value, mask=mask)  # chunked; float32, 1e-5 as above
     expected = attention(query, key, value, backend="explicit")
     torch.testing.assert_close(output, expected, atol=1e-5, rtol=0)
+    query = query[..., -1:, :]  # one decoding step sees every key: sdpa gets no mask
+    assert chosen(causal=True) == "sdpa"
 
 
 MEMORY_SCRIPT = textwrap.dedent(

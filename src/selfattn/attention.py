@@ -234,6 +234,12 @@ class _HigherOrderThroughMath(torch.autograd.Function):
         return (None, None, *by_input)
 
 
+def _sees_every_key(call: AttentionCall) -> bool:
+    """A causal call of one query (a decoding step after the cache): it sees every key, so
+    no triangle needs building."""
+    return call.causal and call.query.shape[-2] == 1
+
+
 def _fused(call: AttentionCall) -> Tensor:
     """torch's fused kernel, with our conventions (bottom-right causal, 0 for masked rows).
 
@@ -252,7 +258,7 @@ def _fused(call: AttentionCall) -> Tensor:
         bias = call.mask.to(query.dtype)
 
     is_causal = call.causal and t == s and call.mask is None
-    causal_free = call.causal and t == 1  # one query after the cache: it sees every key
+    causal_free = _sees_every_key(call)
     allowed = None
     if call.causal and not is_causal and not causal_free:
         allowed = allowed_mask(call)
@@ -423,7 +429,7 @@ BACKENDS: dict[str, Backend] = {
 
 def check_backend(name: str) -> None:
     """A one-line error (a ValueError) unless ``name`` is ``"auto"`` or a registered backend."""
-    if name != "auto" and name not in BACKENDS:
+    if not isinstance(name, str) or (name != "auto" and name not in BACKENDS):
         names = ", ".join(["auto", *BACKENDS])
         raise SelfAttnError(f"unknown attention backend {name!r}; choose one of: {names}")
 
@@ -436,9 +442,10 @@ def choose_backend(call: AttentionCall, return_trace: bool = False) -> Backend:
     torch's fused kernel, except for large masked calls, which go to chunked.
 
     Chunked is chosen when the call has no dropout, its weights would exceed ``MEMORY_BUDGET``
-    and it has a mask or is causal with T != S. Measured on a 2-core CPU with torch 2.13: torch's
-    fused kernel never forms the weights (float32, float64, bfloat16; with or without a mask;
-    dropout aside) and runs 1.2-1.6x faster than chunked (docs/benchmarks.md), but ``_sdpa``
+    and it has a mask or is causal with T != S (but for one query, which sees every key).
+    Measured on a 2-core CPU with torch 2.13: torch's fused kernel never forms the weights
+    (float32, float64, bfloat16; with or without a mask; dropout aside) and runs 1.2-1.6x
+    faster than chunked (docs/benchmarks.md), but ``_sdpa``
     hands it a full ``(T, S)`` mask (the bottom-right causal triangle, the user mask combined
     with it, the fully-masked-row fix) which it converts to float: 1.3 GiB measured at
     T = 16,384 (causal, S = T + 64), ~20 GiB at 65,536. Chunked slices the mask as given.
@@ -449,7 +456,8 @@ def choose_backend(call: AttentionCall, return_trace: bool = False) -> Backend:
     if call.query.is_cuda and half and BACKENDS["triton"].why_not(call) is None:
         return BACKENDS["triton"]
     t, s = call.query.shape[-2], call.key.shape[-2]
-    sdpa_needs_full_mask = call.mask is not None or (call.causal and t != s)
+    triangle = call.causal and t != s and not _sees_every_key(call)
+    sdpa_needs_full_mask = call.mask is not None or triangle
     if sdpa_needs_full_mask and call.dropout_p == 0 and call.weights_bytes > MEMORY_BUDGET:
         return BACKENDS["chunked"]
     return BACKENDS["sdpa"]
@@ -573,6 +581,7 @@ def make_call(
         if mask.dtype != torch.bool and not mask.is_floating_point():
             raise ValueError(f"mask must be boolean (True = may attend) or float, got {mask.dtype}")
         mask = at_least_2d(mask)  # every backend may index the mask's (T, S) dims
+    dropout_p = _number("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     scale = default_scale(similarity, query.shape[-1]) if scale is None else _finite(scale)
@@ -598,10 +607,15 @@ def _finite(scale: object) -> float:
             "would be lost); to learn a scale, multiply the query by it and pass scale=1.0 "
             "(for cosine, L2-normalise query and key yourself and pass similarity='dot')"
         )
+    return _number("scale", scale)
+
+
+def _number(name: str, value: object) -> float:
+    """``value`` as a float (a Python, NumPy or one-element torch number), if finite."""
     try:
-        number = math.nan if isinstance(scale, str) else float(scale)
+        number = math.nan if isinstance(value, str) else float(value)
     except (TypeError, ValueError, RuntimeError):
         number = math.nan
     if not math.isfinite(number):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     return number
