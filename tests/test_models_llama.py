@@ -701,7 +701,8 @@ def test_a_half_precision_load_never_holds_the_weights_in_float32(llama_folder, 
 def test_a_text_that_opens_with_a_byte_fallback_character_reads_whole(tmp_path):
     """Before "日", which it has no merge with, the "▁" the tokenizer adds is a token of its
     own on 日's characters. It read "" and counted among 日's bytes ("日[2/4]".."日[4/4]"), so
-    the word joined from its tokens (explain's word view) read "" too."""
+    the word joined from its tokens (explain's word view) read "" too; then it read " " but
+    was still the word's first token."""
     metaspace_tokenizer(tmp_path / "tokenizer.json")
     encoding = selfattn.text.Tokenizer.from_file(tmp_path / "tokenizer.json").encode("日本 bank")
     assert encoding.tokens == [
@@ -709,6 +710,9 @@ def test_a_text_that_opens_with_a_byte_fallback_character_reads_whole(tmp_path):
     ]  # fmt: skip
     first = encoding.words[0]
     assert (first.text, join_pieces([encoding.tokens[i] for i in first.tokens])) == ("日", "日")
+    # The space is no token of 日 (explain --word 日 explained it): no word's, as mid-text.
+    assert list(first.tokens) == list(encoding.select("日")) == [2, 3, 4]
+    assert (encoding.offsets[1], encoding.word_ids[1]) == ((0, 0), None)
 
 
 def test_generation_ends_at_the_end_of_text_token_as_hugging_faces(llama_folder, tmp_path):

@@ -66,7 +66,7 @@ class RecordedRun(Protocol):
     read_text: str  # the part of ``text`` the model read (``truncate`` may cut it)
     tokens: list[str]
     word_ids: list[int | None]
-    offsets: list[tuple[int, int]]  # each token's characters in ``text``; (0, 0) if special
+    offsets: list[tuple[int, int]]  # each token's characters in ``text``; empty if special
     captures: Recording
     sliding_windows: tuple[int | None, ...]  # per layer (None: full); () without windows
 
@@ -439,7 +439,7 @@ def hidden_texts(run: RecordedRun) -> dict[int, str]:
     covered = {at for start, end in run.offsets for at in range(start, end)}
     hidden = {}
     for i, (start, end) in enumerate(run.offsets):
-        if start == end:  # a special token
+        if start == end:  # a special token or an added space
             continue
         while end < len(run.text) and end not in covered and is_mark(run.text[end]):
             end += 1

@@ -68,7 +68,8 @@ class Encoding:
     text: str
     ids: list[int]
     tokens: list[str]  # readable pieces: "##ing" for word-piece, " bank" for BPE (also "▁bank")
-    offsets: list[Span]  # each token's characters in ``text``; (0, 0) for special tokens
+    offsets: list[Span]  # each token's characters in ``text``; empty for special tokens, (0, 0),
+    # and for a space the tokenizer added alone ("▁" before "日"): no word's
     words: list[Word]  # the words that have at least one token (all, unless truncated)
     word_ids: list[int | None]  # index into ``words`` of each token; None for special tokens
     read_end: int | None = None  # where truncation cut the text; None: it was read whole
@@ -231,7 +232,7 @@ class Tokenizer:
         if self.byte_level or self.metaspace:
             pieces = [self.piece(i) for i in encoded.ids]
             if self.metaspace:
-                pieces = without_added_spaces(pieces, offsets, text)
+                pieces, offsets = without_added_spaces(pieces, offsets, text)
             pieces = readable_byte_pieces(pieces, offsets, text)
         else:
             pieces = list(encoded.tokens)
@@ -330,16 +331,24 @@ def decoder_json(backend: tokenizers.Tokenizer) -> str:
     return backend.decoder.__getstate__().decode("utf-8")
 
 
-def without_added_spaces(pieces: list[str], offsets: list[Span], text: str) -> list[str]:
-    """Pieces without a leading space the text does not have there: the "▁" a sentencepiece
-    tokenizer puts before the first word reads "I", not " I". A token that is that space
-    alone (before a character it has no merge with, "日") stays " ", never ""."""
-    return [
-        piece[1:]
-        if piece.startswith(" ") and len(piece) > 1 and start < end and not text[start].isspace()
-        else piece
-        for piece, (start, end) in zip(pieces, offsets, strict=True)
-    ]
+def without_added_spaces(
+    pieces: list[str], offsets: list[Span], text: str
+) -> tuple[list[str], list[Span]]:
+    """Pieces and offsets without a leading space the text does not have there: the "▁" a
+    sentencepiece tokenizer puts before the first word reads "I", not " I". A token that is
+    that space alone (before a character it has no merge with, "日") stays " ", never "", and
+    its span, which the tokenizer gives as the character's, is made empty: it is no part of
+    the word (``explain --word 日`` explained the space)."""
+    kept_pieces, kept_offsets = [], []
+    for piece, (start, end) in zip(pieces, offsets, strict=True):
+        if piece.startswith(" ") and start < end and not text[start].isspace():
+            if len(piece) > 1:
+                piece = piece[1:]
+            else:
+                end = start
+        kept_pieces.append(piece)
+        kept_offsets.append((start, end))
+    return kept_pieces, kept_offsets
 
 
 def readable_byte_pieces(pieces: list[str], offsets: list[Span], text: str) -> list[str]:

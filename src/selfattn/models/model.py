@@ -191,7 +191,8 @@ class Run:
 
     @property
     def offsets(self) -> list[Span]:
-        """Each token's characters in :attr:`text`, (start, end); (0, 0) for special tokens."""
+        """Each token's characters in :attr:`text`, (start, end); empty for special tokens
+        and for a space the tokenizer added alone."""
         return self.encoding.offsets
 
     @property
