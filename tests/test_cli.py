@@ -272,6 +272,27 @@ def test_two_outputs_naming_one_file_are_refused_before_the_model_loads(
     assert sorted(path.name for path in tmp_path.iterdir()) == ["sub"]
 
 
+@pytest.mark.parametrize(
+    ("flag", "name", "problem"),
+    [
+        ("--png", "b.txt", "does not end in .png"),
+        ("--png", ".png", "has no name before .png"),  # it said "needs ... ending in .png"
+        ("--svg", "sub/.SVG", "has no name before .svg"),
+    ],
+)
+def test_a_figure_without_its_suffix_is_refused_saying_what_it_lacks(
+    flag, name, problem, monkeypatch, tmp_path
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "_load", _never_loaded)
+    result = CliRunner().invoke(app, ["explain", "the bank", "--word", "bank", flag, name])
+    assert result.exit_code == 2, result.output
+    suffix = flag.replace("--", ".")
+    assert _one_error_line(result) == (
+        f"Error: {flag} {name}: the file name {problem}; give one such as bank{suffix}"
+    )
+
+
 def test_an_existing_writable_file_is_taken_whatever_its_folder_allows(monkeypatch, tmp_path):
     """An existing file is written in place: /dev/stdout, /dev/null or a file of a folder that
     takes no new one are writable outputs (the folder check refused them to a non-root user).

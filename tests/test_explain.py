@@ -997,7 +997,7 @@ def test_compare_tells_a_repeated_attended_word_apart():
         (["explain", MONEY, "--word", "bank", "--index", "2"], "either --word or --index"),
         (["explain", MONEY, "--index", "99"], "tokens 0..10"),
         (["explain", MONEY, "--similarity", "euclid"], "'dot' or 'cosine'"),
-        (["explain", MONEY, "--png", "bank.pdf"], "ending in .png"),
+        (["explain", MONEY, "--png", "bank.pdf"], "does not end in .png"),
         (["explain", MONEY, "--model", "no-such-model"], "no-such-model"),
         (["explain", "word " * 600], "at most 512"),
         (["compare", MONEY, "--word", "bank"], "at least two sentences"),

@@ -647,8 +647,13 @@ def explain(
     if scale is not None and not math.isfinite(scale):
         raise _fail(f"--scale must be a finite number, got {scale}", 2)
     for path, suffix in ((png, ".png"), (svg, ".svg")):
-        if path is not None and path.suffix.lower() != suffix:
-            raise _fail(f"--{suffix[1:]} needs a file name ending in {suffix}, got {path}", 2)
+        if path is not None and path.suffix.lower() != suffix:  # ".png" alone has no suffix
+            problem = "has no name before" if path.name.lower() == suffix else "does not end in"
+            raise _fail(
+                f"--{suffix[1:]} {path}: the file name {problem} {suffix}; give one such as "
+                f"bank{suffix}",
+                2,
+            )
     head_choice = _parse_head(head)
     _check_layer(layer)
     _check_outputs((png, "--png"), (svg, "--svg"), (html, "--html"))
