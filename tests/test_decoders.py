@@ -74,6 +74,11 @@ def test_explanation_names_the_keys_after_a_decoder_query_as_masked(gpt2):
     assert data["causal"] is True
     assert data["masked_keys"] == list(range(query + 1, length))
     assert all(data["weights"][key] == 0 for key in data["masked_keys"])
+    seen = list(range(query + 1))  # as the README says: softmax over the keys not masked
+    torch.testing.assert_close(  # float64 of float32 numbers: 1e-6
+        torch.tensor(data["weights"])[seen], torch.tensor(data["scaled"])[seen].softmax(-1),
+        atol=1e-6, rtol=0,
+    )  # fmt: skip
     assert e.masked.tolist() == torch.ones(length, length, dtype=torch.bool).triu(1).tolist()
     torch.testing.assert_close(
         e.attention.sum(-1), torch.ones(length), atol=1e-6, rtol=0, check_dtype=False

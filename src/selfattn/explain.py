@@ -213,8 +213,10 @@ class Explanation:
         return query
 
     def to_json(self) -> dict:
-        """One JSON object: ``weights`` = softmax(``scaled``), ``output`` = weights @ values;
-        with a position bias (MPNet) also ``bias``, and ``weights`` = softmax(scaled + bias)."""
+        """One JSON object: ``weights`` = softmax(``scaled``) over the keys not in
+        ``masked_keys`` (weight 0 there; their ``scaled`` is the number before masking: JSON has
+        no -inf), ``output`` = weights @ values; with a position bias (MPNet) also ``bias``, and
+        ``weights`` = softmax(scaled + bias)."""
         steps = self.steps
         result = {
             "model": self.model,
