@@ -694,9 +694,10 @@ def compare(
 ) -> None:
     """Follow one word across sentences: how alike its vectors are, layer by layer.
 
-    Layer 0 is the embedding output, the same for the word everywhere but for its position;
-    the layers above mix in context, so "bank" beside "money" drifts away from "bank"
-    beside "river".
+    Layer 0 is the embedding output: the same token differs there only by its position
+    (BERT, GPT-2) or not at all (rotary models: 1.000), while a word read as other tokens
+    (another case, a leading space) differs from the start; the layers above mix in context,
+    so "bank" beside "money" drifts away from "bank" beside "river".
     """
     from selfattn import explain as explaining
     from selfattn.viz import report

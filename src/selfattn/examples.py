@@ -77,8 +77,9 @@ def _embedding_step(trace: AttentionTrace) -> DemoStep:
         meaning=(
             f"Each word is one token, and each token a fixed-size embedding vector of {size} "
             'numbers, picked by hand here: "gioco" (I play) and "giochi" (games) point nearly '
-            "the same way. A real model also adds position information to each vector; this "
-            "example leaves it out, so the order of the words changes nothing below."
+            "the same way. A real model also gives each token position information (BERT and "
+            "GPT-2 add a position vector to it, rotary models such as Llama rotate its query and "
+            "key); this example leaves it out, so the order of the words changes nothing below."
         ),
         formula="embeddings X",
         matrix=trace.query,
@@ -163,7 +164,8 @@ def _query_key_value_step() -> DemoStep:
         meaning=(
             "Above, the same embeddings X played all three roles: Q = K = V = X. A trained "
             "layer gives each role its own learnable matrix, Q = X W_q, K = X W_k, V = X W_v "
-            "(linear layers, no bias, no activation), learned by back-propagation; "
+            "(linear layers without activation; many models, MiniLM among them, add a bias), "
+            "learned by back-propagation; "
             "selfattn.SelfAttention(d_model) holds them. In one line:\n"
             "    Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V"
         ),

@@ -10,8 +10,8 @@ puts the most weight on *other content words* — not itself, not special tokens
 unknown token (``[UNK]``: the model reads only "some unknown text" there). Without a query
 word, the same measure averaged over every content token. Heads that follow position, not
 meaning (most content tokens' largest weight on the token just before, or just after) are
-passed over unless every head does, or no head weighs other content words (a one-word text):
-then the first head is shown.
+passed over unless every head does (then the best of them is shown); if no head weighs other
+content words (a one-word text), the first head is shown.
 
 An unknown token is named by the characters it stands for, ``'🙂' ([UNK])``, and so is one
 whose combining marks the tokenizer dropped (MiniLM reads बैंक as ``ब ##क``: ``'बैंक' (बक)``),

@@ -159,7 +159,7 @@ def _step_table(keys: list[str], steps: Steps, scaled: Tensor, scale: str) -> Ro
     columns = dict([*before, ("+ bias", as_numpy(steps.bias)), weights])
     caption = (
         f"scaled = score × scale, scale = {scale}\nweight = softmax(scaled + bias) over the row"
-        "\nbias: the model's relative position bias, learned per head and distance"
+        "\nbias: the model's relative position bias, learned per head and bucket of distances"
     )
     return RowTable(keys, columns, "score → scaled → + bias → weight", caption)
 

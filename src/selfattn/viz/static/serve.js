@@ -310,7 +310,7 @@
         attended,
         h("p", { id: "compare-note", class: "hint" }, attentionNote(data)),
         h("h3", {}, "cosine similarity of its vectors, layer by layer"),
-        h("p", { class: "hint" }, "layer 0 = the embedding output (the same word, only the position differs); 1.000 = the same direction"),
+        h("p", { class: "hint" }, "layer 0 = the embedding output (the same token differs there only by its position, where the model adds one there); 1.000 = the same direction"),
         h("div", { class: "table-scroll" }, table),
       ),
     );

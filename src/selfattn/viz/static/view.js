@@ -675,9 +675,9 @@
     const stepText = [
       ["score", model.similarity === "cosine" ? "cos(q, k): how alike query and key are" : "q · k: how alike query and key are"],
       ["scaled", `score × ${fmt(model.scale)} so no single score swamps the rest`],
-      ...(model.bias ? [["+ bias", "the model's position bias, learned per head and distance, added to scaled"]] : []),
+      ...(model.bias ? [["+ bias", "the model's position bias, learned per head and bucket of distances, added to scaled"]] : []),
       ["weight", `softmax${model.bias ? " of scaled + bias" : ""} over the row: between 0 and 1, each row sums to 1`],
-      ["output", "Σ weight × v: the weight-averaged values, the token in context"],
+      ["output", "Σ weight × v: the weight-averaged values, this head's part of the token in context (the layer projects every head's and adds them to the token's own vector)"],
     ];
 
     const selection = h("p", { id: idOf("selection"), class: "selection", "aria-live": "polite" });
