@@ -66,6 +66,33 @@ def char_model():
     return char_gpt("abcdefghijklmnopqrstuvwxyz \n", block_size=32)
 
 
+def test_compare_notes_a_word_read_as_other_tokens(gpt2):
+    """GPT-2 reads "Bank" at the start and " bank" after a space as other tokens: their
+    vectors differ from layer 0 on (0.12 apart on real GPT-2), which compare did not say; its
+    layer 0 note still called them "the same word, only the position differs"."""
+    sentences = ["Bank of the river", "I went to the bank"]
+    c = explaining.compare_texts(gpt2, sentences, "bank")
+    runs = [gpt2.run(sentence) for sentence in sentences]
+    assert c.tokens == [[run.tokens[i] for i in run.word_tokens("bank")] for run in runs]
+    assert c.tokens[1] == [" bank"] and c.tokens[0] != c.tokens[1]
+    shown = ", ".join(
+        f"S{n} {' + '.join(repr(t) for t in tokens)}" for n, tokens in enumerate(c.tokens, 1)
+    )
+    assert (
+        c.to_json()["tokens_note"]
+        == c.tokens_note
+        == (
+            f"'bank' is read as other tokens in some sentences ({shown}): its vectors differ from "
+            "layer 0 on, before any context"
+        )
+    )
+    console = Console(record=True, width=200)
+    report.print_comparison(console, c, "gpt2")
+    assert c.tokens_note in console.export_text()
+    alike = explaining.compare_texts(gpt2, ["the bank of the river", "I went to the bank"], "bank")
+    assert (alike.tokens, alike.tokens_note) == ([[" bank"], [" bank"]], None)
+
+
 def test_explanation_names_the_keys_after_a_decoder_query_as_masked(gpt2):
     run, e = explaining.explain_text(gpt2, SENTENCE, word="bank", layer=1, head=0)
     query, length = e.query, len(run.tokens)

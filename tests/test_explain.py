@@ -921,8 +921,10 @@ def test_compare_bank_across_sentences(model):
         torch.testing.assert_close(
             weights, torch.tensor([weight for _, weight in expected]), atol=1e-6, rtol=0
         )
+    assert data["tokens"] == [["bank"]] * 3 and data["tokens_note"] is None  # one token id
     text = invoke("compare", MONEY, RIVER, "--word", "bank").output
     assert "S1 vs S2" in text and "attends to" in text
+    assert "read as other tokens" not in text
 
 
 def test_compare_from_python_refuses_one_text_or_one_sentence(model):

@@ -21,7 +21,7 @@ from selfattn.explain import compare_texts, explain_text
 from selfattn.models.loading import load
 from selfattn.models.model import Model
 from test_browser import LOW_CONTRAST, emulate, luminance
-from test_decoders import char_gpt
+from test_decoders import char_gpt, gpt2_folder  # noqa: F401 (a fixture)
 
 pytestmark = needs_chromium
 
@@ -230,7 +230,20 @@ def test_compare_notes_what_its_lists_leave_out_as_the_command_line_does(browser
     assert "n:word = the word at token n, where a sentence has it" in page.text_content(
         "#compare-note"
     )
+    assert page.locator("#compare-tokens-note").count() == 0  # one token: bank, lower-cased
     watched.check_clean()
+
+
+def test_compare_notes_a_word_read_as_other_tokens(browser, gpt2_folder):  # noqa: F811
+    """A small random GPT-2 with a byte-level tokenizer: "Bank" and " bank" are other tokens."""
+    sentences = ("Bank of the river", "I went to the bank")
+    with serving(load(gpt2_folder)) as address:
+        watched = Watched(browser, address, compare_address(sentences, "bank"))
+        watched.wait("#compare-result")
+        expected = api(address, "/api/compare", {"sentences": list(sentences), "word": "bank"})
+        assert expected["tokens_note"].startswith("'bank' is read as other tokens")
+        assert watched.page.text_content("#compare-tokens-note") == expected["tokens_note"]
+        watched.check_clean()
 
 
 def test_compare_on_a_decoder_says_what_the_word_cannot_see(browser, decoder_url):

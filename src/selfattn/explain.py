@@ -699,12 +699,31 @@ class Comparison:
     attended_layer: int  # the attention layer read (0-based, as explain's --layer)
     occurrence: int = 0  # which occurrence of the word in each sentence (-1: the last)
     causal: bool = False  # a decoder: the word's vectors depend only on the text up to it
+    tokens: list[list[str]] = field(default_factory=list)  # per sentence: the word's tokens
+    same_tokens: bool = True  # every sentence reads the word as the same token ids
+
+    @property
+    def tokens_note(self) -> str | None:
+        """Where sentences read the word as other tokens ("Bank" and " bank" are two for
+        GPT-2): its vectors differ from layer 0 on, before any context; None where all agree."""
+        if self.same_tokens:
+            return None
+        readings = ", ".join(
+            f"S{number} {' + '.join(repr(token) for token in tokens)}"
+            for number, tokens in enumerate(self.tokens, 1)
+        )
+        return (
+            f"'{self.word}' is read as other tokens in some sentences ({readings}): its vectors "
+            "differ from layer 0 on, before any context"
+        )
 
     def to_json(self) -> dict:
         return {
             "word": self.word,
             "occurrence": self.occurrence,
             "sentences": self.sentences,
+            "tokens": self.tokens,
+            "tokens_note": self.tokens_note,
             "layers": [
                 {"layer": layer, "cosine": _list(matrix)}
                 for layer, matrix in enumerate(self.similarity)
@@ -722,6 +741,8 @@ class Comparison:
 
 
 class VectorRun(RecordedRun, Protocol):
+    token_ids: list[int]
+
     def word_vector(self, word: str, layer: int = -1, occurrence: int = 0) -> Tensor: ...
 
     def word_tokens(self, word: str, occurrence: int = 0) -> range: ...
@@ -791,10 +812,13 @@ def compare(runs: list[VectorRun], word: str, top: int = 3, occurrence: int = 0)
     # Clamped: rounding may give 1.0000000000000002, not a cosine.
     similarity = torch.einsum("ald,bld->lab", unit, unit).clamp(-1.0, 1.0)  # (L+1, N, N)
     last = n_layers - 2
-    attended = [attended_words(run, run.word_tokens(word, occurrence), last, top) for run in runs]
+    spans = list(zip(runs, [run.word_tokens(word, occurrence) for run in runs], strict=True))
+    attended = [attended_words(run, span, last, top) for run, span in spans]
     texts = [run.read_text for run in runs]  # as explain shows its text: what the model read
     causal = runs[0].captures[0].causal
-    return Comparison(word, texts, similarity, attended, last, occurrence, causal)
+    tokens = [[run.tokens[i] for i in span] for run, span in spans]
+    same = len({tuple(run.token_ids[i] for i in span) for run, span in spans}) == 1
+    return Comparison(word, texts, similarity, attended, last, occurrence, causal, tokens, same)
 
 
 def attended_words(run: RecordedRun, pieces: range, layer: int, top: int) -> list[Attended]:

@@ -377,6 +377,7 @@ def print_comparison(console: Console, c: Comparison, model: str) -> None:
             Text(f"\n{title}", style="bold"),
             table,
             Text("layer 0 = the embedding output; 1.000 = the same direction", style="dim"),
+            *([Text(c.tokens_note, style="yellow")] if c.tokens_note else []),
         )
     )
 

@@ -312,6 +312,7 @@
         h("h3", {}, "cosine similarity of its vectors, layer by layer"),
         h("p", { class: "hint" }, "layer 0 = the embedding output (the same token differs there only by its position, where the model adds one there); 1.000 = the same direction"),
         h("div", { class: "table-scroll" }, table),
+        ...(data.tokens_note ? [h("p", { id: "compare-tokens-note", class: "note" }, data.tokens_note)] : []),
       ),
     );
   }
