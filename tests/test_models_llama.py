@@ -715,6 +715,28 @@ def test_a_text_that_opens_with_a_byte_fallback_character_reads_whole(tmp_path):
     assert (encoding.offsets[1], encoding.word_ids[1]) == ((0, 0), None)
 
 
+@pytest.mark.parametrize(
+    ("prompt", "new", "text"),
+    [
+        ("日", ["<0xAC>"], "\ufffd"),  # it read "���": 日's three bytes and 0xAC decoded as one run
+        ("\t", ["<0xAC>", "▁bank"], "\ufffd bank"),
+        ("the", ["▁bank"], " bank"),  # the first new token's space stays
+    ],
+)
+def test_a_continuation_is_the_new_tokens_text_after_prompt_bytes(
+    llama_folder, monkeypatch, prompt, new, text
+):
+    model = selfattn.load(llama_folder)
+    new_ids = [model.tokenizer.backend.token_to_id(token) for token in new]
+
+    def steps(input_ids, max_new_tokens, **options):  # the network "writes" the tokens of new
+        for count in range(1, max_new_tokens + 1):
+            yield torch.cat([input_ids, torch.tensor([new_ids[:count]])], dim=1)
+
+    monkeypatch.setattr(model.network, "generate_steps", steps)
+    assert model.generate(prompt, len(new), temperature=0) == text  # as generate_recorded's
+
+
 def test_generation_ends_at_the_end_of_text_token_as_hugging_faces(llama_folder, tmp_path):
     """Generation ran on past the model's end-of-text token (the answer, "</s>", then
     whatever came next); it ends there now, as Hugging Face's generate does, at config.json's

@@ -774,8 +774,15 @@ class Model(nn.Module):
         return encoding
 
     def _continuation(self, prompt_ids: list[int], ids: list[int]) -> str:
-        """The text of ``ids`` after the prompt's."""
-        return self.tokenizer.decode(ids)[len(self.tokenizer.decode(prompt_ids)) :]
+        """The text of ``ids`` after the prompt's: the whole text decoded less the prompt's,
+        so that a first token's space (sentencepiece's "▁bank") stays; the new tokens alone
+        where the prompt's text is no prefix of it: a byte-fallback decoder gives a run of
+        byte tokens that is not UTF-8 as one "\ufffd" per byte, prompt bytes included ("日"
+        then the byte 0xAC decoded as four)."""
+        prompt, whole = self.tokenizer.decode(prompt_ids), self.tokenizer.decode(ids)
+        if whole.startswith(prompt):
+            return whole[len(prompt) :]
+        return self.tokenizer.decode(ids[len(prompt_ids) :])
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
