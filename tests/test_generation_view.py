@@ -198,7 +198,8 @@ def test_cli_opens_the_page_on_the_layer_and_head_asked_for(trained, tmp_path):
     assert result.exit_code == 0, result.output
     assert '"selection":{"layer":0,"head":1,"step":0}' in page.read_text(encoding="utf-8")
     for bad, message in [
-        (["--layer", "2"], "layer 2 out of range: the model has layers 0..1"),
+        (["--layer", "2"], "layer 2 out of range: the model has layers 0..1\n"),
+        (["--head", "2"], "head 2 out of range: each layer has heads 0..1\n"),  # not "or -2..-1"
         (["--head", "first"], "--head must be a head number or 'mean'"),
     ]:
         result = CliRunner().invoke(app, [*args, "--html", str(tmp_path / "bad.html"), *bad])

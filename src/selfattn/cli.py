@@ -408,10 +408,11 @@ def generate(
 
 
 def _check_view(network, view: dict) -> None:
-    """An IndexError, before generating, for a --layer or --head the model has not."""
+    """An IndexError, before generating, for a --layer or --head the model has not (the
+    flags take no negative index, so the error names none)."""
     from selfattn.viz.generation import opening_view
 
-    opening_view(network.config.n_layers, network.config.n_heads, **view)
+    opening_view(network.config.n_layers, network.config.n_heads, **view, counts_back=False)
 
 
 def _write_generation(

@@ -103,16 +103,21 @@ class Capture:
         return self.trace(head, batch).weights
 
 
-def in_range(index: int, size: int, name: str, what: str, instead: str = "") -> int:
-    """``index`` as a non-negative index below ``size``; an IndexError naming the range, a
-    TypeError for what is no integer (saying what to pass ``instead``, if anything)."""
+def in_range(
+    index: int, size: int, name: str, what: str, instead: str = "", counts_back: bool = True
+) -> int:
+    """``index`` as a non-negative index below ``size``; an IndexError naming the range (and
+    the negative indices that count back from the end, unless ``counts_back`` is False: a
+    command line that refuses them), a TypeError for what is no integer (saying what to pass
+    ``instead``, if anything)."""
     try:
         index = operator.index(index)
     except TypeError:
         alternative = f", {instead}" if instead else ""
         raise TypeError(f"{name} must be an integer{alternative}; got {index!r}") from None
     if not -size <= index < size:
-        raise IndexError(f"{name} {index} out of range: {what} 0..{size - 1} (or -{size}..-1)")
+        back = f" (or -{size}..-1)" if counts_back else ""
+        raise IndexError(f"{name} {index} out of range: {what} 0..{size - 1}{back}")
     return index % size
 
 
