@@ -398,7 +398,11 @@ def test_a_decoder_checks_its_token_inputs_too(tmp_path):
         ({"top_k": 2.5}, r"top_k must be a whole number >= 1 .* got 2\.5"),
         ({"max_new_tokens": -1}, r"max_new_tokens must be a whole number >= 0, got -1"),
         ({"max_new_tokens": 2.0}, r"max_new_tokens must be a whole number >= 0, got 2\.0"),
-        ({"temperature": math.nan}, r"temperature must be >= 0 \(0 is greedy\), got nan"),
+        ({"temperature": math.nan}, r"temperature must be a number >= 0 \(0 is greedy\), got nan"),
+        ({"temperature": "1"}, r"temperature must be a number >= 0 .* got '1'"),  # a TypeError
+        ({"seed": -1}, r"seed must be a whole number from 0 to 4294967295, or None, got -1"),
+        ({"seed": 2**64}, r"seed must be .* got 18446744073709551616"),  # "Overflow when unpacking"
+        ({"seed": "1"}, r"seed must be .* got '1'"),  # torch's "manual_seed expected a long"
     ],
 )
 def test_generation_options_no_sampling_can_take_get_one_line(tmp_path, options, match):

@@ -23,6 +23,7 @@ from rich.console import Console
 
 from selfattn.errors import SelfAttnError
 from selfattn.examples import CIAO_MEANING, CIAO_TOKENS, ciao_steps
+from selfattn.models.gpt import MAX_SAMPLING_SEED
 from selfattn.viz.terminal import matrix_table
 
 # The click typer runs on: its own copy (typer._click) in recent typer, click itself before.
@@ -319,7 +320,6 @@ def _interrupted_outside_the_loop(out: Path) -> str:
 
 
 DEFAULT_PROMPT = "\n"  # where nanoGPT's sampling starts too
-MAX_SAMPLING_SEED = 2**32 - 1  # generate's --seed, as the explorer's (server.MAX_SEED)
 
 
 @app.command()

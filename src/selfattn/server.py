@@ -66,6 +66,7 @@ from uvicorn.server import HANDLED_SIGNALS
 
 from selfattn import explain as explaining
 from selfattn.errors import Message, Options, SelfAttnError, message_of, worded
+from selfattn.models.gpt import MAX_SAMPLING_SEED
 from selfattn.models.model import Model
 from selfattn.recording import in_range
 from selfattn.viz import report
@@ -74,7 +75,6 @@ from selfattn.viz.generation import generation_payload, opening_view
 MAX_CHARS = 2_000  # per text; the model's positions limit tokens as well
 MAX_SENTENCES = 4
 MAX_NEW_TOKENS = 200  # per generation: its page holds every step's weights, layer and head
-MAX_SEED = 2**32 - 1
 MAX_BODY = 256 * 2**10  # bytes: 4 texts at the limit, every character \u-escaped, fit
 WORKERS = 2  # model runs at once (the CPU has few cores; more only queue inside torch)
 QUEUE = 8  # requests admitted beyond the running ones; the next get 503
@@ -181,7 +181,10 @@ class GenerateRequest(StrictBody):
     )
     top_k: int | None = Field(None, ge=1, description="Sample among the k likeliest only.")
     seed: int | None = Field(
-        None, ge=0, le=MAX_SEED, description="Seed for repeatable sampling; none: anew each run."
+        None,
+        ge=0,
+        le=MAX_SAMPLING_SEED,
+        description="Seed for repeatable sampling; none: anew each run.",
     )
     layer: int = Field(-1, description="The layer shown first (negative counts from the end).")
     head: int | Literal["mean"] = Field("mean", description="The head shown first, or 'mean'.")

@@ -7,6 +7,7 @@ models trained from scratch by :mod:`selfattn.train`.
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
@@ -175,7 +176,7 @@ class Decoder(nn.Module, ABC):
         the window slides for all rows once the longest outgrows ``max_positions``: each row
         then reads its last ``max_positions`` tokens (or all it has), as it would alone.
         """
-        check_sampling(max_new_tokens, temperature, top_k)
+        check_sampling(max_new_tokens, temperature, top_k, seed)
         padding = left_padding(input_ids, attention_mask)
         generator = None
         if seed is not None:
@@ -303,12 +304,22 @@ class GPT(Decoder):
         return self.config.block_size
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+MAX_SAMPLING_SEED = 2**32 - 1  # as the command line's --seed and the explorer's
+
+
+def check_sampling(
+    max_new_tokens: int, temperature: float, top_k: int | None, seed: int | None = None
+) -> None:
     """One line for a generation option that no sampling can take, before any step."""
     if not _whole_at_least(max_new_tokens, 0):
         raise SelfAttnError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
-    if not temperature >= 0:  # also refuses NaN
-        raise SelfAttnError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    real = isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
+    if not (real and temperature >= 0):  # also refuses NaN
+        raise SelfAttnError(f"temperature must be a number >= 0 (0 is greedy), got {temperature!r}")
+    if seed is not None and not (_whole_at_least(seed, 0) and seed <= MAX_SAMPLING_SEED):
+        raise SelfAttnError(
+            f"seed must be a whole number from 0 to {MAX_SAMPLING_SEED}, or None, got {seed!r}"
+        )
     if top_k is not None and not _whole_at_least(top_k, 1):
         raise SelfAttnError(
             f"top_k must be a whole number >= 1 (or None to sample from every token), got {top_k!r}"
