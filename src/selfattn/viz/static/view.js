@@ -1056,7 +1056,7 @@
     const blanks = Array.from({ length: perHead }, () => h("td"));
     ui.stepsFoot.replaceChildren(h("tr", {}, h("td", {}, "total"), ...blanks, h("td", { class: "num strong" }, fmt(total)), h("td", { class: "bar-cell" })));
     const tensors = model.bias && !model.bias.table ? "q, k, v and the bias" : "q, k and v"; // a table is float32
-    const rounded = model.dtype === "float16" ? ` ${tensors} came as float16 to keep this long text's page small: the numbers agree with Python's to about 3 significant digits.` : "";
+    const rounded = model.dtype === "float16" ? ` ${tensors} came as float16 to keep this long text's page small: the numbers agree with Python's to about 3 significant digits (a score near 0, to about 3 digits of the row's largest).` : "";
     const biased = model.bias ? " + bias" : "";
     const bias = model.bias ? "; bias: the model's position bias for this query and key (it depends on their distance)" : "";
     ui.stepNote.textContent =
