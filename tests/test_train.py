@@ -1015,6 +1015,29 @@ def test_an_unusable_out_data_or_device_fails_before_training(corpus, tmp_path):
     if not torch.cuda.is_available():
         line = _error_line([*base, "--out", str(tmp_path / "o"), "--device", "cuda"])
         assert "no CUDA device is available" in line
+    line = _error_line([*base, "--out", str(tmp_path / "o"), "--device", "cuda:0"])
+    assert line == (
+        "Error: unknown device 'cuda:0'; choose auto, cpu or cuda (each process then takes the "
+        "GPU of its LOCAL_RANK)"
+    )
+
+
+@pytest.mark.parametrize("device", ["cuda:0", "gpu", "CUDA", "mps"])
+def test_an_unknown_device_from_python_is_refused_not_run_on_the_cpu(corpus, tmp_path, device):
+    # train_decoder trained on the CPU for any device but "cuda" (a GPU's "cuda:0" too), and
+    # load_model/load_checkpoint gave torch's "Expected one of cpu, cuda, ..." for "gpu".
+    with pytest.raises(SelfAttnError, match=f"^unknown device {device!r}; choose auto, cpu"):
+        train_decoder(corpus, tmp_path / "out", preset="tiny", device=device)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("read", [load_model, load_checkpoint])
+def test_a_checkpoint_read_onto_an_unknown_device_is_one_line(trained, read):
+    with pytest.raises(SelfAttnError, match=r"^unknown device 'gpu'; use 'cpu' or 'cuda'$"):
+        read(trained, device="gpu")  # torch's "Expected one of cpu, cuda, ipu, ..."
+    if not torch.backends.mps.is_available():
+        with pytest.raises(SelfAttnError, match=r"^device 'mps' is not available here; use 'cpu'$"):
+            read(trained, device="mps")  # torch's NotImplementedError
 
 
 @pytest.mark.parametrize(

@@ -257,8 +257,12 @@ def train(
         "seed": seed, "arch": arch, "n_layer": n_layer, "n_head": n_head, "n_kv_head": n_kv_head,
         "n_embd": n_embd, "dropout": dropout,
     }  # fmt: skip
-    if device not in ("auto", "cpu", "cuda"):
-        raise _fail(f"unknown device {device!r}; choose auto, cpu or cuda", 2)
+    from selfattn.train.distributed import check_device
+
+    try:
+        check_device(device)
+    except SelfAttnError as error:
+        raise _fail(str(error), 2) from None
     overrides = {key: value for key, value in given.items() if value is not None}
     try:
         from selfattn.train import train_decoder  # (torch: seconds to import)

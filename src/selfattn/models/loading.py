@@ -1188,13 +1188,23 @@ def placement(
             f"dtype must be a floating-point torch dtype (torch.float32, torch.float16, "
             f"torch.bfloat16 or their names) or 'auto', got {dtype!r}"
         )
+    return named, checked_device(device)
+
+
+def checked_device(device: torch.device | str) -> torch.device:
+    """``device`` as a torch device; a one-line error for one torch does not know, a GPU this
+    PyTorch cannot see, or another kind it has not here ("mps" on Linux)."""
     try:
         where = torch.device(device)
     except (RuntimeError, TypeError):
         raise SelfAttnError(f"unknown device {device!r}; use 'cpu' or 'cuda'") from None
     if where.type == "cuda" and not torch.cuda.is_available():
         raise SelfAttnError(f"device {device!r}: this PyTorch sees no CUDA GPU; use 'cpu'")
-    return named, where
+    try:
+        torch.empty(0, device=where)
+    except (RuntimeError, AssertionError, NotImplementedError):  # torch's kinds for "not here"
+        raise SelfAttnError(f"device {device!r} is not available here; use 'cpu'") from None
+    return where
 
 
 def load(

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from selfattn.errors import SelfAttnError
 from selfattn.models.gpt import GPT, GPTConfig
 from selfattn.models.llama import Llama, LlamaConfig
+from selfattn.models.loading import checked_device
 from selfattn.models.model import Model, ModelConfig, set_backend
 from selfattn.text import Tokenizer
 from selfattn.train.data import CharTokenizer
@@ -176,8 +177,9 @@ def load_checkpoint(
 
     ``path`` is a training output directory (its latest checkpoint is read) or one checkpoint
     directory. Raises :class:`SelfAttnError` with a one-line message naming the file if there is
-    none or one is missing, damaged or does not fit the others.
+    none or one is missing, damaged or does not fit the others, or for a device there is not.
     """
+    device = checked_device(device)
     return _read_latest(path, lambda directory: _load_all(directory, device))
 
 
@@ -373,6 +375,7 @@ def _is_count(value: object) -> bool:
 def load_model(path: Path, device: torch.device | str = "cpu", backend: str = "auto") -> Model:
     """A checkpoint as a :class:`selfattn.models.model.Model`: what explain, generate and the
     viewers use. Reads the model's files only: the optimizer and random state may be absent."""
+    device = checked_device(device)
     network, tokenizer, config = _read_latest(
         path, lambda directory: _load_trained(directory, device)
     )

@@ -34,8 +34,22 @@ class Context:
         return self.rank == 0
 
 
+DEVICES = ("auto", "cpu", "cuda")  # "cuda": each process the GPU of its LOCAL_RANK
+
+
+def check_device(device: object) -> None:
+    """A one-line error unless ``device`` is one of :data:`DEVICES` ("cuda:0" too: it would
+    give every process of a distributed run the same GPU)."""
+    if device not in DEVICES:
+        raise SelfAttnError(
+            f"unknown device {device!r}; choose auto, cpu or cuda (each process then takes the "
+            "GPU of its LOCAL_RANK)"
+        )
+
+
 def setup(device: str = "auto") -> Context:
     """Join the process group when launched by torchrun; pick the device ("auto", "cpu", "cuda")."""
+    check_device(device)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
