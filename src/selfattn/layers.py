@@ -41,6 +41,7 @@ class KVCache:
         self._key: Tensor | None = None  # (B, H, capacity, D)
         self._value: Tensor | None = None  # (B, H, capacity, Dv)
         self._length = 0
+        self._layer: int | None = None  # id() of the layer that extends it: one cache, one layer
 
     def __len__(self) -> int:
         return self._length
@@ -55,8 +56,20 @@ class KVCache:
         """The cached values (B, H, S, Dv), None before the first step."""
         return None if self._value is None else self._value[..., : self._length, :]
 
-    def extend(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        """Append the new tokens' keys and values; return all of them."""
+    def extend(
+        self, key: Tensor, value: Tensor, layer: nn.Module | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Append the new tokens' keys and values; return all of them. ``layer``, the module
+        that calls: a cache that another layer extended is refused (two layers sharing one
+        would each read the other's keys, a wrong result and no error)."""
+        if layer is not None:
+            if self._layer is None:
+                self._layer = id(layer)
+            elif self._layer != id(layer):
+                raise ValueError(
+                    "this KVCache holds another layer's keys and values; give each attention "
+                    "layer its own cache ([KVCache() for _ in layers])"
+                )
         if self._key is not None and key.shape[:-2] != self._key.shape[:-2]:
             raise ValueError(
                 f"this KVCache holds keys of leading dims {tuple(self._key.shape[:-2])} (batch, "
@@ -335,7 +348,7 @@ class MultiHeadAttention(AttentionModule):
         key = self.split_heads(self.W_k(context))  # (B, H, S, hd)
         value = self.split_heads(self.W_v(context))  # (B, H, S, hd)
         if cache is not None:
-            key, value = cache.extend(key, value)
+            key, value = cache.extend(key, value, self)
         output = self.attend(query, key, value, mask, causal)  # (B, H, T, hd)
         b, h, t, hd = output.shape
         return self.W_o(output.transpose(1, 2).reshape(b, t, h * hd))  # (B, T, D)
@@ -471,7 +484,7 @@ class GroupedQueryAttention(AttentionModule):
             )
         query, key = self.rotary.turn(query, *angles), self.rotary.turn(key, *angles)
         if cache is not None:
-            key, value = cache.extend(key, value)  # (B, Hkv, S, hd)
+            key, value = cache.extend(key, value, self)  # (B, Hkv, S, hd)
         output = self.attend(query, key, value, mask, causal)  # (B, H, T, hd)
         b, h, t, hd = output.shape
         return self.W_o(output.transpose(1, 2).reshape(b, t, h * hd))  # (B, T, D)
