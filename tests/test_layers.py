@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -468,6 +469,20 @@ def test_layers_compile_whole_and_match_eager(kind):
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, atol=1e-12, rtol=0)
         assert not compiled.isnan().any()
+
+
+def test_cached_decoding_compiles_whole_and_matches_eager():
+    """Steps of 3, 1, 2 and 1 tokens through a KVCache under torch.compile(fullgraph=True):
+    the recompiled step saw S as a symbol, and torch's is_causal refused the SymBool of T == S
+    ("TypeError when making fake tensor call"). float64, 1e-12 against eager's steps."""
+    torch.manual_seed(3)
+    layer = GroupedQueryAttention(16, 4, 2).double()  # its attend is MultiHeadAttention's
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    compiled = compile_whole(lambda x, cache: layer(x, causal=True, cache=cache))
+    caches = KVCache(), KVCache()
+    for start, stop in pairwise([0, 3, 4, 6, 7]):
+        eager = layer(x[:, start:stop], causal=True, cache=caches[0])
+        torch.testing.assert_close(compiled(x[:, start:stop], caches[1]), eager, atol=1e-12, rtol=0)
 
 
 def test_record_sees_eager_calls_only_and_refuses_a_compiled_model():

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from selfattn.errors import SelfAttnError
@@ -257,7 +258,9 @@ def _fused(call: AttentionCall) -> Tensor:
             query, key, value = (x.float() for x in (query, key, value))
         bias = call.mask.to(query.dtype)
 
-    is_causal = call.causal and t == s and call.mask is None
+    # Compiled with dynamic sizes, T == S may be unknown (one query after a cache: S is a
+    # symbol): torch's is_causal then takes no SymBool, and the mask below is built instead.
+    is_causal = call.causal and statically_known_true(t == s) and call.mask is None
     causal_free = _sees_every_key(call)
     allowed = None
     if call.causal and not is_causal and not causal_free:
