@@ -18,6 +18,7 @@ from selfattn import (
     SinusoidalPositions,
     TransformerBlock,
     attention,
+    default_scale,
     record,
 )
 from selfattn.errors import SelfAttnError
@@ -95,11 +96,41 @@ def test_from_torch_refuses_what_it_cannot_copy():
         (lambda: SelfAttention(8, d_v=-2), "d_v must be a whole number >= 1, got -2"),
         (lambda: SelfAttention(8.0), "d_model must be a whole number >= 1, got 8.0"),
         (lambda: TransformerBlock(8, 2, 16, norm_first=True, dropout=1.0), "dropout must be"),
+        # These were taken (d_ff 0: a feed-forward of its bias alone; 0 positions) or failed
+        # inside torch (a TypeError from nn.Linear or torch.zeros).
+        (lambda: TransformerBlock(8, 2, 0, norm_first=True), "d_ff must be a whole number >= 1"),
+        (lambda: GatedFeedForward(8, 32.0), "d_ff must be a whole number >= 1, got 32.0"),
+        (lambda: SinusoidalPositions(10, 16.0), "d_model must be a whole number >= 1, got 16.0"),
+        (lambda: SinusoidalPositions(0, 16), "max_len must be a whole number >= 1, got 0"),
+        (lambda: LearnedPositions(-1, 16), "max_len must be a whole number >= 1, got -1"),
     ],
 )
 def test_bad_constructor_options_fail_at_construction(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_bad_calls_of_the_smaller_parts_get_one_line():
+    """Each used to fail deep inside torch (shapes that cannot be multiplied, slice indices
+    that must be integers, an AttributeError) or to give a number (default_scale("l2"))."""
+    with pytest.raises(ValueError, match="x has last dim 6 but this layer has d_model=8"):
+        GatedFeedForward(8, 16)(torch.randn(1, 3, 6))
+    with pytest.raises(ValueError, match=r"offset must be a whole number >= 0 .*got 1\.5"):
+        LearnedPositions(10, 8)(torch.zeros(1, 3, 8), offset=1.5)
+    with pytest.raises(ValueError, match=r"positions must give each of the 4 tokens .*\(1, 5\)"):
+        RotaryPositions(8)(torch.randn(1, 4, 8), positions=torch.arange(5)[None])
+    layer = GroupedQueryAttention(16, 4, 2)
+    with pytest.raises(ValueError, match=r"positions must give each of the 3 tokens"):
+        layer(torch.randn(2, 3, 16), positions=torch.arange(4).expand(2, 4))
+    with pytest.raises(
+        TypeError, match=r"from_torch takes a torch\.nn\.MultiheadAttention, got Linear"
+    ):
+        MultiHeadAttention.from_torch(nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="unknown similarity 'l2'; choose 'dot' or 'cosine'"):
+        default_scale("l2", 4)
+    for width in (0, 2.0):
+        with pytest.raises(ValueError, match=f"head_dim must be a whole number >= 1, got {width}"):
+            default_scale("dot", width)
 
 
 def test_a_layers_repr_shows_its_options():
@@ -337,7 +368,7 @@ def test_odd_model_size_and_too_long_input():
 def test_positions_refuse_a_negative_or_too_large_offset(positions):
     x = torch.zeros(1, 3, 8)
     for offset in (-2, -5):
-        with pytest.raises(ValueError, match=f"offset must be >= 0 .*got {offset}"):
+        with pytest.raises(ValueError, match=f"offset must be a whole number >= 0 .*got {offset}"):
             positions(x, offset=offset)
     with pytest.raises(ValueError, match="sequence of 11 tokens is longer than the model's 10"):
         positions(x, offset=8)

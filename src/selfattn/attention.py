@@ -115,7 +115,16 @@ def default_scale(similarity: str, head_dim: int) -> float:
     by sqrt(D) gives cosine scores the same spread as scaled dot products of unit-variance
     vectors; with scale 1 the weights of a cosine head would be nearly uniform.
     """
+    check_similarity(similarity)
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int | torch.SymInt) or head_dim < 1:
+        raise ValueError(f"head_dim must be a whole number >= 1, got {head_dim!r}")
     return math.sqrt(head_dim) if similarity == "cosine" else 1.0 / math.sqrt(head_dim)
+
+
+def check_similarity(similarity: object) -> None:
+    """A one-line ValueError unless ``similarity`` is one of :data:`SIMILARITIES`."""
+    if similarity not in SIMILARITIES:
+        raise ValueError(f"unknown similarity {similarity!r}; choose 'dot' or 'cosine'")
 
 
 def causal_mask(t: int, s: int, device: torch.device | str | None = None) -> Tensor:
@@ -525,8 +534,7 @@ def make_call(
     """Check shapes, dtypes and options once, with one-line errors, and resolve the scale."""
     if not isinstance(causal, bool):  # "no" or a tensor would read as True
         raise ValueError(f"causal must be True or False, got {causal!r}")
-    if similarity not in SIMILARITIES:
-        raise ValueError(f"unknown similarity {similarity!r}; choose 'dot' or 'cosine'")
+    check_similarity(similarity)
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, Tensor):
             raise ValueError(

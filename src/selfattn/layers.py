@@ -361,6 +361,10 @@ class MultiHeadAttention(AttentionModule):
         torch's boolean ``attn_mask`` marks what may *not* be attended; ours marks what may.
         Ours takes ``(B, T, D)`` inputs whatever the source's ``batch_first``.
         """
+        if not isinstance(source, nn.MultiheadAttention):
+            raise TypeError(
+                f"from_torch takes a torch.nn.MultiheadAttention, got {type(source).__name__}"
+            )
         if not source._qkv_same_embed_dim:
             raise ValueError("from_torch needs kdim == vdim == embed_dim (one packed in_proj)")
         if source.bias_k is not None:
@@ -498,6 +502,7 @@ class SinusoidalPositions(nn.Module):
 
     def __init__(self, max_len: int, d_model: int) -> None:
         super().__init__()
+        _check_sizes(max_len=max_len, d_model=d_model)
         self.max_len = max_len
         position = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
         freq = torch.exp(
@@ -518,6 +523,7 @@ class LearnedPositions(nn.Module):
 
     def __init__(self, max_len: int, d_model: int) -> None:
         super().__init__()
+        _check_sizes(max_len=max_len, d_model=d_model)
         self.max_len = max_len
         self.embedding = nn.Embedding(max_len, d_model)
 
@@ -535,10 +541,10 @@ def _positions(table: Tensor, x: Tensor, offset: int, max_len: int) -> Tensor:
             f"{got}; give the positions the embeddings' width"
         )
     length = x.shape[-2]
-    if offset < 0:
+    if isinstance(offset, bool) or not isinstance(offset, int | torch.SymInt) or offset < 0:
         raise ValueError(
-            f"offset must be >= 0 (the position of the first token), got {offset}; "
-            "pass the number of tokens that come before x"
+            f"offset must be a whole number >= 0 (the position of the first token), got "
+            f"{offset!r}; pass the number of tokens that come before x"
         )
     if offset + length > max_len:
         raise ValueError(
@@ -652,6 +658,11 @@ class RotaryPositions(nn.Module):
         and k."""
         if positions is None:
             positions = torch.arange(offset, offset + length, device=device)
+        elif positions.shape[-1] != length:
+            raise ValueError(
+                f"positions must give each of the {length} tokens its position, (..., {length}), "
+                f"got shape {tuple(positions.shape)}"
+            )
         frequencies = self.frequencies(positions.device)
         angles = positions.float().unsqueeze(-1) * frequencies  # (..., T, R/2)
         angles = torch.cat([angles, angles], dim=-1)  # (..., T, R): dims i and i + R/2 share one
@@ -683,11 +694,13 @@ class FeedForward(nn.Module):
             raise ValueError(
                 f"unknown activation {activation!r}; choose one of {list(ACTIVATIONS)}"
             )
+        _check_sizes(d_model=d_model, d_ff=d_ff)
         self.activation = activation
         self.up = nn.Linear(d_model, d_ff, bias=bias)
         self.down = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        _check_input(x, self.up.weight, batched=False)
         return self.down(ACTIVATIONS[self.activation](self.up(x)))
 
 
@@ -699,6 +712,7 @@ class GatedFeedForward(FeedForward):
         self.gate = nn.Linear(d_model, d_ff, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        _check_input(x, self.up.weight, batched=False)
         return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
 
 
