@@ -527,6 +527,15 @@ def test_record_sees_eager_calls_only_and_refuses_a_compiled_model():
     with record() as rec:
         assert torch.equal(compiled(x), layer(x))
     assert len(rec) == 1
+    with record() as empty:
+        compiled(x)
+    # Reading it said "list index out of range", or a range "0..-1 (or -0..-1)".
+    for read in (lambda: empty[0], lambda: empty.layer(0)):
+        with pytest.raises(IndexError, match=r"holds no attention calls; .* record the eager"):
+            read()
+    with pytest.raises(IndexError, match=r"call 5 out of range: this recording has calls 0\.\.0"):
+        rec[5]
+    assert rec[-1] is rec.captures[0] and rec[:1] == rec.captures
     in_place = MultiHeadAttention(8, 2)
     in_place.compile(fullgraph=True, backend="aot_eager")
     for model in (compiled, nn.Sequential(in_place)):

@@ -145,7 +145,10 @@ class Recording:
         return len(self.captures)
 
     def __getitem__(self, index: int) -> Capture:
-        return self.captures[index]
+        if isinstance(index, slice):
+            return self.captures[index]
+        self._check_not_empty("call", index)
+        return self.captures[in_range(index, len(self), "call", "this recording has calls")]
 
     def __iter__(self) -> Iterator[Capture]:
         return iter(self.captures)
@@ -162,8 +165,19 @@ class Recording:
     def layer(self, layer: int) -> list[Capture]:
         """Every capture of one layer (several when a key/value cache calls it per step);
         negative ``layer`` counts from the end."""
+        self._check_not_empty("layer", layer)
         layer = in_range(layer, self.n_layers, "layer", "this recording has attention layers")
         return [capture for capture in self.captures if capture.layer == layer]
+
+    def _check_not_empty(self, name: str, index: object) -> None:
+        """An IndexError that says why a recording has nothing: no call ran eagerly inside
+        the block (its range would read "0..-1")."""
+        if not self.captures:
+            raise IndexError(
+                f"{name} {index!r} out of range: this recording holds no attention calls; run "
+                "the model inside the record() block (a torch.compile'd model runs none of its "
+                "Python: record the eager model)"
+            )
 
     def add(self, module: nn.Module, **tensors) -> None:
         layer = self._layers.setdefault(id(module), len(self._layers))
