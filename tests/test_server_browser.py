@@ -487,8 +487,8 @@ def test_explore_follows_the_occurrence_typed_and_kept_in_the_address(browser, b
     page.keyboard.type("1")
     page.keyboard.press("Enter")
     watched.wait("#app")
-    chosen = f"layer={expected['layer']}&head={expected['head']}&word=river&occurrence=1"
-    assert page.url.endswith(chosen)
+    assert page.url.endswith("word=river&occurrence=1")  # layer and head: chosen again
+    assert "layer=" not in page.url
     assert page.text_content("#selection").endswith("query 12 “river”")
     assert_steps_match(watched, expected)
 
@@ -500,8 +500,8 @@ def test_explore_follows_the_occurrence_typed_and_kept_in_the_address(browser, b
     page.click(".token[data-index='8']")  # the first "river": a token, no longer the word's match
     assert page.url.endswith(f"layer={expected['layer']}&head={expected['head']}&index=8")
     assert page.input_value("#explore-word") == page.input_value("#explore-occurrence") == ""
-    page.click(".token[data-index='12']")  # the word's match again: its word and occurrence
-    assert page.url.endswith(chosen)
+    page.click(".token[data-index='12']")  # the word's match again: as chosen, as it opened
+    assert page.url.endswith("word=river&occurrence=1") and "layer=" not in page.url
     assert page.input_value("#explore-occurrence") == "1"
     watched.check_clean()
 
@@ -942,8 +942,15 @@ def test_explore_says_why_it_opened_on_the_head_it_chose(browser, base_url):
     expected = api(base_url, "/api/view", {"text": BANK, "word": "bank"})["choice"]
     assert page.is_visible("#choice") and page.text_content("#choice") == expected
     assert expected.startswith("chosen: 'bank' puts the most weight here")
+    # The address leaves the chosen layer and head out: reloaded or shared, it chooses them
+    # again and says why (it wrote layer=0&head=4, and a reload lost the reason).
+    assert "layer=" not in page.url and "head=" not in page.url
+    page.reload()
+    page.wait_for_selector("#app[data-ready='true']", timeout=30_000)
+    assert page.is_visible("#choice") and page.text_content("#choice") == expected
     page.select_option("#head", "5")
     assert not page.is_visible("#choice")
+    assert "layer=0&head=5" in page.url  # the user's choice: in the address
     page.select_option("#head", "4")
     assert page.is_visible("#choice")
     watched.open(f"/?text={quote(BANK)}&word=bank&layer=0&head=4")  # as asked: no reason

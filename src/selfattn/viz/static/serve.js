@@ -169,13 +169,19 @@
       show: (payload) => {
         if (body.head === "mean") payload.selection.head = "mean"; // the payload names heads by number
         const wordQuery = body.word ? payload.selection.query : null;
+        // What the server chose, while shown as it chose it, stays out of the address: that
+        // address (reloaded, shared) has it chosen again, with the "chosen: ..." line saying why.
+        const first = payload.selection;
+        const serverChose = body.layer === undefined || body.head === undefined;
         window.selfattn.render(payload, $("app"), {
           hash: false,
           onChange: ({ layer, head, query }) => {
             // the word's match as the query: the word and its occurrence; any other token: its index
             const byWord = query === wordQuery;
             const chosen = byWord ? { word: body.word, occurrence: body.occurrence, index: null } : { word: null, occurrence: null, index: query };
-            const address = addressWith({ layer, head, ...chosen }, shown.explore);
+            const asChosen = serverChose && layer === first.layer && head === first.head && query === first.query;
+            const view = asChosen ? { layer: body.layer ?? null, head: body.head ?? null } : { layer, head };
+            const address = addressWith({ ...view, ...chosen }, shown.explore);
             if (openView === "explore") history.replaceState(null, "", address);
             $("explore-word").value = chosen.word ?? "";
             $("explore-occurrence").value = chosen.occurrence ?? "";
