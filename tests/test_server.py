@@ -515,7 +515,9 @@ def test_generate_with_a_seed_gives_the_same_text_again(decoder_client):
         ({"prompt": PROMPT, "seed": 2**32}, 422, "the Seed field: Input should be less than or"),
         ({"prompt": PROMPT, "layer": 2}, 400, "layer 2 out of range"),
         ({"prompt": PROMPT, "head": 2}, 400, "head 2 out of range"),
-        ({"prompt": PROMPT, "head": "all"}, 422, "the Head field: give a head number (0 = first)"),
+        # Generate's layer and head are the menus over its map, as Explore's (it said "field")
+        ({"prompt": PROMPT, "head": "all"}, 422, "the head menu: give a head number (0 = first)"),
+        ({"prompt": PROMPT, "layer": "x"}, 422, "the layer menu: Input should be a valid integer"),
         ({"prompt": PROMPT, "step": 1.5}, 422, "a new token clicked in Generate: Input should be"),
         ({"prompt": PROMPT, "max_new_tokens": 5, "step": 5}, 400, "step 5 out of range"),
         ({"prompt": 42}, 422, "the Prompt field: Input should be a valid string"),

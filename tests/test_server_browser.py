@@ -631,8 +631,10 @@ def test_compare_from_an_address_without_a_word_says_it_needs_one(browser, base_
 @pytest.mark.parametrize(
     ("given", "error"),
     [
-        ("layer=abc", "the Layer field: Input should be a valid integer"),
-        ("head=x", "the Head field: give a head number (0 = first) or 'mean'"),
+        # Explore's layer and head are menus (its "chosen: ..." line names them so): it said
+        # "the Layer field", a field of Similarity & scale
+        ("layer=abc", "the layer menu: Input should be a valid integer"),
+        ("head=x", "the head menu: give a head number (0 = first) or 'mean'"),
         ("index=-1", "token index -1 is out of range: tokens 0..10"),
         ("word=bank&index=3", "give either a word or a token index, not both"),  # not index dropped
         (

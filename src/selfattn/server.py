@@ -537,13 +537,20 @@ def _explain(model: Model, body: ExplainRequest) -> Response:
     return as_json(explanation.to_json())
 
 
-# Explore's names for the layer and head: the menus over its map, not Similarity & scale's fields
-EXPLORE_NAMES = {"layer": "the layer menu", "head": "the head menu"}
+# Explore's and Generate's names for the layer and head: the menus over their map, not
+# Similarity & scale's fields; their requests' messages (the 400s, the 422s) name them so.
+MENU_NAMES = {"layer": "the layer menu", "head": "the head menu"}
+MENU_PATHS = ("/api/view", "/api/generate")
 
 
-def explore_naming(options: tuple[str, ...]) -> str:
-    """Options as Explore names them: "the layer menu or the head menu"."""
-    return " or ".join(EXPLORE_NAMES.get(name, PAGE_NAMES.get(name, name)) for name in options)
+def menu_naming(options: tuple[str, ...]) -> str:
+    """Options as Explore and Generate name them: "the layer menu or the head menu"."""
+    return " or ".join(MENU_NAMES.get(name, PAGE_NAMES.get(name, name)) for name in options)
+
+
+def naming_for(request: Request) -> Callable[[tuple[str, ...]], str]:
+    """How the view that sends ``request`` names the request's fields."""
+    return menu_naming if request.url.path in MENU_PATHS else page_naming
 
 
 def _view(model: Model, body: Selection) -> Response:
@@ -553,7 +560,7 @@ def _view(model: Model, body: Selection) -> Response:
     )  # fmt: skip
     payload = report.page_data(run, explanation)
     if body.layer is None or body.head is None:  # the server chose: the page says why
-        payload["choice"] = worded(explanation.choice, explore_naming)
+        payload["choice"] = worded(explanation.choice, menu_naming)
     return as_json(payload)
 
 
@@ -600,9 +607,12 @@ PLAIN_DETAILS: dict[tuple[str, str], str] = {
 FASTAPI_PARSE_ERROR = "There was an error parsing the body"  # FastAPI's 400 for undecodable JSON
 
 
-def _validation_detail(error: RequestValidationError) -> str:
+def _validation_detail(
+    error: RequestValidationError, naming: Callable[[tuple[str, ...]], str] = page_naming
+) -> str:
     """Pydantic's error list as one line, each field named as the page names it (as the 400s
-    name options): 'the Layer field: Input should be a valid integer'."""
+    name options; ``naming``, :func:`naming_for` the request): 'the Layer field: Input should
+    be a valid integer'."""
     parts = []
     for item in error.errors():
         if item["type"] == "json_invalid":
@@ -613,7 +623,7 @@ def _validation_detail(error: RequestValidationError) -> str:
         if item["type"] == "extra_forbidden":  # not a field of this request: named as sent
             parts.append(f"{where}: {item['msg']}")
             continue
-        parts.append(worded(plain or _field_message(path, item["msg"]), page_naming))
+        parts.append(worded(plain or _field_message(path, item["msg"]), naming))
     return "; ".join(dict.fromkeys(parts)) or "invalid request"
 
 
@@ -648,8 +658,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_reply(*_http_detail(request, error), **(error.headers or {}))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
-        return error_reply(422, _validation_detail(error))
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        return error_reply(422, _validation_detail(error, naming_for(request)))
 
     @app.exception_handler(TooLarge)
     async def too_large(_request: Request, error: TooLarge) -> JSONResponse:
@@ -664,8 +674,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def busy(_request: Request, _error: Busy) -> JSONResponse:
         return error_reply(503, "the explorer is busy; retry in a moment", **{"Retry-After": "1"})
 
-    async def user_error(_request: Request, error: Exception) -> JSONResponse:
-        return error_reply(400, _one_line(worded(message_of(error), page_naming)))
+    async def user_error(request: Request, error: Exception) -> JSONResponse:
+        return error_reply(400, _one_line(worded(message_of(error), naming_for(request))))
 
     for kind in (SelfAttnError, ValueError, IndexError):
         app.add_exception_handler(kind, user_error)
