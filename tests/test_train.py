@@ -856,6 +856,10 @@ def test_a_byte_order_mark_is_no_character_of_the_vocabulary(tmp_path):
     only_mark.write_bytes(b"\xef\xbb\xbf")
     with pytest.raises(SelfAttnError, match="is empty; pass a file with text in it"):
         read_text(only_mark)
+    broken = tmp_path / "broken.txt"  # the bad byte is the file's 6th (0-based 5), mark or not
+    broken.write_bytes(b"\xef\xbb\xbfab\xffcd")
+    with pytest.raises(SelfAttnError, match=r"is not UTF-8 text \(invalid start byte at byte 5\)"):
+        read_text(broken)
 
 
 def test_a_prompt_that_is_not_utf8_is_one_line_naming_the_byte(trained):

@@ -7,6 +7,7 @@ windows of ``block_size + 1`` characters at random offsets, inputs and next-char
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import stat
@@ -185,8 +186,10 @@ def read_text(path: Path) -> str:
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
+        with path.open("rb") as file:  # the decoder counts from after a byte-order mark
+            at = error.start + (len(codecs.BOM_UTF8) if file.read(3) == codecs.BOM_UTF8 else 0)
         raise SelfAttnError(
-            f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); convert it "
+            f"{path} is not UTF-8 text ({error.reason} at byte {at}); convert it "
             f"first, e.g. iconv -f latin1 -t utf-8 {path} > {path.with_stem(path.stem + '-utf8')}"
         ) from None
     except OSError as error:
