@@ -53,7 +53,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from selfattn.errors import SelfAttnError
+from selfattn.errors import SelfAttnError, is_integer
 from selfattn.kernels.chunked import (
     at_least_2d,
     chunked_attention,
@@ -116,7 +116,7 @@ def default_scale(similarity: str, head_dim: int) -> float:
     vectors; with scale 1 the weights of a cosine head would be nearly uniform.
     """
     check_similarity(similarity)
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int | torch.SymInt) or head_dim < 1:
+    if not is_integer(head_dim, 1):
         raise ValueError(f"head_dim must be a whole number >= 1, got {head_dim!r}")
     return math.sqrt(head_dim) if similarity == "cosine" else 1.0 / math.sqrt(head_dim)
 

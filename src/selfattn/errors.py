@@ -11,8 +11,24 @@ words its own way with :meth:`Message.worded`.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+import torch
+
+
+def is_integer(value: object, least: int | None = None) -> bool:
+    """An integer (Python's, NumPy's, or a compiled graph's symbolic size), at least ``least``
+    where given; never a bool (True would read as 1) nor a float (2.0 fails later, deep in
+    torch): the test behind each "must be a whole number" message."""
+    whole = isinstance(value, numbers.Integral | torch.SymInt) and not isinstance(value, bool)
+    return whole and (least is None or value >= least)
+
+
+def is_real(value: object) -> bool:
+    """A real number (Python's or NumPy's), not a bool (a setting of True would read as 1)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 class SelfAttnError(ValueError):

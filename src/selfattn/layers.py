@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from selfattn.attention import SIMILARITIES, as_4d, attention
+from selfattn.errors import is_integer
 from selfattn.kernels.chunked import at_least_2d
 from selfattn.recording import active_recording
 
@@ -250,7 +251,7 @@ def _check_sizes(**sizes: object) -> None:
     """One line for a layer size that is not a whole number of at least 1 (2.0 included: it
     would fail later, deep inside a reshape)."""
     for name, size in sizes.items():
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        if not is_integer(size, 1):
             raise ValueError(f"{name} must be a whole number >= 1, got {size!r}")
 
 
@@ -541,7 +542,7 @@ def _positions(table: Tensor, x: Tensor, offset: int, max_len: int) -> Tensor:
             f"{got}; give the positions the embeddings' width"
         )
     length = x.shape[-2]
-    if isinstance(offset, bool) or not isinstance(offset, int | torch.SymInt) or offset < 0:
+    if not is_integer(offset, 0):
         raise ValueError(
             f"offset must be a whole number >= 0 (the position of the first token), got "
             f"{offset!r}; pass the number of tokens that come before x"

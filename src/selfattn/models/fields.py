@@ -10,16 +10,9 @@ number here, though Python counts it as 1.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Callable
 
-
-def _integer(value: object) -> bool:  # numbers.Integral: NumPy's integers too
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+from selfattn.errors import is_integer, is_real
 
 
 def _strings(value: object) -> bool:
@@ -27,9 +20,9 @@ def _strings(value: object) -> bool:
 
 
 KINDS: dict[str, tuple[Callable[[object], bool], str]] = {  # kind -> (test, in words)
-    "int": (_integer, "an integer"),
-    "count": (_integer, "an integer"),  # and at least 1: a size
-    "float": (_number, "a number"),
+    "int": (is_integer, "an integer"),
+    "count": (is_integer, "an integer"),  # and at least 1: a size
+    "float": (is_real, "a number"),
     "str": (lambda value: isinstance(value, str), "a string"),
     "bool": (lambda value: isinstance(value, bool), "true or false"),
     "dict": (lambda value: isinstance(value, dict), "an object"),

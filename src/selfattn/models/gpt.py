@@ -7,7 +7,6 @@ models trained from scratch by :mod:`selfattn.train`.
 from __future__ import annotations
 
 import math
-import numbers
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from selfattn.errors import SelfAttnError
+from selfattn.errors import SelfAttnError, is_integer, is_real
 from selfattn.layers import ACTIVATIONS, KVCache, LearnedPositions, RMSNorm, TransformerBlock
 from selfattn.models.fields import check_fields
 
@@ -311,23 +310,18 @@ def check_sampling(
     max_new_tokens: int, temperature: float, top_k: int | None, seed: int | None = None
 ) -> None:
     """One line for a generation option that no sampling can take, before any step."""
-    if not _whole_at_least(max_new_tokens, 0):
+    if not is_integer(max_new_tokens, 0):
         raise SelfAttnError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
-    real = isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
-    if not (real and temperature >= 0):  # also refuses NaN
+    if not (is_real(temperature) and temperature >= 0):  # also refuses NaN
         raise SelfAttnError(f"temperature must be a number >= 0 (0 is greedy), got {temperature!r}")
-    if seed is not None and not (_whole_at_least(seed, 0) and seed <= MAX_SAMPLING_SEED):
+    if seed is not None and not (is_integer(seed, 0) and seed <= MAX_SAMPLING_SEED):
         raise SelfAttnError(
             f"seed must be a whole number from 0 to {MAX_SAMPLING_SEED}, or None, got {seed!r}"
         )
-    if top_k is not None and not _whole_at_least(top_k, 1):
+    if top_k is not None and not is_integer(top_k, 1):
         raise SelfAttnError(
             f"top_k must be a whole number >= 1 (or None to sample from every token), got {top_k!r}"
         )
-
-
-def _whole_at_least(value: object, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def sample(

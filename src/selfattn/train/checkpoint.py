@@ -42,14 +42,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file, save_model
 from torch import Tensor, nn
 
-from selfattn.errors import SelfAttnError
+from selfattn.errors import SelfAttnError, is_integer, is_real
 from selfattn.models.gpt import GPT, GPTConfig
 from selfattn.models.llama import Llama, LlamaConfig
 from selfattn.models.loading import checked_device
 from selfattn.models.model import Model, ModelConfig, set_backend
 from selfattn.text import Tokenizer
 from selfattn.train.data import CharTokenizer
-from selfattn.train.loop import TrainConfig, is_number
+from selfattn.train.loop import TrainConfig
 from selfattn.train.presets import DecoderConfig, architecture
 
 FORMAT = "selfattn-train-checkpoint"
@@ -331,10 +331,10 @@ def _read_state(
     saved = _read_json(path)
     step, history, groups = saved["step"], saved["history"], saved["optimizer_param_groups"]
     losses = saved.get("losses_since_eval")
-    if not _is_count(step):
+    if not is_integer(step, 0):
         raise ValueError(f"the step is {step!r}, not a count of steps")
     if not isinstance(history, list) or not all(
-        isinstance(item, dict) and _is_count(item.get("step")) for item in history
+        isinstance(item, dict) and is_integer(item.get("step"), 0) for item in history
     ):
         raise ValueError("the history is not a list of evaluations")
     steps_since_eval = step - (history[-1]["step"] if history else 0)
@@ -362,14 +362,10 @@ def _is_param_group(group: object) -> bool:
     if not isinstance(group, dict) or not isinstance(group.get("params"), list):
         return False
     betas = group.get("betas", [])
-    return all(_is_count(index) for index in group["params"]) and (
+    return all(is_integer(index, 0) for index in group["params"]) and (
         "betas" not in group
-        or (isinstance(betas, list) and len(betas) == 2 and all(map(is_number, betas)))
+        or (isinstance(betas, list) and len(betas) == 2 and all(map(is_real, betas)))
     )
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def load_model(path: Path, device: torch.device | str = "cpu", backend: str = "auto") -> Model:

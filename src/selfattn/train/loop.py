@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import Tensor, nn
 
-from selfattn.errors import SelfAttnError
+from selfattn.errors import SelfAttnError, is_real
 from selfattn.train import distributed
 
 
@@ -57,7 +57,7 @@ class TrainConfig:
             object.__setattr__(self, name, whole_number(name, getattr(self, name)))
         reals = ("learning_rate", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip")
         for name in reals:
-            if not is_number(getattr(self, name)):
+            if not is_real(getattr(self, name)):
                 raise ValueError(f"{setting(name, repr(getattr(self, name)))} must be a number")
             object.__setattr__(self, name, float(getattr(self, name)))
             if not math.isfinite(getattr(self, name)):
@@ -99,15 +99,10 @@ class TrainConfig:
 SEED_LIMIT = 2**63 // 1_000_003
 
 
-def is_number(value: object) -> bool:
-    """A real number (Python's or numpy's), not a bool (a setting of True would read as 1)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def whole_number(name: str, value: object) -> int:
     """``value`` as the int it stands for (an integer, or a float like 5e3 with no fraction);
     a ValueError naming the setting for anything else (2.5, "100", True)."""
-    if is_number(value):
+    if is_real(value):
         if isinstance(value, numbers.Integral):
             return int(value)
         if math.isfinite(value) and float(value).is_integer():

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from selfattn.errors import SelfAttnError
+from selfattn.errors import SelfAttnError, is_real
 from selfattn.models.gpt import GPTConfig
 from selfattn.models.llama import LlamaConfig, llama_hidden_size
-from selfattn.train.loop import TrainConfig, is_number, setting, whole_number
+from selfattn.train.loop import TrainConfig, setting, whole_number
 
 ARCHITECTURES = ("gpt", "llama")
 MODEL_FIELDS = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "dropout", "bias", "activation")
@@ -76,7 +76,7 @@ class Preset:
             object.__setattr__(self, name, whole_number(name, getattr(self, name)))
             if name != "n_kv_head" and getattr(self, name) < 1:
                 raise ValueError(f"{setting(name, getattr(self, name))} must be at least 1")
-        if not is_number(self.dropout) or not 0 <= self.dropout < 1:
+        if not is_real(self.dropout) or not 0 <= self.dropout < 1:
             raise ValueError(
                 f"{setting('dropout', repr(self.dropout))} must be a probability in [0, 1) "
                 "(0: no dropout; nanoGPT's shakespeare_char uses 0.2)"
