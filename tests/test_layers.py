@@ -115,6 +115,7 @@ def test_bad_calls_of_the_smaller_parts_get_one_line():
     that must be integers, an AttributeError) or to give a number (default_scale("l2"))."""
     with pytest.raises(ValueError, match="x has last dim 6 but this layer has d_model=8"):
         GatedFeedForward(8, 16)(torch.randn(1, 3, 6))
+    assert GatedFeedForward(8, 16)(torch.randn(8)).shape == (8,)  # one token's vector: taken
     with pytest.raises(ValueError, match=r"offset must be a whole number >= 0 .*got 1\.5"):
         LearnedPositions(10, 8)(torch.zeros(1, 3, 8), offset=1.5)
     with pytest.raises(ValueError, match=r"positions must give each of the 4 tokens .*\(1, 5\)"):

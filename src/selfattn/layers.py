@@ -200,14 +200,19 @@ def _mask_as_4d(mask: Tensor | None, query: Tensor) -> Tensor | None:
     return as_4d(mask.expand(*query.shape[:-2], *mask.shape[-2:]))
 
 
-def _check_input(x: Tensor, weight: Tensor, *, batched: bool, name: str = "x") -> None:
+def _check_input(
+    x: Tensor, weight: Tensor, *, batched: bool, name: str = "x", vectors: bool = False
+) -> None:
     """A one-line ValueError for an input the layer cannot take, before any matrix product.
 
     ``weight`` is the layer's first projection, ``(out, d_model)``: ``x`` needs its last dim,
-    dtype (unless autocast is on) and device.
+    dtype (unless autocast is on) and device; ``batched``, exactly (batch, length, d_model);
+    ``vectors``, any vectors (a feed-forward takes one token's as well).
     """
     d_model = weight.shape[-1]
     shape, dims = ("(batch, length, d_model)", 3) if batched else ("(..., length, d_model)", 2)
+    if vectors:
+        shape, dims = "(..., d_model)", 1
     if not isinstance(x, Tensor):
         raise TypeError(
             f"{name} must be a torch.Tensor of shape {shape}, got {type(x).__name__}; "
@@ -701,7 +706,7 @@ class FeedForward(nn.Module):
         self.down = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        _check_input(x, self.up.weight, batched=False)
+        _check_input(x, self.up.weight, batched=False, vectors=True)
         return self.down(ACTIVATIONS[self.activation](self.up(x)))
 
 
@@ -713,7 +718,7 @@ class GatedFeedForward(FeedForward):
         self.gate = nn.Linear(d_model, d_ff, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        _check_input(x, self.up.weight, batched=False)
+        _check_input(x, self.up.weight, batched=False, vectors=True)
         return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
 
 
