@@ -534,6 +534,8 @@ def test_record_sees_eager_calls_only_and_refuses_a_compiled_model():
     for read in (lambda: empty[0], lambda: empty.layer(0)):
         with pytest.raises(IndexError, match=r"holds no attention calls; .* record the eager"):
             read()
+    with pytest.raises(TypeError, match="call must be an integer; got 'x'"):  # empty or not
+        empty["x"]
     with pytest.raises(IndexError, match=r"call 5 out of range: this recording has calls 0\.\.0"):
         rec[5]
     assert rec[-1] is rec.captures[0] and rec[:1] == rec.captures

@@ -104,17 +104,25 @@ class Capture:
 
 
 def in_range(
-    index: int, size: int, name: str, what: str, instead: str = "", counts_back: bool = True
+    index: int,
+    size: int,
+    name: str,
+    what: str,
+    instead: str = "",
+    counts_back: bool = True,
+    empty: str = "",
 ) -> int:
     """``index`` as a non-negative index below ``size``; an IndexError naming the range (and
     the negative indices that count back from the end, unless ``counts_back`` is False: a
-    command line that refuses them), a TypeError for what is no integer (saying what to pass
-    ``instead``, if anything)."""
+    command line that refuses them), or with ``size`` 0 saying so (``empty``: why, if known),
+    a TypeError for what is no integer (saying what to pass ``instead``, if anything)."""
     try:
         index = operator.index(index)
     except TypeError:
         alternative = f", {instead}" if instead else ""
         raise TypeError(f"{name} must be an integer{alternative}; got {index!r}") from None
+    if size == 0:
+        raise IndexError(f"{name} {index} out of range: {empty or 'there is none'}")
     if not -size <= index < size:
         back = f" (or -{size}..-1)" if counts_back else ""
         raise IndexError(f"{name} {index} out of range: {what} 0..{size - 1}{back}")
@@ -128,6 +136,13 @@ def _squeeze_trace(trace: AttentionTrace, one_head: bool) -> AttentionTrace:
         for name in ("query", "key", "value", "scores", "scaled", "masked", "weights", "output")
     }
     return AttentionTrace(**fields, scale=trace.scale, similarity=trace.similarity)
+
+
+# Why a recording can be empty: no attention call ran eagerly inside its block.
+NO_CALLS = (
+    "this recording holds no attention calls; run the model inside the record() block (a "
+    "torch.compile'd model runs none of its Python: record the eager model)"
+)
 
 
 @dataclass(repr=False, eq=False)  # tensors: compared by identity
@@ -144,11 +159,11 @@ class Recording:
     def __len__(self) -> int:
         return len(self.captures)
 
-    def __getitem__(self, index: int) -> Capture:
+    def __getitem__(self, index: int | slice) -> Capture | list[Capture]:
         if isinstance(index, slice):
             return self.captures[index]
-        self._check_not_empty("call", index)
-        return self.captures[in_range(index, len(self), "call", "this recording has calls")]
+        at = in_range(index, len(self), "call", "this recording has calls", empty=NO_CALLS)
+        return self.captures[at]
 
     def __iter__(self) -> Iterator[Capture]:
         return iter(self.captures)
@@ -165,19 +180,9 @@ class Recording:
     def layer(self, layer: int) -> list[Capture]:
         """Every capture of one layer (several when a key/value cache calls it per step);
         negative ``layer`` counts from the end."""
-        self._check_not_empty("layer", layer)
-        layer = in_range(layer, self.n_layers, "layer", "this recording has attention layers")
+        what = "this recording has attention layers"
+        layer = in_range(layer, self.n_layers, "layer", what, empty=NO_CALLS)
         return [capture for capture in self.captures if capture.layer == layer]
-
-    def _check_not_empty(self, name: str, index: object) -> None:
-        """An IndexError that says why a recording has nothing: no call ran eagerly inside
-        the block (its range would read "0..-1")."""
-        if not self.captures:
-            raise IndexError(
-                f"{name} {index!r} out of range: this recording holds no attention calls; run "
-                "the model inside the record() block (a torch.compile'd model runs none of its "
-                "Python: record the eager model)"
-            )
 
     def add(self, module: nn.Module, **tensors) -> None:
         layer = self._layers.setdefault(id(module), len(self._layers))
