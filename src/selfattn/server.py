@@ -378,8 +378,9 @@ def json_text(value: Any) -> str:
 
 
 # The page's names for the request fields (and the options messages name, by the same names):
-# its form fields, Explore's tokens and Generate's new tokens. The one table for every message:
-# the 400s' options (errors.Message.worded) and the 422s' fields (_validation_detail).
+# its form fields, Explore's tokens and Generate's new tokens. The one table for every message,
+# the 400s' options (errors.Message.worded) and the 422s' fields (_validation_detail), but for
+# the layer and head of Explore's and Generate's requests, their menus (MENU_NAMES).
 PAGE_NAMES = {
     "text": "the Text field",
     "word": "the Word field",
