@@ -27,7 +27,7 @@ help:
 	@echo "  test-fast  the same without the tests marked slow"
 	@echo "  lint       ruff check and ruff format --check (src, tests, benchmarks)"
 	@echo "  format     ruff format and ruff check --fix (rewrites files)"
-	@echo "  bench      the CPU benchmarks of docs/benchmarks.md (about 6 minutes on 2 idle cores)"
+	@echo "  bench      two CPU benchmarks of docs/benchmarks.md, attention.py --quick and encode.py (about 6 minutes on 2 idle cores)"
 	@echo "  install    only create $(VENV)/ and install selfattn with its [dev] extras"
 	@echo "  clean      remove $(VENV)/, caches, build output and bank.html (runs/ is kept)"
 	@echo "Then: . $(VENV)/bin/activate, and selfattn --help"
