@@ -311,7 +311,7 @@ def test_a_preset_given_on_resume_names_the_settings_it_replaces(trained, corpus
     result = CliRunner().invoke(app, [*args, "6", "--preset", "tiny"])
     assert result.exit_code == 0, result.output
     assert result.stderr == (
-        "note: --preset tiny replaces the checkpoint's training settings: eval_interval 2 -> "
+        "note: --preset tiny replaces the checkpoint's training settings: --eval-interval 2 -> "
         "25; resume without --preset to keep them\n"
     )
     result = CliRunner().invoke(app, [*args, "8"])

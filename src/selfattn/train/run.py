@@ -323,7 +323,7 @@ def _note_preset_settings(
     """A note naming the checkpoint's training settings that ``--preset name`` replaces (those
     no flag of this run set): a resume otherwise continues with the checkpoint's own."""
     replaced = [
-        f"{field.name} {getattr(saved, field.name)} -> {getattr(resumed, field.name)}"
+        f"{flag(field.name)} {getattr(saved, field.name)} -> {getattr(resumed, field.name)}"
         for field in dataclasses.fields(saved)
         if field.name not in overrides
         and getattr(saved, field.name) != getattr(resumed, field.name)
