@@ -44,6 +44,8 @@ BACKENDS = ("explicit", "chunked", "sdpa")
 # gradients again (backward); a case is skipped when that estimate exceeds this.
 EXPLICIT_LIMIT = 10 * 2**30
 TIMED_SECONDS = 6.0  # repeat a case until about this much time is spent, at most `repeats`
+LIMITS = {"max_t": 65536, "max_t_backward": 32768, "repeats": 5}  # the defaults
+QUICK = {"max_t": 2048, "max_t_backward": 2048, "repeats": 1}  # what --quick sets
 
 
 def flops(t: int, backward: bool, causal: bool) -> float:
@@ -155,25 +157,58 @@ def describe(result: dict | None, t: int, backward: bool, causal: bool) -> tuple
     return f"{seconds:.3f}", f"{rate:.0f}", f"{result['peak_bytes'] / 2**20:.0f}"
 
 
-def main() -> None:
+def option(name: str) -> str:
+    """The command-line option of an argument's name: max_t -> --max-t."""
+    return "--" + name.replace("_", "-")
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line, its limits checked (one-line errors) before any work."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--min-t", type=int, default=512, help="shortest sequence")
-    parser.add_argument("--max-t", type=int, default=65536, help="longest sequence, forward")
     parser.add_argument(
-        "--max-t-backward", type=int, default=32768, help="longest sequence, forward + backward"
+        "--max-t", type=int, help=f"longest sequence, forward (default {LIMITS['max_t']})"
     )
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per case, at most")
-    parser.add_argument("--quick", action="store_true", help="T <= 2,048, one timed call")
+    parser.add_argument(
+        "--max-t-backward",
+        type=int,
+        help=f"longest sequence, forward + backward (default {LIMITS['max_t_backward']})",
+    )
+    parser.add_argument(
+        "--repeats", type=int, help=f"timed calls per case, at most (default {LIMITS['repeats']})"
+    )
+    quick = ", ".join(f"{option(name)} {value}" for name, value in QUICK.items())
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a short run: {quick} (those options are then refused)",
+    )
     parser.add_argument("--inputs", choices=INPUTS, default="random", help="see the module doc")
     parser.add_argument("--case", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.case:
+        return args
+    given = [option(name) for name in QUICK if getattr(args, name) is not None]
+    if args.quick and given:
+        parser.error(f"--quick sets {', '.join(given)}: give one or the other")
+    for name, value in (QUICK if args.quick else LIMITS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name in ("min_t", *LIMITS):
+        if getattr(args, name) < 1:
+            parser.error(f"{option(name)} must be at least 1, got {getattr(args, name)}")
+    if args.min_t > args.max_t:
+        parser.error(f"--min-t {args.min_t} is above --max-t {args.max_t}: no sequence to time")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.case:
         backend, t, backward, causal, repeats, *kind = args.case
         flags = bool(int(backward)), bool(int(causal))
         print(json.dumps(run_case(backend, int(t), *flags, int(repeats), *kind)))
         return
-    if args.quick:
-        args.max_t, args.max_t_backward, args.repeats = 2048, 2048, 1
 
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "

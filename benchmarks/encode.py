@@ -148,9 +148,13 @@ def token_counts(folder: str, texts: list[str]) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 128])
+    parser.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[32, 128], help="sentences per batch"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="timed passes over the corpus")
     args = parser.parse_args()
+    if min(args.batch_sizes) < 1 or args.rounds < 1:  # before the three models load
+        parser.error("--batch-sizes and --rounds must be at least 1")
 
     torch.set_num_threads(2)
     folder = str(resolve("minilm")[0])

@@ -99,8 +99,10 @@ def measured(decoder: Model, prompts: list[str], rounds: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds of both ways")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     words = torch.randint(1, VOCAB, (max(PROMPT_WORDS),)).tolist()

@@ -3,13 +3,14 @@
 First checks correctness on a few shapes (bf16, against the explicit path in float64, within
 twice SDPA's own error plus a small floor), then prints a markdown table of TFLOP/s, forward
 and backward, for head dims 64 and 128, T from 512 to 16,384 with B·T = 16,384 tokens and a
-model width of 2,048 (H = 2048 / D), causal and not. All timings come from CUDA events in
-the same run. On an sm_90 GPU it also checks the Gluon forward (``hopper_forward``) in a
-child process first; the tilings that pass are timed against the Triton forward
-(``forward_kernel = "auto"``) and "ours" is whichever wins. A last, short table repeats the
-shortest and longest T with the heads in a layer's layout (transposed views). Last, ring
-attention's Triton blocks (``block_forward``/``block_backward``, one configuration each) are
-checked against the explicit path: one GPU cannot run the ring itself over NCCL.
+model width of 2,048 (H = 2048 / D), causal and not, with ours over each SDPA backend (the
+TFLOP/s ratio: above 1, ours is faster). All timings come from CUDA events in the same run.
+On an sm_90 GPU it also checks the Gluon forward (``hopper_forward``) in a child process
+first; the tilings that pass are timed against the Triton forward (``forward_kernel =
+"auto"``) and "ours" is whichever wins. A last, short table repeats the shortest and longest
+T with the heads in a layer's layout (transposed views). Last, ring attention's Triton blocks
+(``block_forward``/``block_backward``, one configuration each) are checked against the
+explicit path: one GPU cannot run the ring itself over NCCL.
 
 FLOPs counted: forward 4·B·H·T²·D (two matmuls), backward 2.5× that; both halved when causal.
 
@@ -43,15 +44,20 @@ TOKENS = 16_384  # B·T
 WIDTH = 2_048  # H·D
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16_384)
 HEAD_DIMS = (64, 128)
+SMOKE_LENGTHS, SMOKE_HEAD_DIMS = [16, 32], [16]  # --interpret-smoke's, whatever is asked
 ABS_FLOOR = 1e-3  # bf16 floor added to twice SDPA's error
 
 
 def parse_args() -> argparse.Namespace:
+    """The command line, its sizes checked (one-line errors) before any device time."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument(
         "--interpret-smoke",
         action="store_true",
-        help="dry run on CPU under TRITON_INTERPRET=1 with tiny shapes (checks the script only)",
+        help=f"dry run on CPU under TRITON_INTERPRET=1 with its own tiny shapes (T in "
+        f"{SMOKE_LENGTHS}, D in {SMOKE_HEAD_DIMS}: it ignores --lengths and --head-dims); "
+        "checks the script only",
     )
     parser.add_argument(
         "--lengths", type=int, nargs="+", default=LENGTHS, help="sequence lengths T to time"
@@ -59,7 +65,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--head-dims", type=int, nargs="+", default=HEAD_DIMS, help="head dims D to time"
     )
-    parser.add_argument(
+    only.add_argument(
         "--check-hopper",
         type=int,
         nargs="*",
@@ -67,7 +73,18 @@ def parse_args() -> argparse.Namespace:
         help="only check the Gluon kernels (forward tilings, then the backward), these or all "
         "(the full run does this in child processes)",
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    for option, values in (("--lengths", args.lengths), ("--head-dims", args.head_dims)):
+        if min(values) < 1:
+            parser.error(f"{option} must be at least 1, got {min(values)}")
+    if torch.cuda.is_available() and not args.interpret_smoke:  # the smoke run loads triton later
+        from selfattn.kernels.triton_attention import MAX_HEAD_DIM
+
+        if max(args.head_dims) > MAX_HEAD_DIM:
+            parser.error(
+                f"--head-dims {max(args.head_dims)}: the kernels take up to {MAX_HEAD_DIM}"
+            )
+    return args
 
 
 @dataclass(frozen=True)
@@ -712,12 +729,16 @@ def time_one(run: Callable, q, k, v, causal: bool, device: torch.device) -> tupl
     return forward_ms, backward_ms
 
 
-def tflops(flops: float, milliseconds: float) -> str:
-    return f"{flops / milliseconds / 1e9:.4g}"
+def throughput_header(names: list[str]) -> list[str]:
+    """The timed columns of both tables: TFLOP/s per backend, forward then backward, then
+    ours over each other backend (a TFLOP/s ratio: above 1, ours is faster)."""
+    header = [f"{name} {part}" for part in ("fwd", "bwd") for name in names]
+    return header + [f"ours/{name} {part}" for part in ("fwd", "bwd") for name in names[1:]]
 
 
 def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int]) -> None:
-    """One row per (D, causal, T): TFLOP/s forward and backward for ours and SDPA's backends."""
+    """One row per (D, causal, T): TFLOP/s forward and backward for ours and SDPA's backends,
+    and ours over each of them."""
     from selfattn.kernels.triton_attention import (
         AUTOTUNED,
         autotune_timings,
@@ -728,8 +749,7 @@ def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int])
     backends = {"ours": ours, **sdpa_backends()}
     names = list(backends)
     print("## Throughput (TFLOP/s; fwd = 4·B·H·T²·D, bwd = 2.5× fwd, halved when causal)\n")
-    header = ["D", "causal", "T", "B", "H"]
-    header += [f"{name} fwd" for name in names] + [f"{name} bwd" for name in names]
+    header = ["D", "causal", "T", "B", "H", *throughput_header(names)]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     notes, noted = [], set()  # noted: plan timings already in the notes
@@ -761,20 +781,29 @@ def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int])
 
 
 def timed_cells(backends: dict, inputs, causal: bool, flops: float, device, notes: list) -> list:
-    """TFLOP/s of each backend on one input, forward cells then backward ones ("n/a" where a
-    backend is missing or fails, with the failure added to ``notes``)."""
-    forward, backward = [], []
+    """The cells of ``throughput_header`` for one input: TFLOP/s of each backend ("n/a" where
+    it is missing or fails, with the failure added to ``notes``), then ours over the others
+    ("—" where either is n/a)."""
+    forward, backward = {}, {}
     for name, run in backends.items():
-        forward_ms = backward_ms = None
+        forward[name] = backward[name] = None
         if run is not None:
             try:
                 forward_ms, backward_ms = time_one(run, *inputs, causal, device)
             except Exception as error:  # a backend that refuses or fails here
                 shape = "x".join(str(size) for size in inputs[0].shape)
                 notes.append(f"{name}, {shape}: {first_line(error)}")
-        forward.append("n/a" if forward_ms is None else tflops(flops, forward_ms))
-        backward.append("n/a" if backward_ms is None else tflops(2.5 * flops, backward_ms))
-    return forward + backward
+                continue
+            forward[name] = flops / forward_ms / 1e9
+            backward[name] = 2.5 * flops / backward_ms / 1e9
+    rates = [*forward.values(), *backward.values()]
+    cells = ["n/a" if rate is None else f"{rate:.4g}" for rate in rates]
+    for part in (forward, backward):
+        ours_rate, others = part["ours"], list(part.values())[1:]
+        cells += [
+            "—" if None in (ours_rate, rate) else f"{ours_rate / rate:.2f}" for rate in others
+        ]
+    return cells
 
 
 def layout_table(setting: Setting, lengths: list[int], head_dim: int) -> None:
@@ -784,8 +813,7 @@ def layout_table(setting: Setting, lengths: list[int], head_dim: int) -> None:
     backends = {"ours": ours, **sdpa_backends()}
     heads = max(1, setting.width // head_dim)
     print("## Layer layout: (B, H, T, D) views of (B, T, H, D) tensors (TFLOP/s, not causal)\n")
-    header = ["D", "T", "B", "H"]
-    header += [f"{name} fwd" for name in backends] + [f"{name} bwd" for name in backends]
+    header = ["D", "T", "B", "H", *throughput_header(list(backends))]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     notes = []
@@ -814,16 +842,16 @@ def describe(setting: Setting) -> None:
 
 def main() -> int:
     args = parse_args()
+    if not (args.interpret_smoke or torch.cuda.is_available()):
+        print("No CUDA device: this benchmark needs a GPU (try --interpret-smoke on CPU).")
+        return 1
     if args.check_hopper is not None:
         return hopper_check_main(torch.device("cuda"), args.check_hopper)
     if args.interpret_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
         setting = Setting(torch.device("cpu"), torch.float32, tokens=64, width=32, smoke=True)
-        lengths, head_dims = [16, 32], [16]
+        lengths, head_dims = SMOKE_LENGTHS, SMOKE_HEAD_DIMS
     else:
-        if not torch.cuda.is_available():
-            print("No CUDA device: this benchmark needs a GPU (try --interpret-smoke on CPU).")
-            return 1
         setting = Setting(torch.device("cuda"), torch.bfloat16, TOKENS, WIDTH)
         lengths, head_dims = args.lengths, args.head_dims
     started = time.perf_counter()

@@ -238,8 +238,8 @@ def run(size: int, ring: bool, lengths: list[int]) -> dict[str, dict]:
 
 def balance() -> None:
     """Print, per P, layout and pass, each rank's CPU seconds in the tiles and the call's."""
-    print(f"torch {torch.__version__}, {CORES} cores, B=1 H={HEADS} D={HEAD_DIM} float32, gloo, ")
-    print(f"causal, T={BALANCE_LENGTH}, 1 thread per rank\n")
+    print(f"torch {torch.__version__}, {CORES} cores, B=1 H={HEADS} D={HEAD_DIM} float32, gloo, "
+          f"causal, T={BALANCE_LENGTH}, 1 thread per rank\n")  # fmt: skip
     header = ["P", "layout", "pass", "tile CPU s per rank", "max / min", "call s"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -255,14 +255,29 @@ def balance() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
-    parser.add_argument(
-        "--balance", action="store_true", help="the causal work per rank of each layout instead"
+    only = parser.add_mutually_exclusive_group()  # three runs with their own fixed sizes
+    only.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=[4096, 8192],
+        help="sequence lengths T of the main table, even: the P=2 ring splits each in 2 "
+        "(default 4096 8192)",
     )
-    parser.add_argument(
-        "--agreement", action="store_true", help="the time of the ranks' agreement step instead"
+    only.add_argument(
+        "--balance",
+        action="store_true",
+        help=f"the causal work per rank of each layout instead (T={BALANCE_LENGTH})",
+    )
+    only.add_argument(
+        "--agreement",
+        action="store_true",
+        help=f"the time of the ranks' agreement step instead (n={AGREEMENT_TOKENS} per rank)",
     )
     args = parser.parse_args()
+    uneven = " ".join(str(t) for t in args.lengths if t < 2 or t % 2)
+    if uneven:  # here, not in the P=2 ranks after the other runs
+        parser.error(f"--lengths must be even, at least 2 (the P=2 ring holds halves): {uneven}")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by each spawned process's glibc
     if args.balance:
         balance()

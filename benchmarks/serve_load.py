@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -180,6 +181,14 @@ async def long_bursts(base: str, size: int, rounds: int, result: Result) -> None
                 await asyncio.gather(*(http.aclose() for http in (*clients, prober)))
 
 
+def within(part: str, work: Coroutine, timeout: float) -> None:
+    """Run ``work`` to its end, or raise a TimeoutError that names ``part`` and the limit."""
+    try:
+        asyncio.run(asyncio.wait_for(work, timeout))
+    except TimeoutError:
+        raise TimeoutError(f"the {part} did not finish within --timeout {timeout:g} s") from None
+
+
 def measure(
     requests: int = 200,
     clients: int = 8,
@@ -194,15 +203,15 @@ def measure(
     base = f"http://127.0.0.1:{port}"
     try:
         warm = Result(len(CALLS) * clients, clients, 0.0)
-        asyncio.run(asyncio.wait_for(burst(base, warm.requests, clients, warm), timeout))
+        within("warm-up", burst(base, warm.requests, clients, warm), timeout)
         result = Result(requests, clients, 0.0, errors=Counter(warm.errors), busy=warm.busy)
         result.rss_before = memory(process.pid)[0]
         start = time.perf_counter()
-        asyncio.run(asyncio.wait_for(burst(base, requests, clients, result), timeout))
+        within("burst", burst(base, requests, clients, result), timeout)
         result.seconds = time.perf_counter() - start
         result.rss_after, result.rss_peak = memory(process.pid)
         if at_once:
-            asyncio.run(asyncio.wait_for(long_bursts(base, at_once, rounds, result), timeout))
+            within("bursts of long requests", long_bursts(base, at_once, rounds, result), timeout)
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -261,7 +270,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200, help="requests in the burst")
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for each part")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds for each part: the warm-up, the burst, the bursts of long requests",
+    )
     parser.add_argument(
         "--burst", type=int, default=16, help="long requests sent at once (0: no bursts)"
     )
@@ -272,7 +286,10 @@ def main() -> None:
             "--requests, --clients and --rounds must be at least 1, --burst at least 0, "
             "--timeout above 0"
         )
-    result = measure(args.requests, args.clients, args.timeout, args.burst, args.rounds)
+    try:
+        result = measure(args.requests, args.clients, args.timeout, args.burst, args.rounds)
+    except TimeoutError as error:
+        sys.exit(f"serve_load.py: {error}")
     print(table(result))
     if result.errors:
         sys.exit(1)

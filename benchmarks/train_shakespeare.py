@@ -45,9 +45,11 @@ from selfattn.models.gpt import GPT, GPTConfig
 from selfattn.train import RandomBatches, TextData, TrainConfig, configure_optimizer, train_decoder
 from selfattn.train.data import read_text
 from selfattn.train.loop import BatchSource, learning_rate
+from selfattn.train.presets import get_preset
 from selfattn.viz.figures import heatmap_figure, save_figure
 
 REPO = Path(__file__).resolve().parents[1]
+PRESET = "shakespeare-char-cpu"  # nanoGPT's CPU configuration (the module doc)
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?"
 EVAL_SEEDS = 50  # evaluation seeds for the spread of the 20-batch estimate
 
@@ -417,19 +419,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.reference and args.arch != "gpt":
         parser.error("--reference re-implements nanoGPT's GPT; drop it with --arch llama")
+    if min(args.max_iters, args.threads) < 1:
+        parser.error("--max-iters and --threads must be at least 1")
+    preset = get_preset(PRESET)  # checked now, not after the whole run that draws the head
+    if not 0 <= args.layer < preset.n_layer or not 0 <= args.head < preset.n_head:
+        parser.error(
+            f"--layer {args.layer} --head {args.head}: the model has layers "
+            f"0..{preset.n_layer - 1} and heads 0..{preset.n_head - 1}"
+        )
     return args
 
 
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    console = Console()
+    console = Console(soft_wrap=True)  # long lines stay whole when piped (e.g. to tee)
     console.print(f"load average (1, 5, 15 min) at the start: {_load()}")
     out = args.out or Path(tempfile.mkdtemp(prefix="shakespeare-char-"))
     start = time.perf_counter()
     overrides = {"max_iters": args.max_iters, "seed": args.seed, "arch": args.arch}
     run = train_decoder(
-        args.data, out, preset="shakespeare-char-cpu", overrides=overrides, device="cpu",
+        args.data, out, preset=PRESET, overrides=overrides, device="cpu",
         console=console,
     )  # fmt: skip
     wall = time.perf_counter() - start
@@ -483,8 +493,12 @@ def main() -> None:
             f"evaluation seeds: {spread}"
         )
     if reference is not None:
-        ms = 1000 * reference.train_seconds / config.max_iters
-        console.print(f"reference: {ms:.1f} ms/iter (training steps only)")
+        ours_ms, theirs_ms = result.ms_per_iter, 1000 * reference.train_seconds / config.max_iters
+        console.print(
+            f"ms/iter (training steps only, this run): ours {ours_ms:.1f}, nanoGPT reference "
+            f"{theirs_ms:.1f}; ours/reference {ours_ms / theirs_ms:.2f} (ours "
+            f"{theirs_ms / ours_ms:.2f}x as fast)"
+        )
     console.print(f"load average at the end: {_load()}")
 
     ids = torch.tensor([tokenizer.encode("\n")])

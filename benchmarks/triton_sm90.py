@@ -43,6 +43,8 @@ from selfattn.kernels import triton_attention as kernels
 HOPPER = GPUTarget("cuda", 90, 32)
 GLUON = "gluon forward"
 GLUON_BACKWARD = "gluon backward"
+GLUON_HEAD_DIMS = hopper_forward.HEAD_DIMS  # both Gluon kernels' scope (``in_scope``)
+GLUON_SCOPE = "D = " + " or ".join(map(str, GLUON_HEAD_DIMS))
 POINTERS_FP32 = {"Lse", "Delta", "DQAcc", "DQ"}
 INTS = {"inner", "T", "S", "t_bucket", "s_bucket"}
 FLOATS = {"qk_scale", "scale"}
@@ -240,15 +242,28 @@ def kept(autotuned, head_dim: int) -> list[triton.Config]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     names = [*kernels.AUTOTUNED, GLUON, GLUON_BACKWARD]
-    parser.add_argument("--kernels", nargs="+", choices=names, default=names)
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    parser.add_argument(
+        "--kernels", nargs="+", choices=names, default=names, help="what to compile (default: all)"
+    )
+    parser.add_argument(
+        "--head-dims",
+        type=int,
+        nargs="+",
+        default=[64, 128],
+        help=f"head dims D (default 64 128; the Gluon kernels take only {GLUON_SCOPE})",
+    )
+    parser.add_argument(
+        "--causal", choices=["no", "yes", "both"], default="both", help="causal masking or not"
+    )
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: this compiles real kernels")
     causal_values = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
 
     print(f"# Triton {triton.__version__} kernels compiled for sm_90 (bf16)\n")
+    outside = ", ".join(str(d) for d in args.head_dims if d not in GLUON_HEAD_DIMS)
+    if outside and {GLUON, GLUON_BACKWARD} & set(args.kernels):
+        print(f"The Gluon kernels skip D = {outside}: they take only {GLUON_SCOPE}.\n")
     header = ["kernel", "D", "causal", "configuration", "loop instr", "regs", "stack B"]
     header += ["smem KiB", "HGMMA", "UTMALDG", "REDG", "exp2 under wgmma", "compile s"]
     print("| " + " | ".join(header) + " |")
@@ -268,6 +283,8 @@ def main() -> None:
             for head_dim, causal, interleaved, config in itertools.product(
                 args.head_dims, causal_values, (False, True), hopper_backward.CONFIGS
             ):
+                if head_dim not in GLUON_HEAD_DIMS:
+                    continue
                 compile_one = partial(compile_gluon_backward, config, head_dim, causal, interleaved)
                 label = config.describe() + (" interleaved" if interleaved else "")
                 report(name, compile_one, label, head_dim, causal)
