@@ -585,7 +585,12 @@ def test_keys_before_a_sliding_window_are_masked_and_say_so(browser, tmp_path):
     assert "3 keys masked" in page.text_content("#leftover")
     label = page.get_attribute("#heatmap", "aria-label")
     assert "keys after each query and keys before each query's sliding window of 3" in label
-    assert "keys before the query's sliding window of 3" in page.text_content("#step-note")
+    note = page.text_content("#step-note")  # query 5, the last: it has no keys after it
+    assert "keys before the query's sliding window of 3" in note and "keys after" not in note
+    page.click(".token[data-index='1']")  # keys 0..1: none before its window
+    note = page.text_content("#step-note")
+    assert "keys after the query are masked" in note and "sliding window" not in note
+    page.click(".token[data-index='5']")
     cells = page.evaluate(
         """([T, cell, margin]) => {
             const map = document.getElementById('heatmap');

@@ -605,11 +605,13 @@
   /** What key j says where it lies before the sliding window (keys first..i) of query i. */
   const outsideWindow = (i, j, first) => `masked: key ${j} is outside the sliding window of query ${i} (keys ${first}..${i})`;
 
-  /** The keys `layer` masks, for `who` ("the query", "each query"); "" where it masks none. */
-  function maskedKeysText(model, layer, who) {
+  /** The keys `layer` masks, for `who` ("the query", "each query"); "" where it masks none. With a `query`,
+   *  only the kinds it has keys of (the last query has no keys after it; an early one none before its window). */
+  function maskedKeysText(model, layer, who, query = null) {
     const width = windowOf(model, layer);
-    const later = model.causal ? [`keys after ${who}`] : [];
-    return [...later, ...(width === null ? [] : [`keys before ${who}'s sliding window of ${width} tokens`])].join(" and ");
+    const later = model.causal && (query === null || query < model.length - 1) ? [`keys after ${who}`] : [];
+    const before = width !== null && (query === null || firstKey(model, layer, query) > 0) ? [`keys before ${who}'s sliding window of ${width} tokens`] : [];
+    return [...later, ...before].join(" and ");
   }
 
   /** The query a key press on the tokens or the map asks for, or null (not a moving key). */
@@ -1025,7 +1027,7 @@
     const weights = result.weights[i];
     const largest = Math.max(...weights) || 1;
     ui.stepTitle.textContent = `query ${model.named[i]}`;
-    const hidden = maskedKeysText(model, state.layer, "the query");
+    const hidden = maskedKeysText(model, state.layer, "the query", i);
     const order = [...weights.keys()];
     if (state.sortByWeight) order.sort((a, b) => weights[b] - weights[a]);
     const masked = (j) => isMasked(model, state.layer, i, j);
