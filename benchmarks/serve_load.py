@@ -89,6 +89,10 @@ def memory(pid: int) -> tuple[int, int]:
     return fields["VmRSS"], fields["VmHWM"]
 
 
+class NotServing(RuntimeError):
+    """The server exited, or did not answer in time, before the load began."""
+
+
 def start_server(port: int) -> subprocess.Popen:
     """`selfattn serve` on 127.0.0.1:port, once it answers /api/models."""
     process = subprocess.Popen(
@@ -99,14 +103,14 @@ def start_server(port: int) -> subprocess.Popen:
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"selfattn serve exited with {process.returncode}")
+            raise NotServing(f"selfattn serve exited with {process.returncode}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/api/models", timeout=2).status_code == 200:
                 return process
         except httpx.TransportError:
             time.sleep(0.25)
     process.kill()
-    raise RuntimeError(f"selfattn serve did not answer within {START_TIMEOUT:.0f} s")
+    raise NotServing(f"selfattn serve did not answer within {START_TIMEOUT:.0f} s")
 
 
 async def post(http: httpx.AsyncClient, path: str, body: dict, result: Result) -> httpx.Response:
@@ -288,7 +292,7 @@ def main() -> None:
         )
     try:
         result = measure(args.requests, args.clients, args.timeout, args.burst, args.rounds)
-    except TimeoutError as error:
+    except (TimeoutError, NotServing) as error:
         sys.exit(f"serve_load.py: {error}")
     print(table(result))
     if result.errors:
