@@ -591,6 +591,26 @@ def test_record_takes_an_empty_sequence():
     assert rec[0].weights(batch=1).shape == (2, 0, 0)
 
 
+def test_nested_records_each_get_every_call_inside_them():
+    """An inner record() (or a model.run inside the user's block) kept the calls from the
+    outer one, which recorded nothing. Each block now gets every call made inside it, named
+    by its own models, the same tensors (views, no copies)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(MultiHeadAttention(8, 2), MultiHeadAttention(8, 2))
+    x = torch.randn(1, 4, 8)
+    with record(model) as outer:
+        model[0](x)
+        with record() as inner:
+            model(x)
+        model[1](x)
+    assert [c.name for c in outer] == ["0", "0", "1", "1"]
+    assert [c.name for c in inner] == ["MultiHeadAttention", "MultiHeadAttention"]
+    for mine, theirs in zip(inner, outer[1:3], strict=True):
+        assert mine.query.data_ptr() == theirs.query.data_ptr()
+        torch.testing.assert_close(mine.weights(), theirs.weights(), atol=0, rtol=0)
+    assert outer.n_layers == 2 and inner.n_layers == 2
+
+
 def test_head_out_of_range_names_the_range():
     layer = MultiHeadAttention(8, 2)
     with record(layer) as rec:

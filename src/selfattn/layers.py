@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from selfattn.attention import SIMILARITIES, as_4d, attention
 from selfattn.errors import is_integer
 from selfattn.kernels.chunked import at_least_2d
-from selfattn.recording import active_recording
+from selfattn.recording import active_recordings
 
 
 class KVCache:
@@ -147,10 +147,10 @@ class AttentionModule(nn.Module):
         )
         if groups > 1:
             output = output.flatten(-4, -3)  # (..., H, T, Dv)
-        recording = active_recording()
-        if recording is not None:
-            if groups > 1:
-                key, value = key.flatten(-4, -3), value.flatten(-4, -3)  # (..., H, S, D)
+        recordings = active_recordings()
+        if recordings and groups > 1:
+            key, value = key.flatten(-4, -3), value.flatten(-4, -3)  # (..., H, S, D)
+        for recording in recordings:
             recording.add(
                 self,
                 query=as_4d(query),

@@ -194,7 +194,7 @@ class Recording:
         self.captures.append(Capture(name=name, layer=layer, **detached))
 
 
-_ACTIVE: ContextVar[Recording | None] = ContextVar("selfattn_recording", default=None)
+_ACTIVE: ContextVar[tuple[Recording, ...]] = ContextVar("selfattn_recordings", default=())
 
 
 @contextmanager
@@ -202,9 +202,10 @@ def record(*models: nn.Module) -> Iterator[Recording]:
     """Capture every attention call made inside the block.
 
     Pass the model(s) to name each capture by its qualified module name
-    (``encoder.layers.3.attention``); layers are numbered by order of first call.
-    Calls inside a ``torch.compile`` graph are not recorded; a compiled model passed here is
-    a :class:`SelfAttnError`.
+    (``encoder.layers.3.attention``); layers are numbered by order of first call. Blocks
+    nest: each gets every call made inside it (an inner block, or a ``model.run`` inside
+    yours, no longer keeps them from the outer one). Calls inside a ``torch.compile`` graph
+    are not recorded; a compiled model passed here is a :class:`SelfAttnError`.
     """
     recording = Recording()
     for model in models:
@@ -216,7 +217,7 @@ def record(*models: nn.Module) -> Iterator[Recording]:
         for name, module in model.named_modules():
             _refuse_compiled(module, name)
             recording.names[id(module)] = name or type(module).__name__
-    token = _ACTIVE.set(recording)
+    token = _ACTIVE.set((*_ACTIVE.get(), recording))
     try:
         yield recording
     finally:
@@ -236,7 +237,7 @@ def _refuse_compiled(module: nn.Module, name: str) -> None:
     )
 
 
-def active_recording() -> Recording | None:
-    """The recording of the innermost ``record()`` block; None outside one, and while
-    torch.compile traces (a compiled graph cannot report its calls)."""
-    return None if torch.compiler.is_compiling() else _ACTIVE.get()
+def active_recordings() -> tuple[Recording, ...]:
+    """The recordings of the ``record()`` blocks around this call, outermost first; none
+    while torch.compile traces (a compiled graph cannot report its calls)."""
+    return () if torch.compiler.is_compiling() else _ACTIVE.get()
