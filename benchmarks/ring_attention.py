@@ -293,7 +293,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {CORES} cores, B=1 H={HEADS} D={HEAD_DIM} float32, gloo\n")
     header = ["T", "pass", "causal"] + [f"{name} s" for name in runs]
     header += [f"{name} peak MiB" + (" per rank" if "P=2" in name else "") for name in runs]
-    header += ["inputs MiB, P=1", "per rank, P=2", "ring P=2 / sdpa time"]
+    header += ["inputs MiB, P=1", "per rank, P=2", "ring P=2 / sdpa time", "peak per rank / sdpa"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for t in args.lengths:
@@ -305,7 +305,10 @@ def main() -> None:
             row += [
                 f"{runs[name][case]['input_bytes'] / 2**20:.0f}" for name in runs if "ring" in name
             ]
-            row += [f"{runs['ring P=2'][case]['seconds'] / runs['sdpa'][case]['seconds']:.2f}"]
+            ring, sdpa = runs["ring P=2"][case], runs["sdpa"][case]
+            row += [f"{ring['seconds'] / sdpa['seconds']:.2f}"]
+            # "—": sdpa's peak too small to measure (short sequences)
+            row += [f"{ring['peak_bytes'] / sdpa['peak_bytes']:.2f}" if sdpa["peak_bytes"] else "—"]
             print("| " + " | ".join(row) + " |", flush=True)
 
 
