@@ -50,7 +50,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from selfattn.errors import SelfAttnError, is_integer
@@ -250,6 +249,18 @@ def _sees_every_key(call: AttentionCall) -> bool:
     return call.causal and call.query.shape[-2] == 1
 
 
+def _known_equal(t: int, s: int) -> bool:
+    """Whether T == S is known: always in eager calls; compiled with dynamic sizes only where
+    the symbols prove it (one query after a cache: S is a symbol, and torch's is_causal takes
+    no SymBool; the mask is built instead). The import waits for a compiled call: 0.35 s that
+    every ``import selfattn`` would pay."""
+    if not torch.compiler.is_compiling():
+        return t == s
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(t == s)
+
+
 def _fused(call: AttentionCall) -> Tensor:
     """torch's fused kernel, with our conventions (bottom-right causal, 0 for masked rows).
 
@@ -267,9 +278,7 @@ def _fused(call: AttentionCall) -> Tensor:
             query, key, value = (x.float() for x in (query, key, value))
         bias = call.mask.to(query.dtype)
 
-    # Compiled with dynamic sizes, T == S may be unknown (one query after a cache: S is a
-    # symbol): torch's is_causal then takes no SymBool, and the mask below is built instead.
-    is_causal = call.causal and statically_known_true(t == s) and call.mask is None
+    is_causal = call.causal and _known_equal(t, s) and call.mask is None
     causal_free = _sees_every_key(call)
     allowed = None
     if call.causal and not is_causal and not causal_free:
