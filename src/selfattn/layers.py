@@ -200,25 +200,28 @@ def _mask_as_4d(mask: Tensor | None, query: Tensor) -> Tensor | None:
     return as_4d(mask.expand(*query.shape[:-2], *mask.shape[-2:]))
 
 
-def _check_input(
-    x: Tensor, weight: Tensor, *, batched: bool, name: str = "x", vectors: bool = False
-) -> None:
+# What a layer takes: its shape in words, the least dims, and whether no more are allowed.
+INPUT_SHAPES = {
+    "batches": ("(batch, length, d_model)", 3, True),
+    "sequences": ("(..., length, d_model)", 2, False),
+    "vectors": ("(..., d_model)", 1, False),  # a feed-forward takes one token's as well
+}
+
+
+def _check_input(x: Tensor, weight: Tensor, *, takes: str, name: str = "x") -> None:
     """A one-line ValueError for an input the layer cannot take, before any matrix product.
 
     ``weight`` is the layer's first projection, ``(out, d_model)``: ``x`` needs its last dim,
-    dtype (unless autocast is on) and device; ``batched``, exactly (batch, length, d_model);
-    ``vectors``, any vectors (a feed-forward takes one token's as well).
+    dtype (unless autocast is on) and device, and the shape of :data:`INPUT_SHAPES`[takes].
     """
     d_model = weight.shape[-1]
-    shape, dims = ("(batch, length, d_model)", 3) if batched else ("(..., length, d_model)", 2)
-    if vectors:
-        shape, dims = "(..., d_model)", 1
+    shape, dims, exact = INPUT_SHAPES[takes]
     if not isinstance(x, Tensor):
         raise TypeError(
             f"{name} must be a torch.Tensor of shape {shape}, got {type(x).__name__}; "
             f"convert it with torch.as_tensor({name}, dtype={weight.dtype})"
         )
-    if x.dim() < dims or (batched and x.dim() > dims):
+    if x.dim() < dims or (exact and x.dim() > dims):
         fix = (
             f"add the missing leading dim with {name}.unsqueeze(0)"
             if x.dim() == dims - 1
@@ -287,7 +290,7 @@ class SelfAttention(AttentionModule):
 
     def forward(self, x: Tensor, *, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """x: (..., T, d_model) -> (..., T, d_model); ``mask`` broadcasts to (..., T, T)."""
-        _check_input(x, self.W_q.weight, batched=False)
+        _check_input(x, self.W_q.weight, takes="sequences")
         query = self.W_q(x).unsqueeze(-3)  # (..., 1, T, d_k): one head
         key = self.W_k(x).unsqueeze(-3)
         value = self.W_v(x).unsqueeze(-3)
@@ -340,10 +343,10 @@ class MultiHeadAttention(AttentionModule):
         ``mask`` broadcasts to (B, H, T, S), True = may attend. With a ``cache`` the new keys
         and values are appended to the cached ones and causal alignment is bottom-right.
         """
-        _check_input(x, self.W_q.weight, batched=True)
+        _check_input(x, self.W_q.weight, takes="batches")
         _check_cache(cache)
         if context is not None:
-            _check_input(context, self.W_k.weight, batched=True, name="context")
+            _check_input(context, self.W_k.weight, takes="batches", name="context")
             if context.shape[0] != x.shape[0]:
                 raise ValueError(
                     f"context has batch size {context.shape[0]} but x has {x.shape[0]}; "
@@ -481,7 +484,7 @@ class GroupedQueryAttention(AttentionModule):
 
         ``mask`` broadcasts to (B, H, T, S), True = may attend.
         """
-        _check_input(x, self.W_q.weight, batched=True)
+        _check_input(x, self.W_q.weight, takes="batches")
         _check_cache(cache)
         query = self.split_heads(self.W_q(x))  # (B, H, T, hd)
         key = self.split_heads(self.W_k(x))  # (B, Hkv, T, hd)
@@ -706,7 +709,7 @@ class FeedForward(nn.Module):
         self.down = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        _check_input(x, self.up.weight, batched=False, vectors=True)
+        _check_input(x, self.up.weight, takes="vectors")
         return self.down(ACTIVATIONS[self.activation](self.up(x)))
 
 
@@ -718,7 +721,7 @@ class GatedFeedForward(FeedForward):
         self.gate = nn.Linear(d_model, d_ff, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        _check_input(x, self.up.weight, batched=False, vectors=True)
+        _check_input(x, self.up.weight, takes="vectors")
         return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
 
 
@@ -795,7 +798,7 @@ class TransformerBlock(nn.Module):
         cache: KVCache | None = None,
     ) -> Tensor:
         """x: (B, T, d_model) -> (B, T, d_model); ``mask`` broadcasts to (B, H, T, S)."""
-        _check_input(x, self.attention.W_q.weight, batched=True)
+        _check_input(x, self.attention.W_q.weight, takes="batches")
         if self.norm_first:
             x = x + self.dropout(
                 self.attention(self.norm1(x), mask=mask, causal=causal, cache=cache)
