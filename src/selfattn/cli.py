@@ -257,16 +257,16 @@ def train(
         "seed": seed, "arch": arch, "n_layer": n_layer, "n_head": n_head, "n_kv_head": n_kv_head,
         "n_embd": n_embd, "dropout": dropout,
     }  # fmt: skip
-    from selfattn.train.distributed import check_device
-
-    try:
-        check_device(device)
-    except SelfAttnError as error:
-        raise _fail(str(error), 2) from None
     overrides = {key: value for key, value in given.items() if value is not None}
-    try:
-        from selfattn.train import train_decoder  # (torch: seconds to import)
+    try:  # the imports too: Ctrl-C while they load is the handling below
+        from selfattn.train import train_decoder
+        from selfattn.train.distributed import check_device
         from selfattn.train.loop import signals_held_after_a_stop
+
+        try:
+            check_device(device)
+        except SelfAttnError as error:  # a flag's value: a usage error, as click's are
+            raise _fail(str(error), 2) from None
 
         with signals_held_after_a_stop():  # a repeated signal cannot cut the last line short
             run = train_decoder(
