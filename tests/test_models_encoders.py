@@ -22,15 +22,9 @@ import selfattn
 from selfattn.cli import app
 from selfattn.errors import SelfAttnError
 from selfattn.models.bert import Bert
-from selfattn.models.loading import (
-    ARCHITECTURES,
-    bert_rules,
-    distilbert_config,
-    distilbert_rules,
-    resolve,
-    roberta_config,
-    skipped_note,
-)
+from selfattn.models.hf_config import distilbert_config, roberta_config
+from selfattn.models.loading import resolve, skipped_note
+from selfattn.models.name_maps import ARCHITECTURES, bert_rules, distilbert_rules
 from selfattn.recording import record
 from test_models_random import CORPUS, assert_map_fits
 

@@ -20,19 +20,21 @@ from selfattn.cli import app
 from selfattn.errors import SelfAttnError
 from selfattn.models.bert import Bert, BertConfig
 from selfattn.models.gpt import GPT, GPTConfig
-from selfattn.models.llama import Llama, LlamaConfig
-from selfattn.models.loading import (
-    CONVERSIONS,
+from selfattn.models.hf_config import (
     bert_config,
-    bert_rules,
     distilbert_config,
-    distilbert_rules,
     gpt2_config,
-    gpt2_rules,
     llama_config,
-    llama_rules,
-    load,
     roberta_config,
+)
+from selfattn.models.llama import Llama, LlamaConfig
+from selfattn.models.loading import load
+from selfattn.models.name_maps import (
+    CONVERSIONS,
+    bert_rules,
+    distilbert_rules,
+    gpt2_rules,
+    llama_rules,
 )
 
 BERT = {

@@ -48,7 +48,8 @@ from conftest import OfflinePage
 from selfattn.cli import app
 from selfattn.errors import SelfAttnError
 from selfattn.explain import explain_query, explain_text
-from selfattn.models.loading import (
+from selfattn.models.model import Model
+from selfattn.models.name_maps import (
     ARCHITECTURES,
     Architecture,
     Rule,
@@ -56,7 +57,6 @@ from selfattn.models.loading import (
     neox_rules,
     phi3_rules,
 )
-from selfattn.models.model import Model
 from selfattn.text import join_pieces
 from selfattn.viz import report
 from selfattn.viz.html import render_page

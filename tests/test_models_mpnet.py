@@ -29,7 +29,8 @@ from selfattn.cli import app
 from selfattn.errors import SelfAttnError
 from selfattn.explain import explain_text
 from selfattn.models.bert import Bert, relative_buckets
-from selfattn.models.loading import ARCHITECTURES, mpnet_config, mpnet_rules
+from selfattn.models.hf_config import mpnet_config
+from selfattn.models.name_maps import ARCHITECTURES, mpnet_rules
 from selfattn.recording import record
 from selfattn.viz import html, report
 from selfattn.viz.html import render_page

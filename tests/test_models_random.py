@@ -16,8 +16,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 import selfattn
 from selfattn.models.bert import Bert, BertConfig
 from selfattn.models.gpt import GPT, Decoder, GPTConfig
-from selfattn.models.loading import ARCHITECTURES, CONVERSIONS, bert_rules, gpt2_rules
 from selfattn.models.model import Model
+from selfattn.models.name_maps import ARCHITECTURES, CONVERSIONS, bert_rules, gpt2_rules
 
 transformers = pytest.importorskip("transformers")
 

@@ -24,7 +24,7 @@ from selfattn import server
 from selfattn.cli import app
 from selfattn.errors import SelfAttnError
 from selfattn.models.llama import Llama, LlamaConfig, llama_hidden_size
-from selfattn.models.loading import llama_rules
+from selfattn.models.name_maps import llama_rules
 from selfattn.train import (
     TextData,
     get_preset,
