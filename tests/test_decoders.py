@@ -6,6 +6,7 @@ small random decoders, built here without downloads: a GPT-2 folder with a byte-
 and a character-level GPT as `selfattn train` makes them. Tolerance: rows sum to 1 within 1e-6.
 """
 
+import html
 import json
 
 import pytest
@@ -23,6 +24,7 @@ from selfattn.models.model import Model, ModelConfig
 from selfattn.text import Tokenizer
 from selfattn.train.data import CharTokenizer
 from selfattn.viz import report
+from selfattn.viz.generation import generation_page
 from test_models_llama import mistral, vocab_size  # noqa: F401 (fixtures)
 from test_models_random import VOCAB, byte_level_tokenizer
 
@@ -267,3 +269,28 @@ def test_another_scale_keeps_mistrals_window(mistral):  # noqa: F811
     expected = ((keys > 3) & (keys <= 9)).double() / 6  # the query and the 5 keys before it
     torch.testing.assert_close(e.alternative.weights, expected, check_dtype=False)
     assert e.alternative.entropy == pytest.approx(torch.log2(torch.tensor(6.0)).item())
+
+
+def test_an_id_past_the_tokenizers_vocabulary_is_shown_by_its_number():
+    """A model whose table is padded past its tokenizer's vocabulary (Phi-3's 32,064 rows for
+    32,011 tokens, Qwen2's likewise) can sample an id the tokenizer lacks. Its token reads
+    "[id N]"; it used to be None, which no view can show (a sentencepiece tokenizer raised a
+    TypeError instead). The text leaves it out, as Hugging Face's decode does."""
+    torch.manual_seed(0)
+    chars = CharTokenizer.from_text("abc ")
+    config = GPTConfig(
+        vocab_size=chars.vocab_size + 60, block_size=32, n_layer=1, n_head=1, n_embd=8
+    )
+    info = ModelConfig.for_decoder(config, "gpt")
+    model = Model(GPT(config), info, name="padded", tokenizer=Tokenizer(chars.to_hf())).eval()
+    generation = model.generate_recorded("abc", 10, seed=1)
+    new_ids = generation.token_ids[generation.n_prompt :]
+    new_tokens = generation.tokens[generation.n_prompt :]
+    assert any(i >= chars.vocab_size for i in new_ids)  # seed 1 samples some: the case tested
+    for token_id, token in zip(new_ids, new_tokens, strict=True):
+        expected = f"[id {token_id}]" if token_id >= chars.vocab_size else chars.decode([token_id])
+        assert token == expected
+    known = [i for i in new_ids if i < chars.vocab_size]
+    assert generation.text == chars.decode(known)
+    assert json.loads(json.dumps(generation.to_json()))["tokens"] == generation.tokens
+    assert html.escape(f"[id {max(new_ids)}]") in generation_page(generation)

@@ -330,3 +330,20 @@ def test_a_text_that_is_not_utf8_is_refused_naming_the_byte(wordpiece):
     assert str(error.value) == (
         f"texts[1] is not valid UTF-8 (a lone surrogate U+D800 at character 1){fix}"
     )
+
+
+@pytest.mark.parametrize("sentencepiece", [False, True])
+def test_an_id_the_tokenizer_lacks_is_named_by_its_number(sentencepiece):
+    """id_to_token gives None for an id past the vocabulary: piece and token name it "[id N]"
+    (a word-level tokenizer returned None, a sentencepiece one raised a TypeError)."""
+    import tokenizers
+    from tokenizers import decoders, models
+
+    space = "\u2581" if sentencepiece else ""
+    backend = tokenizers.Tokenizer(models.WordLevel({f"{space}a": 0, "<unk>": 1}, "<unk>"))
+    if sentencepiece:
+        backend.decoder = decoders.Metaspace()
+    tokenizer = Tokenizer(backend)
+    assert tokenizer.metaspace is sentencepiece
+    assert tokenizer.piece(5) == tokenizer.token(5) == "[id 5]"
+    assert tokenizer.piece(0) == (" a" if sentencepiece else "a")

@@ -181,6 +181,11 @@ class Encoding:
         )
 
 
+def missing_token(token_id: int) -> str:
+    """How a token id the tokenizer lacks is shown: "[id N]"."""
+    return f"[id {token_id}]"
+
+
 class Tokenizer:
     """A checkpoint's ``tokenizer.json``; never pads, truncates only when asked."""
 
@@ -240,12 +245,22 @@ class Tokenizer:
         cut = cut_end(text, offsets, encoded.overflowing) if encoded.overflowing else None
         return Encoding(text, list(encoded.ids), pieces, offsets, words, word_ids, cut)
 
+    def token(self, token_id: int) -> str:
+        """The vocabulary's string for ``token_id`` ("Ġbank", "▁bank", "##ing"); "[id N]" for
+        an id the tokenizer lacks, which a model whose table is padded past the tokenizer's
+        vocabulary (as Phi-3's and Qwen2's are) can sample."""
+        token = self.backend.id_to_token(token_id)
+        return missing_token(token_id) if token is None else token
+
     def piece(self, token_id: int) -> str:
         """One token as read: " bank" for byte-level BPE and for "▁bank" alike; a byte that is
-        only part of a character (byte-level, or sentencepiece's "<0xE6>") is "\ufffd"."""
+        only part of a character (byte-level, or sentencepiece's "<0xE6>") is "\ufffd"; an id
+        the tokenizer lacks is "[id N]" (:meth:`token`)."""
+        token = self.backend.id_to_token(token_id)
+        if token is None:
+            return missing_token(token_id)
         if self.byte_level:
             return self.backend.decode([token_id], skip_special_tokens=False)
-        token = self.backend.id_to_token(token_id)
         if self.metaspace and (byte := BYTE_TOKEN.fullmatch(token)):
             return chr(int(byte[1], 16)) if int(byte[1], 16) < 0x80 else "\ufffd"
         return token.replace(METASPACE, " ") if self.metaspace else token

@@ -381,7 +381,7 @@ def _token_strings(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
     character split across tokens named as the prompt's are ("é[1/2]", "é[2/2]"); bytes that
     make no character stay "\ufffd"."""
     if not (tokenizer.byte_level or tokenizer.metaspace):
-        return [tokenizer.backend.id_to_token(i) for i in ids]
+        return [tokenizer.token(i) for i in ids]
     pieces = [tokenizer.piece(i) for i in ids]
     start = 0
     while start < len(ids):
