@@ -46,6 +46,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -482,6 +483,38 @@ def choose_backend(call: AttentionCall, return_trace: bool = False) -> Backend:
     if sdpa_needs_full_mask and call.dropout_p == 0 and call.weights_bytes > MEMORY_BUDGET:
         return BACKENDS["chunked"]
     return BACKENDS["sdpa"]
+
+
+@overload  # the output alone
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    similarity: str = "dot",
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    return_trace: Literal[False] = False,
+) -> Tensor: ...
+
+
+@overload  # the output and its trace: the explicit path's intermediates
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    similarity: str = "dot",
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    return_trace: Literal[True],
+) -> tuple[Tensor, AttentionTrace]: ...
 
 
 def attention(

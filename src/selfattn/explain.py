@@ -34,10 +34,10 @@ Merging word pieces (``words=True``): a word's weight as a key is the **sum** ov
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -62,13 +62,20 @@ SHOWN_SENTENCE = 60  # characters of a compared sentence that an error about it 
 class RecordedRun(Protocol):
     """What explaining needs from a model run (``selfattn.models.model.Run`` provides it)."""
 
-    text: str
-    read_text: str  # the part of ``text`` the model read (``truncate`` may cut it)
-    tokens: list[str]
-    word_ids: list[int | None]
-    offsets: list[tuple[int, int]]  # each token's characters in ``text``; empty if special
-    captures: Recording
-    sliding_windows: tuple[int | None, ...]  # per layer (None: full); () without windows
+    @property
+    def text(self) -> str: ...
+    @property
+    def read_text(self) -> str: ...
+    @property
+    def tokens(self) -> list[str]: ...
+    @property
+    def word_ids(self) -> list[int | None]: ...
+    @property
+    def offsets(self) -> list[tuple[int, int]]: ...
+    @property
+    def captures(self) -> Recording: ...
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]: ...
 
     def token_index(self, word: str, occurrence: int = 0) -> int: ...
 
@@ -80,7 +87,7 @@ class TextModel(Protocol):
 
     name: str
 
-    def run(self, text: str, truncate: bool = False) -> RecordedRun: ...
+    def run(self, text: str, truncate: bool = False) -> VectorRun: ...
 
 
 @dataclass(frozen=True)
@@ -379,7 +386,7 @@ def explain_text(
     index: int | None = None,
     occurrence: int = 0,
     truncate: bool = False,
-    **options,
+    **options: Any,
 ) -> tuple[RecordedRun, Explanation]:
     """Run ``text`` through ``model`` and explain the query given by ``word`` or ``index``.
 
@@ -409,7 +416,12 @@ def explain_text(
 
 
 def explain_query(
-    run: RecordedRun, query: str | int | None, *, model_name: str, occurrence: int = 0, **options
+    run: RecordedRun,
+    query: str | int | None,
+    *,
+    model_name: str,
+    occurrence: int = 0,
+    **options: Any,
 ) -> Explanation:
     """:func:`explain` for a query given as a word (its first token, the ``occurrence``-th
     match; :attr:`Explanation.phrase_note` says when the model reads several words in it) or
@@ -741,7 +753,10 @@ class Comparison:
 
 
 class VectorRun(RecordedRun, Protocol):
-    token_ids: list[int]
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def hidden_states(self) -> Tensor: ...
 
     def word_vector(self, word: str, layer: int = -1, occurrence: int = 0) -> Tensor: ...
 
@@ -774,12 +789,12 @@ def compare_texts(
     This is what the explorer calls; an error names the sentence it is about.
     """
     runs = run_sentences(model, sentences, word, truncate=truncate)
-    return compare(runs, word, occurrence=occurrence)  # type: ignore[arg-type]
+    return compare(runs, word, occurrence=occurrence)
 
 
 def run_sentences(
     model: TextModel, sentences: list[str], word: str, *, truncate: bool = False
-) -> list[RecordedRun]:
+) -> list[VectorRun]:
     """Each sentence run through ``model``, once the request is one :func:`compare` can take
     (two sentences or more, a word); ``selfattn compare`` calls it, then :func:`compare`, so
     that it can say which sentences ``truncate`` cut."""
@@ -794,7 +809,7 @@ def run_sentences(
     return runs
 
 
-def compare(runs: list[VectorRun], word: str, top: int = 3, occurrence: int = 0) -> Comparison:
+def compare(runs: Sequence[VectorRun], word: str, top: int = 3, occurrence: int = 0) -> Comparison:
     """Cosine similarity of ``word``'s contextual vector between every pair of runs.
 
     ``occurrence`` picks the word in each run (0 = first, -1 = last). What the word attends

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
+from typing import Any, overload
 
 import torch
 from torch import Tensor, nn
@@ -159,6 +160,10 @@ class Recording:
     def __len__(self) -> int:
         return len(self.captures)
 
+    @overload
+    def __getitem__(self, index: int) -> Capture: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Capture]: ...
     def __getitem__(self, index: int | slice) -> Capture | list[Capture]:
         if isinstance(index, slice):
             return self.captures[index]
@@ -184,7 +189,8 @@ class Recording:
         layer = in_range(layer, self.n_layers, "layer", what, empty=NO_CALLS)
         return [capture for capture in self.captures if capture.layer == layer]
 
-    def add(self, module: nn.Module, **tensors) -> None:
+    def add(self, module: nn.Module, **tensors: Any) -> None:
+        """One attention call of ``module``: its tensors (detached) and settings, as a capture."""
         layer = self._layers.setdefault(id(module), len(self._layers))
         name = self.names.get(id(module), type(module).__name__)
         detached = {

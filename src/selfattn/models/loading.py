@@ -207,7 +207,9 @@ def allocate(network: nn.Module, dtype: torch.dtype, device: torch.device) -> No
             setattr(network.get_submodule(module), attribute, network.get_parameter(first))
 
 
-def load_weights(network: nn.Module, rules: list[Rule], tensors: dict[str, Tensor], path: Path):
+def load_weights(
+    network: nn.Module, rules: list[Rule], tensors: dict[str, Tensor], path: Path
+) -> None:
     """Copy every checkpoint tensor into its parameter(s), checking names and shapes first."""
     parameters = dict(network.named_parameters())
     unfilled = set(parameters) - {target for rule in rules for target in rule.targets}

@@ -15,7 +15,7 @@ import reprlib
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar, TypeVar
+from typing import ClassVar, TypeVar, overload
 
 import torch
 import torch.nn.functional as F
@@ -647,6 +647,28 @@ class Model(nn.Module):
         hidden = self(input_ids, mask if padded else None).last_hidden_state
         return pool(hidden, mask, self.sentence.pooling)
 
+    @overload
+    def generate(  # type: ignore[overload-overlap]  # a str is also a Sequence[str]
+        self,
+        prompt: str,
+        max_new_tokens: int = ...,
+        *,
+        temperature: float = ...,
+        top_k: int | None = ...,
+        seed: int | None = ...,
+        use_cache: bool = ...,
+    ) -> str: ...
+    @overload
+    def generate(
+        self,
+        prompt: Sequence[str],
+        max_new_tokens: int = ...,
+        *,
+        temperature: float = ...,
+        top_k: int | None = ...,
+        seed: int | None = ...,
+        use_cache: bool = ...,
+    ) -> list[str]: ...
     def generate(
         self,
         prompt: str | Sequence[str],

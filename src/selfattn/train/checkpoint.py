@@ -171,7 +171,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: Path, device: torch.device | str = "cpu"
+    path: str | Path, device: torch.device | str = "cpu"
 ) -> tuple[Network, CharTokenizer, RunConfig, TrainingState]:
     """The model (eval mode), tokenizer, configs and training state of a checkpoint.
 
@@ -368,7 +368,9 @@ def _is_param_group(group: object) -> bool:
     )
 
 
-def load_model(path: Path, device: torch.device | str = "cpu", backend: str = "auto") -> Model:
+def load_model(
+    path: str | Path, device: torch.device | str = "cpu", backend: str = "auto"
+) -> Model:
     """A checkpoint as a :class:`selfattn.models.model.Model`: what explain, generate and the
     viewers use. Reads the model's files only: the optimizer and random state may be absent."""
     device = checked_device(device)
@@ -381,7 +383,7 @@ def load_model(path: Path, device: torch.device | str = "cpu", backend: str = "a
     return model.eval()
 
 
-def _read_latest(path: Path, read: Callable[[Path], T]) -> T:
+def _read_latest(path: str | Path, read: Callable[[Path], T]) -> T:
     """``read`` of the checkpoint directory that ``path`` names; once more if that failed and
     ``LATEST`` names another one by now (a run saving into ``path`` removed the folder read)."""
     directory = checkpoint_dir(path)
@@ -394,7 +396,7 @@ def _read_latest(path: Path, read: Callable[[Path], T]) -> T:
         return read(latest)
 
 
-def checkpoint_dir(path: Path) -> Path:
+def checkpoint_dir(path: str | Path) -> Path:
     """The checkpoint directory that ``path`` names (directly or through its LATEST file)."""
     path = Path(path)
     if path.is_file():

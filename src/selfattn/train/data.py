@@ -129,7 +129,7 @@ class TextData:
 
     @classmethod
     def from_file(
-        cls, path: Path, block_size: int, tokenizer: CharTokenizer | None = None
+        cls, path: str | Path, block_size: int, tokenizer: CharTokenizer | None = None
     ) -> TextData:
         """Read, encode and split ``path``; each split must hold at least one window."""
         return cls.from_text(read_text(path), block_size, tokenizer, source=path)
@@ -162,7 +162,7 @@ class TextData:
         return data
 
 
-def read_text(path: Path) -> str:
+def read_text(path: str | Path) -> str:
     """The file's text, without the byte-order mark some editors put first (it would become a
     character of the vocabulary); a one-line error if it is missing, a folder, no regular file
     (a device, a pipe: each process of a distributed run reads the file, and a pipe gives its

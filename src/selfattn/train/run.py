@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,11 +65,11 @@ class TrainedRun:
 
 
 def train_decoder(
-    data: Path,
-    out: Path,
+    data: str | Path,
+    out: str | Path,
     *,
     preset: str | None = None,
-    overrides: dict[str, object] | None = None,
+    overrides: Mapping[str, object] | None = None,
     resume: bool = False,
     device: str = "auto",
     console: Console | None = None,
@@ -118,7 +118,7 @@ def _train_decoder(
     data_path: Path,
     out: Path,
     preset_name: str | None,
-    overrides: dict[str, object],
+    overrides: Mapping[str, object],
     resume: bool,
     console: Console | None,
     locks: ExitStack,
@@ -317,7 +317,7 @@ def _note_preset_settings(
     name: str,
     saved: TrainConfig,
     resumed: TrainConfig,
-    overrides: dict[str, object],
+    overrides: Mapping[str, object],
     console: Console | None,
 ) -> None:
     """A note naming the checkpoint's training settings that ``--preset name`` replaces (those
@@ -337,7 +337,7 @@ def _note_preset_settings(
 
 
 def _keep_saved_seed(
-    overrides: dict[str, object], saved_seed: int, console: Console | None
+    overrides: Mapping[str, object], saved_seed: int, console: Console | None
 ) -> dict[str, object]:
     """``overrides`` with the checkpoint's seed, the one a resumed run's random numbers come
     from (its saved generator states; fresh ones, for ranks it has none for, seeded from it),
