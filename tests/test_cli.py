@@ -459,3 +459,17 @@ def test_layers_and_heads_count_from_0_on_every_command(
     result = CliRunner().invoke(app, [*command, "--model", "m", *option])
     assert result.exit_code == 2, result.output
     assert message in _one_error_line(result)
+
+
+def test_version_prints_the_installed_packages_version():
+    """`selfattn --version` (and `selfattn.__version__`) say the installed distribution's
+    version, as pip lists it; it used to be "No such option: --version"."""
+    import importlib.metadata
+
+    import selfattn
+
+    installed = importlib.metadata.version("selfattn")
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert result.output == f"selfattn {installed}\n"
+    assert selfattn.__version__ == installed

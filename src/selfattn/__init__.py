@@ -1,5 +1,7 @@
 """selfattn: self-attention, from the first dot product to a real transformer."""
 
+import importlib.metadata
+
 from selfattn.attention import BACKENDS, AttentionTrace, attention, default_scale
 from selfattn.layers import (
     GatedFeedForward,
@@ -16,6 +18,11 @@ from selfattn.layers import (
 from selfattn.models.loading import load
 from selfattn.models.model import Generation, GenerationStep, Model, Run
 from selfattn.recording import Capture, Recording, record
+
+try:
+    __version__ = importlib.metadata.version("selfattn")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "unknown"
 
 __all__ = [
     "BACKENDS",
@@ -36,6 +43,7 @@ __all__ = [
     "SelfAttention",
     "SinusoidalPositions",
     "TransformerBlock",
+    "__version__",
     "attention",
     "default_scale",
     "load",

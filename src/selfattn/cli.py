@@ -142,8 +142,26 @@ def _whole_option(name: str) -> typer.models.OptionInfo:
     return typer.Option(help=TRAIN_HELP[name], parser=_whole_number)
 
 
+def _print_version(asked: bool) -> None:
+    """``--version``: the installed package's version, before any command runs."""
+    if asked:
+        from selfattn import __version__
+
+        console.print(f"selfattn {__version__}", highlight=False)
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        help="Print selfattn's version and exit.",
+        metavar="",
+        callback=_print_version,
+        is_eager=True,
+    ),
+) -> None:
     """Self-attention, step by step: explain it on real models, view it, run it, train it."""
 
 
