@@ -60,22 +60,23 @@ SHOWN_SENTENCE = 60  # characters of a compared sentence that an error about it 
 
 
 class RecordedRun(Protocol):
-    """What explaining needs from a model run (``selfattn.models.model.Run`` provides it)."""
+    """What explaining needs from a model run (``selfattn.models.model.Run`` provides it);
+    read-only properties, so that a frozen dataclass meets them."""
 
     @property
     def text(self) -> str: ...
     @property
-    def read_text(self) -> str: ...
+    def read_text(self) -> str: ...  # the part of ``text`` the model read (``truncate``)
     @property
     def tokens(self) -> list[str]: ...
     @property
     def word_ids(self) -> list[int | None]: ...
     @property
-    def offsets(self) -> list[tuple[int, int]]: ...
+    def offsets(self) -> list[tuple[int, int]]: ...  # each token's span; empty if special
     @property
     def captures(self) -> Recording: ...
     @property
-    def sliding_windows(self) -> tuple[int | None, ...]: ...
+    def sliding_windows(self) -> tuple[int | None, ...]: ...  # per layer; () for none
 
     def token_index(self, word: str, occurrence: int = 0) -> int: ...
 
