@@ -29,6 +29,7 @@ help:
 	@echo "  format     ruff format and ruff check --fix (rewrites files)"
 	@echo "  bench      two CPU benchmarks of docs/benchmarks.md, attention.py --quick and encode.py (about 6 minutes on 2 idle cores)"
 	@echo "  install    only create $(VENV)/ and install selfattn with its [dev] extras"
+	@echo "  browser    only install Debian's chromium for the browser tests (make test does it too)"
 	@echo "  clean      remove $(VENV)/, caches, build output and bank.html (runs/ is kept)"
 	@echo "Then: . $(VENV)/bin/activate, and selfattn --help"
 

@@ -142,8 +142,8 @@ def test_matrix_table_takes_plain_lists_and_checks_the_shape():
 # --- The README, as a newcomer runs it -----------------------------------------------------
 
 README = Path(__file__).parents[1] / "README.md"
-# Flags the README gives to other programs: ruff (make format/lint), torchrun, benchmarks.
-NOT_OURS = {"--check", "--fix", "--help", "--nproc_per_node", "--quick"}
+# Flags the README gives to other programs: ruff (make format/lint), pip, torchrun, benchmarks.
+NOT_OURS = {"--check", "--fix", "--help", "--no-deps", "--nproc_per_node", "--quick"}
 FLAG = r"(?<![\w-])(--?[A-Za-z][\w-]*)"
 
 
@@ -256,11 +256,12 @@ def test_readme_documents_every_command_and_only_options_that_exist():
             for flag in re.findall(FLAG, first):
                 assert has_flag(helps[command], flag), f"selfattn {command} has no {flag}"
 
-    # Any other flag the README names belongs to some command.
+    # Any other flag the README names belongs to some command, or to selfattn itself.
+    every_help = [cli_help(), *helps.values()]
     unknown = {
         flag
         for flag in re.findall(r"(?<![\w-])(--[A-Za-z][\w-]*)", text)
-        if flag not in NOT_OURS and not any(has_flag(h, flag) for h in helps.values())
+        if flag not in NOT_OURS and not any(has_flag(h, flag) for h in every_help)
     }
     assert not unknown
 
@@ -305,3 +306,13 @@ def test_readme_explain_and_compare_numbers_are_what_the_commands_print():
     ).groups()
     shown = [f"{cosine[0][1]:.2f}", f"{cosine[0][2]:.2f}", f"{cosine[1][2]:.2f}"]
     assert list(quoted) == shown
+
+
+def test_make_help_and_the_readme_list_every_make_target():
+    """Every target the Makefile declares (.PHONY) has its line in `make help` and its row in
+    the README's Developing table; `browser` had neither."""
+    makefile = (README.parent / "Makefile").read_text(encoding="utf-8")
+    targets = set(re.search(r"^\.PHONY: (.*)$", makefile, re.M)[1].split()) - {"help"}
+    listed = set(re.findall(r'^\t@echo "  ([\w-]+) ', makefile, re.M))
+    documented = set(re.findall(r"^\| `make ([\w-]+)` \|", readme_text(), re.M))
+    assert targets == listed == documented, (targets, listed, documented)
