@@ -114,7 +114,7 @@ def test_clicking_a_token_shows_its_row_as_python_computes_it(
         watched.page.click(f".token[data-index='{i}']")
         assert watched.page.get_attribute(f".token[data-index='{i}']", "class") == "token selected"
         assert_row_matches(watched, trace, i)
-    assert step_headers(watched) == ["key", "score", "scaled", "weight", ""]  # no bias, no column
+    assert step_headers(watched) == ["key", "score", "scaled", "weight"]  # no bias, no column
     assert "bias" not in watched.page.text_content("#app")
     watched.check_clean()
 
@@ -134,7 +134,7 @@ def test_a_bias_is_added_to_the_scaled_scores_of_each_head_and_the_mean(
     added = random_bias((L, H, T, T) if per_layer else (H, T, T))
     path, (q, k, v) = write_page(tmp_path, causal=True, bias=added)
     watched = OfflinePage(browser, path)
-    assert step_headers(watched) == ["key", "score", "scaled", "+ bias", "weight", ""]
+    assert step_headers(watched) == ["key", "score", "scaled", "+ bias", "weight"]
     for layer, head in ((1, 2), (0, 1)):
         watched.page.select_option("#layer", str(layer))
         watched.page.select_option("#head", str(head))
@@ -463,13 +463,14 @@ def test_the_whole_map_fits_its_box_wide_and_narrow(browser, tmp_path, n, narrow
 
 
 def focused(page) -> str:
-    """What has the keyboard focus: a token's index, the map, a thumbnail's layer/head, or a tag."""
+    """What has the keyboard focus: a token's index, the map, a thumbnail's layer/head, or an
+    element's id, class or tag."""
     return page.evaluate(
         """() => {
             const e = document.activeElement;
             if (e.matches('.token')) return 'token ' + e.dataset.index;
             if (e.matches('.thumb')) return `thumb ${e.dataset.layer}/${e.dataset.head}`;
-            return e.id || e.tagName;
+            return e.id || e.className || e.tagName;
         }"""
     )
 
@@ -480,10 +481,13 @@ def test_keyboard_alone_reaches_and_moves_tokens_map_and_model_view(browser, tmp
     watched = OfflinePage(browser, path)
     page = watched.page
     stops = []
-    for _ in range(6):  # the 40 tokens are one Tab stop, not 40: the map comes right after
+    for _ in range(8):  # the 40 tokens are one Tab stop, not 40: the map comes right after
         page.keyboard.press("Tab")
         stops.append(focused(page))
-    assert stops[:5] == ["layer", "head", "shade-by", "token 3", "heatmap"]
+    # the text and the step table's box scroll: Tab reaches them, to scroll them by keyboard
+    assert stops == [
+        "text", "layer", "head", "shade-by", "token 3", "heatmap", "sort-weight", "steps-scroll"
+    ]  # fmt: skip
 
     page.focus(".token[data-index='3']")
     for key, query in (("ArrowRight", 4), ("End", 39), ("Home", 0), ("ArrowLeft", 0)):
@@ -516,9 +520,18 @@ def test_screen_readers_get_names_roles_and_the_maps_text(browser, tmp_path):
     page = watched.page
     row = reference(q, k, v, 1, 2).weights[1]
     best = int(row.argmax())
-    label = page.get_attribute("#heatmap", "aria-label")
-    assert page.get_attribute("#heatmap", "role") == "img"
-    assert f"Row 1 “gioco”: most weight, {row[best]:.4f}, on key {best} “{TOKENS[best]}”" in label
+    # The map was an image that wanted the arrow keys, which a screen reader keeps for its own
+    # reading: a slider over the rows gets them, and says the chosen row as its value.
+    assert page.get_attribute("#heatmap", "role") == "slider"
+    assert "6 queries (rows) × 6 keys (columns)" in page.get_attribute("#heatmap", "aria-label")
+    slider = ("aria-valuemin", "aria-valuemax", "aria-valuenow")
+    assert [page.get_attribute("#heatmap", name) for name in slider] == ["0", str(T - 1), "1"]
+    value = page.get_attribute("#heatmap", "aria-valuetext")
+    assert value == f"Row 1 “gioco”: most weight, {row[best]:.4f}, on key {best} “{TOKENS[best]}”."
+    page.focus("#heatmap")
+    page.keyboard.press("ArrowDown")
+    assert page.get_attribute("#heatmap", "aria-valuenow") == "2"
+    assert page.get_attribute("#heatmap", "aria-valuetext").startswith("Row 2 “<img")
     assert page.get_attribute(".flow", "role") == "listbox"
     assert page.locator(".token[role='option']").count() == T
     assert (
@@ -870,4 +883,142 @@ def test_the_maps_box_scrolls_to_the_chosen_row(browser, tmp_path):
     assert page.evaluate(row_in_box, n - 1)
     page.click(".token[data-index='2']")  # a token chosen in the strip: its row comes back
     assert page.evaluate(row_in_box, 2)
+    watched.check_clean()
+
+
+def test_shift_and_the_side_arrows_scroll_a_wide_map_and_keep_its_row(browser, tmp_path):
+    """A map wider than its box (300 tokens: 3 px cells, more than the box's width) could not
+    be scrolled sideways by keyboard: ← and → move the row. Shift+← and Shift+→ scroll the
+    box a screenful and leave the row as it was."""
+    n = 300
+    path, _ = write_page(tmp_path, tokens=[f"t{i}" for i in range(n)], query_index=5)
+    watched = OfflinePage(browser, path)
+    page = watched.page
+    box = page.locator(".map-scroll")
+    assert box.evaluate("(b) => b.scrollWidth > b.clientWidth")  # wider than its box
+    page.focus("#heatmap")
+    page.keyboard.press("Shift+ArrowRight")
+    assert box.evaluate("(b) => b.scrollLeft") > 0
+    assert page.get_attribute(".token.selected", "data-index") == "5"  # the row stays
+    page.keyboard.press("Shift+ArrowLeft")
+    assert box.evaluate("(b) => b.scrollLeft") == 0
+    page.keyboard.press("ArrowRight")  # without Shift: the next row, as before
+    assert page.get_attribute(".token.selected", "data-index") == "6"
+    watched.check_clean()
+
+
+def test_boxes_that_scroll_are_named_regions_the_keyboard_scrolls(browser, tmp_path):
+    """The text over the tokens (4.6 lines at most) and the step table's box scroll, but were
+    neither focusable nor named (axe: scrollable-region-focusable): a keyboard could not scroll
+    them, a screen reader not name them."""
+    path, _ = write_page(tmp_path, tokens=[f"word{i}" for i in range(200)])
+    watched = OfflinePage(browser, path)
+    page = watched.page
+    for name, selector in (("text", "#text"), ("Step by step", ".steps-scroll")):
+        region = page.get_by_role("region", name=name, exact=True)
+        assert region.count() == 1 and region.evaluate(f"(e) => e.matches('{selector}')")
+        assert region.evaluate("(e) => e.scrollHeight > e.clientHeight")  # it scrolls
+        region.focus()
+        page.keyboard.press("PageDown")
+        page.wait_for_function("(s) => document.querySelector(s).scrollTop > 0", arg=selector)
+    watched.check_clean()
+
+
+def test_the_step_table_is_named_by_its_title_and_has_no_empty_header(browser, tmp_path):
+    path, _ = write_page(tmp_path, query_index=1)
+    watched = OfflinePage(browser, path)
+    page = watched.page
+    table = page.get_by_role("table", name="Step by step query 1 “gioco”", exact=True)
+    assert table.count() == 1 and table.get_attribute("id") == "steps"
+    # the column over the bars was an empty header, read out as a nameless column
+    headers = page.eval_on_selector_all("#steps th", "(ths) => ths.map((th) => th.textContent)")
+    assert headers == ["key", "score", "scaled", "weight"]
+    assert page.eval_on_selector("#steps thead .bar-cell", "(e) => e.ariaHidden") == "true"
+    watched.check_clean()
+
+
+@pytest.mark.parametrize("width", [320, 375])
+def test_a_phone_shows_each_key_of_the_step_table_whole(browser, tmp_path, width):
+    """At 320 px the step table cut its keys to 7 em with an ellipsis ("7 depos…"): they wrap."""
+    tokens = ["[CLS]", "i", "went", "to", "the", "bank", "to", "deposit", "money", ".", "[SEP]"]
+    path, _ = write_page(tmp_path, tokens=[*tokens[:7], "depositories", *tokens[8:]])
+    watched = OfflinePage(browser, path)
+    page = watched.page
+    page.set_viewport_size({"width": width, "height": 800})
+    cut = page.eval_on_selector_all(
+        "#steps td.key",
+        "(cells) => cells.filter((c) => c.scrollWidth > c.clientWidth).map((c) => c.textContent)",
+    )
+    assert cut == []
+    watched.check_clean()
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_the_chosen_token_head_and_row_stand_out_at_3_to_1(browser, tmp_path, scheme):
+    """The pin's light orange (#f59e0b) was 2.2:1 on the white page (WCAG 1.4.11 asks 3:1):
+    the chosen token's and head's outlines and the map's chosen row. The row's line now runs
+    between two lines of the ground's colour, so it stands out on cells of any colour."""
+    path, _ = write_page(tmp_path, query_index=2)
+    watched = OfflinePage(browser, path)
+    page = watched.page
+    emulate(page, color_scheme=scheme)
+    colour = "(e) => getComputedStyle(e).outlineColor.match(/\\d+/g).slice(0, 3).map(Number)"
+    card = page.evaluate(GROUNDS)["card"]
+    chosen = page.eval_on_selector(".token.selected", colour)
+    ground = page.eval_on_selector(
+        ".token.selected", "(e) => getComputedStyle(e).backgroundColor.match(/\\d+/g).map(Number)"
+    )
+    assert contrast(chosen, card) >= 3 and contrast(chosen, ground[:3]) >= 3
+    assert contrast(page.eval_on_selector(".thumb.selected", colour), card) >= 3
+    # the map's chosen row: 44 px cells from 84 px; its top edge, pixel by pixel upwards
+    edge = page.evaluate(
+        """(top) => {
+            const map = document.getElementById('heatmap');
+            const dpr = map.width / map.getBoundingClientRect().width;
+            const px = (y) => [...map.getContext('2d').getImageData(
+                Math.floor(150 * dpr), Math.floor(y * dpr), 1, 1).data].slice(0, 3);
+            return [px(top - 0.5), px(top - 1.5), px(top - 2.5), px(top - 3.5)];
+        }""",
+        84 + 44 * 2,
+    )
+    assert edge == [card, chosen, chosen, card]  # ground, pin, pin, ground
+    watched.check_clean()
+
+
+def test_white_space_tokens_are_named_in_words_for_screen_readers(browser, tmp_path):
+    """A space shows as "␣" and a line break as "↵", which a screen reader reads as "open box"
+    or "downwards arrow with corner leftwards": such a token is named in words."""
+    tokens = [" ", "\n", "\t", "word", "  ", "a\nb", "\x06"]
+    path, _ = write_page(tmp_path, tokens=tokens)
+    watched = OfflinePage(browser, path)
+    page = watched.page
+    names = page.eval_on_selector_all(".token", "(els) => els.map((e) => e.ariaLabel)")
+    assert names == [
+        "space", "line break", "tab", None, "space space", "a line break b",
+        "control character \\x06",
+    ]  # fmt: skip
+    assert page.get_by_role("option", name="line break", exact=True).text_content() == "↵"
+    watched.check_clean()
+
+
+def test_forced_colours_keep_the_focus_ring_and_the_weights_shading(browser, tmp_path):
+    """Windows High Contrast drops box shadows and backgrounds: the focused token's ring (a
+    box shadow) vanished, and the tokens' shading by weight with it. The ring is an outline
+    in the system's highlight colour, and the tokens painted by weight keep their colours."""
+    path, _ = write_page(tmp_path, query_index=1)
+    watched = OfflinePage(browser, path)
+    page = watched.page
+    page.emulate_media(forced_colors="active")
+    page.focus(".token.selected")
+    ring = page.eval_on_selector(
+        ".token.selected",
+        "(e) => { const s = getComputedStyle(e); return [s.outlineStyle, s.outlineWidth]; }",
+    )
+    assert ring == ["solid", "3px"]
+    painted = page.eval_on_selector_all(
+        ".token.painted",
+        "(els) => els.map((e) => [e.style.backgroundColor, getComputedStyle(e).backgroundColor])",
+    )
+    assert len(painted) == T - 1  # every token but the query
+    assert all(given == computed for given, computed in painted), painted
     watched.check_clean()

@@ -27,6 +27,7 @@ from selfattn.models.model import Generation, GenerationStep
 from selfattn.recording import record
 from selfattn.train import load_model, train_decoder
 from selfattn.viz.generation import generation_page, generation_payload
+from test_browser import contrast
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: fastest on one thread
 
@@ -502,4 +503,120 @@ def test_an_address_the_page_cannot_show_is_said_in_one_line(browser, gpt2_page)
     page.evaluate("location.hash = '#layer=0&head=1&step=2'")
     page.wait_for_function("document.querySelector('#selection').textContent.includes('head 1')")
     assert page.is_hidden("#hash-notice")
+    watched.check_clean()
+
+
+@in_chromium
+def test_screen_readers_get_the_text_and_every_weight_of_the_chosen_strip(browser, gpt2_page):
+    """The prompt's tokens sat in the list of generated tokens (a listbox holds options only:
+    screen readers skipped them), the generated text was there only as options of a token
+    each, and a step's weights beyond its top keys only in tooltips and on the canvas. The
+    page says prompt and continuation as text, hides the prompt's tokens from the listbox,
+    and lists every key of the chosen strip with its weight in a table."""
+    path, generation = gpt2_page
+    watched = Watched(browser, path)
+    page = watched.page
+    text = page.get_by_role("region", name="Generated text", exact=True)
+    assert text.text_content() == generation.prompt + generation.text
+    assert text.locator("b").text_content() == generation.text
+    not_options = page.eval_on_selector_all(
+        "#flow > :not([role='option'])", "(els) => els.map((e) => e.ariaHidden)"
+    )
+    assert not_options == ["true"] * generation.n_prompt
+    page.click(".token.generated[data-step='6']")
+    query = generation.n_prompt + 6 - 1
+    rows = watched.step_rows()
+    assert [row["key"] for row in rows] == list(range(query + 1))  # every key, not the top 6
+    expected = generation.weights(6, 2).mean(0)
+    assert [row["weight"] for row in rows] == pytest.approx(expected.tolist(), abs=PAGE_TOL)
+    table = page.get_by_role("table", name=re.compile(r"^The chosen strip's weights strip 6: "))
+    assert table.get_attribute("id") == "steps"
+    page.hover(".token.generated[data-step='2']")  # a preview: the table keeps the chosen strip
+    assert len(watched.step_rows()) == query + 1
+    assert page.get_attribute("#detail", "aria-live") is None  # previews are not read out
+    assert page.get_attribute("#selection", "aria-live") == "polite"  # the choice is
+    watched.check_clean()
+
+
+@in_chromium
+def test_the_strips_are_a_slider_that_a_wide_map_scrolls_sideways_on(browser, gpt2_page):
+    """The strips were an image that wanted the arrow keys (a screen reader keeps them): a
+    slider over the strips gets them; at 320 px the strips are wider than their box, and
+    Shift+← → scroll it, the strip chosen staying."""
+    path, generation = gpt2_page
+    watched = Watched(browser, path)
+    page = watched.page
+    page.set_viewport_size({"width": 320, "height": 700})
+    assert page.get_attribute("#strips", "role") == "slider"
+    slider = ("aria-valuemin", "aria-valuemax", "aria-valuenow")
+    steps = len(generation.steps)
+    assert [page.get_attribute("#strips", name) for name in slider] == ["0", str(steps - 1), "0"]
+    page.focus("#strips")
+    page.keyboard.press("ArrowDown")
+    assert page.get_attribute("#strips", "aria-valuenow") == "1"
+    assert page.get_attribute("#strips", "aria-valuetext").startswith("Strip 1, which chose ")
+    box = page.locator("#strips").locator("..")
+    assert box.evaluate("(b) => b.scrollWidth > b.clientWidth")
+    page.keyboard.press("Shift+ArrowRight")
+    assert box.evaluate("(b) => b.scrollLeft") > 0
+    assert page.get_attribute("#strips", "aria-valuenow") == "1"
+    watched.check_clean()
+
+
+@in_chromium
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_tokens_not_yet_written_read_at_4_5_to_1_and_say_so_without_colour(
+    browser, gpt2_page, scheme
+):
+    """Tokens after the step shown were faded to 45 % opacity: 2.9:1 on the light page,
+    3.6:1 on the dark. They are in the muted ink (4.5:1) with a dotted underline."""
+    path, _ = gpt2_page
+    watched = Watched(browser, path, color_scheme=scheme)
+    page = watched.page
+    page.click(".token.generated[data-step='0']")
+    pending = page.eval_on_selector_all(
+        ".token.pending",
+        """(els) => els.map((e) => {
+            const s = getComputedStyle(e);
+            const rgb = (c) => c.match(/\\d+/g).slice(0, 3).map(Number);
+            const card = getComputedStyle(e.closest('.card')).backgroundColor;
+            return [s.opacity, s.textDecorationStyle, rgb(s.color), rgb(card)];
+        })""",
+    )
+    assert pending, "no token after the first step"
+    for opacity, decoration, ink, ground in pending:
+        assert (opacity, decoration) == ("1", "dotted")
+        assert contrast(ink, ground) >= 4.5
+    watched.check_clean()
+
+
+@in_chromium
+def test_white_space_tokens_are_named_in_words(browser, tmp_path):
+    tokens = ["a", " ", "b", "\n", "  ", "c"]
+    watched = Watched(browser, write_page(handmade_generation(tokens, 2), tmp_path))
+    names = watched.page.eval_on_selector_all(
+        ".token.generated", "(els) => els.map((e) => e.ariaLabel)"
+    )
+    assert names == [None, "line break", "space space", None]  # "b", "↵", "␣␣", "c"
+    watched.check_clean()
+
+
+@in_chromium
+def test_forced_colours_show_the_focused_token_ring(browser, gpt2_page):
+    """In Windows High Contrast the focus ring (a box shadow) vanished: it is an outline in the
+    system's highlight colour, on a generated token as on the explorer's, the query's too."""
+    path, _ = gpt2_page
+    watched = Watched(browser, path)
+    page = watched.page
+    page.emulate_media(forced_colors="active")
+    ring = "(e) => { const s = getComputedStyle(e); return [s.outlineStyle, s.outlineWidth]; }"
+    page.click(".token.generated[data-step='3']")
+    page.keyboard.press("ArrowLeft")  # step 2: its query is step 1's token
+    page.mouse.move(0, 0)  # no preview of the step under the pointer
+    for selector in (".token.generated.selected", ".token.generated[data-step='1']"):
+        page.focus(selector)
+        assert page.eval_on_selector(selector, ring) == ["solid", "3px"], selector
+    assert page.eval_on_selector(
+        ".token.generated[data-step='1']", "(e) => e.classList.contains('query')"
+    )
     watched.check_clean()

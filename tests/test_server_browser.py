@@ -20,7 +20,7 @@ from selfattn import server
 from selfattn.explain import compare_texts, explain_text
 from selfattn.models.loading import load
 from selfattn.models.model import Model
-from test_browser import LOW_CONTRAST, emulate, luminance
+from test_browser import LOW_CONTRAST, contrast, emulate, luminance
 from test_decoders import char_gpt, gpt2_folder  # noqa: F401 (a fixture)
 
 pytestmark = needs_chromium
@@ -399,7 +399,7 @@ def test_explore_names_an_unknown_token_as_its_lists_of_keys_do(browser, base_ur
     assert page.text_content("#selection") == f"layer 2 · head 0 · query {unknown}"
     assert page.text_content("#step-title") == f"query {unknown}"
     assert page.text_content("#row-summary .summary-head") == f"query {unknown} looks at"
-    assert f"Row {unknown}: most weight" in page.get_attribute("#heatmap", "aria-label")
+    assert f"Row {unknown}: most weight" in page.get_attribute("#heatmap", "aria-valuetext")
     page.eval_on_selector("#heatmap", "(e) => e.scrollIntoView()")
     box = page.eval_on_selector("#heatmap", "(e) => e.getBoundingClientRect().toJSON()")
     cell = 44  # 8 tokens: 44 px cells after an 84 px margin
@@ -1284,6 +1284,69 @@ def test_right_to_left_text_is_typed_and_shown_right_to_left(browser, base_url):
     watched.check_clean()
 
 
+def test_the_page_has_a_main_landmark_and_a_heading_for_each_view(browser, decoder_url):
+    """The live page had no <main> and no heading for the page nor for its views: a screen
+    reader's lists of landmarks and headings were empty of them."""
+    watched = Watched(browser, decoder_url)
+    page = watched.page
+    assert page.locator("main").count() == 1
+    assert page.eval_on_selector_all("h1", "(hs) => hs.map((h) => h.textContent)") == [
+        "selfattn · web explorer"
+    ]
+    for view, title in (
+        ("explore", "Explore a text"), ("compare", "Compare a word"),
+        ("ablation", "Similarity & scale"), ("generate", "Generate"),
+    ):  # fmt: skip
+        page.click(f"#tab-{view}")
+        section = page.get_by_role("region", name=title, exact=True)
+        assert section.get_attribute("id") == f"view-{view}"
+        assert section.evaluate("(e) => e.parentElement.tagName") == "MAIN"
+        assert page.get_by_role("heading", name=title, exact=True).count() == 1
+    watched.check_clean()
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_the_open_tab_is_marked_by_more_than_its_colour(browser, base_url, scheme):
+    """The open view's tab differed from the others by its colours only (WCAG 1.4.1): it has
+    a bar along its top, in the accent's colour, at 3:1 on the page."""
+    watched = Watched(browser, base_url)
+    page = watched.page
+    emulate(page, color_scheme=scheme)
+    page.click("#tab-compare")
+    bars = page.eval_on_selector_all(
+        ".tab:not([hidden])", "(tabs) => tabs.map((t) => getComputedStyle(t).boxShadow)"
+    )
+    assert bars[0] == bars[2] == "none" and bars[1].endswith("inset")
+    bar = [int(c) for c in bars[1][4 : bars[1].index(")")].split(",")]
+    ground = page.eval_on_selector("#tab-compare", "(e) => getComputedStyle(e).backgroundColor")
+    assert contrast(bar, [int(c) for c in ground[4:-1].split(",")]) >= 3
+    watched.check_clean()
+
+
+def test_similarity_and_scale_names_its_table_and_lets_the_keyboard_scroll_it(browser, base_url):
+    """Its table's box scrolled but was neither focusable nor named, and the columns over
+    the bars were empty headers."""
+    watched = Watched(browser, base_url, f"/?view=ablation&text={quote(BANK)}&word=bank")
+    watched.wait("#ablation-result")
+    page = watched.page
+    title = page.text_content("#ablation-title")
+    box = page.get_by_role("region", name=title, exact=True)
+    assert box.get_attribute("tabindex") == "0" and box.locator("#ablation-table").count() == 1
+    assert page.get_by_role("table", name=title, exact=True).count() == 1
+    headers = page.eval_on_selector_all(
+        "#ablation-table th", "(ths) => ths.map((t) => t.textContent)"
+    )
+    assert headers == ["key", "model", "recomputed"]
+    compare = Watched(
+        browser, base_url, f"/?view=compare&s={quote(BANK)}&s={quote(RIVER)}&word=bank"
+    )
+    compare.wait("#compare-result")
+    name = "cosine similarity of its vectors, layer by layer"
+    assert compare.page.get_by_role("region", name=name, exact=True).locator("table").count() == 1
+    watched.check_clean()
+    compare.check_clean()
+
+
 @pytest.mark.parametrize("scheme", ["light", "dark"])
 def test_every_view_reads_at_4_5_to_1_in_light_and_in_dark(browser, base_url, scheme):
     watched = Watched(browser, base_url)
@@ -1383,6 +1446,27 @@ def test_generate_shows_one_strip_per_new_token_and_the_address_gives_it_again(
     watched.wait("#generate-result")
     assert strips_shown(page) == chosen  # the same text, strip, head and top keys
     assert page.input_value("#generate-seed") == "5" and page.url == decoder_url + address
+    watched.check_clean()
+
+
+def test_generate_says_its_text_and_every_weight_of_the_chosen_strip(browser, decoder_url):
+    """The text as text in a named region the keyboard reaches (the reload note under it), and
+    the chosen strip's every key and weight in a table, as on `generate --html`'s page."""
+    watched = Watched(browser, decoder_url, generate_address(prompt=PROMPT, n=5, seed=1))
+    watched.wait("#generate-result")
+    page = watched.page
+    expected = api(decoder_url, "/api/generate", {"prompt": PROMPT, "max_new_tokens": 5, "seed": 1})
+    text = page.get_by_role("region", name="Generated text", exact=True)
+    assert text.text_content() == PROMPT + expected["text"]
+    assert text.get_attribute("tabindex") == "0" and text.get_attribute("id") == "generate-text"
+    card = "(e) => e.closest('.card').querySelector('#generate-repeat') !== null"
+    assert text.evaluate(card)
+    page.click(".token.generated[data-step='2']")
+    query = expected["queries"][2]
+    weights = page.eval_on_selector_all(
+        "#generate-steps tbody tr [data-weight]", "(cells) => cells.map((c) => +c.dataset.weight)"
+    )
+    assert len(weights) == query + 1 and math.isclose(sum(weights), 1, abs_tol=1e-5)
     watched.check_clean()
 
 

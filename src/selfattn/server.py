@@ -579,7 +579,7 @@ def _generate(model: Model, body: GenerateRequest) -> Response:
         generation, windows=model.config.sliding_windows, layer=body.layer, head=body.head,
         step=body.step,
     )  # fmt: skip
-    return as_json(payload | {"text": generation.text})
+    return as_json(payload)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ Payload (a JSON object, the input of the page's script)::
 
     version         1
     model, prompt   strings shown in the header
+    text            the continuation as text (the page's plain copy of prompt + text)
     tokens          [N] token strings, the prompt's first;  n_prompt: P
     layers, heads   L, H
     queries         [M] per step, the position of its query (its new token is the next one)
@@ -64,6 +65,7 @@ def generation_payload(
         "version": PAYLOAD_VERSION,
         "model": generation.model_name,
         "prompt": generation.prompt,
+        "text": generation.text,
         "tokens": list(generation.tokens),
         "n_prompt": generation.n_prompt,
         "layers": generation.n_layers,

@@ -11,7 +11,8 @@
   const {
     h, fmt, decodeTensor, readPalette, channels, clip, paintToken, headName, readHash, noteHash, renderEmbedded, renders, applySelection,
     markChosen, onPixelRatioChange, onColourChange, keepBandInView, keepTokenInView, buildControls, buildLegend, topKeys, drawLegend, sizedContext,
-    drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents, windowOf, outsideWindow, shown, tokenName, pageKeys,
+    drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents, windowOf, outsideWindow, shown, tokenSpan, tokenName, pageKeys,
+    describeSlider, mapKeys, buildStepTable, weightRow, totalRow, scrollRegion,
   } = window.selfattn;
   const TOP_KEYS = 6; // keys listed for the chosen strip; the rest is one line of left-over weight
 
@@ -110,7 +111,8 @@
 
     function draw() {
       const largest = drawStrips(ui.map, model, strips(), state, palette);
-      ui.map.setAttribute("aria-label", describeStrips(model, state, strips()[state.step]));
+      describeSlider(ui.map, state.step, steps, describeStrips(model, state, strips()[state.step]));
+      fillStepTable(ui, model, state.layer, strips()[state.step], state.step);
       drawLegend(ui.legend, palette, state.shadeBy === "row" ? "each strip's largest" : fmt(largest, 3));
       showStep(state.hover ?? state.step);
     }
@@ -155,7 +157,7 @@
       if (event.currentTarget === ui.flow) generated[state.step].focus();
     };
     ui.flow.addEventListener("keydown", moveStep);
-    ui.map.addEventListener("keydown", moveStep);
+    mapKeys(ui.map, moveStep);
     // ← and → with no strip nor token focused (not in a form's field), as Explore's; the other keys scroll the page
     pageKeys(root, (event) => ["ArrowLeft", "ArrowRight"].includes(event.key) && moveStep(event), signal);
     attachStripEvents(ui, model, state, strips, select, showStep);
@@ -186,15 +188,26 @@
     return Number.isInteger(target) ? Math.max(0, Math.min(steps - 1, target)) : null;
   }
 
-  /** The strips' text alternative: what they show and the chosen strip's strongest key. */
+  /** The strips' text alternative, for describeSlider: what they show (label) and the chosen strip's strongest key (value). */
   function describeStrips(model, state, row) {
     const s = state.step;
     const best = model.starts[s] + row.indexOf(Math.max(...row));
-    return (
-      `${model.queries.length} strips, one per generated token (rows: queries), over ${model.tokens.length - 1} keys ` +
-      `(columns: the prompt and the tokens generated before), layer ${state.layer}, ${headName(state.head)}. ` +
-      `Strip ${s}, which chose ${tokenName(model, model.n_prompt + s)}: most weight, ${fmt(Math.max(...row))}, on key ${tokenName(model, best)}. ` +
-      "Arrow keys move the strip; the list beside lists its top keys."
+    return {
+      label:
+        `${model.queries.length} strips, one per generated token (rows: queries), over ${model.tokens.length - 1} keys ` +
+        `(columns: the prompt and the tokens generated before), layer ${state.layer}, ${headName(state.head)}. ` +
+        "Arrow keys move the strip, Shift+← → scroll wide strips; the step table lists its weights.",
+      value: `Strip ${s}, which chose ${tokenName(model, model.n_prompt + s)}: most weight, ${fmt(Math.max(...row))}, on key ${tokenName(model, best)}.`,
+    };
+  }
+
+  /** The prompt and its continuation as plain text, in a card of its own (the live explorer's Generate adds to it). */
+  function generatedText(model, idOf) {
+    return h(
+      "section",
+      { class: "card" },
+      h("h2", { id: idOf("text-heading") }, "Generated text"),
+      scrollRegion("p", { id: idOf("text"), class: "text", dir: "auto", "aria-labelledby": idOf("text-heading") }, model.prompt, h("b", {}, model.text)),
     );
   }
 
@@ -222,8 +235,10 @@
       hashNotice,
     );
     const flow = h("div", { id: idOf("flow"), class: "flow", role: "listbox", "aria-label": "generated tokens", "aria-orientation": "horizontal" });
-    const detail = h("div", { id: idOf("detail"), class: "row-summary", "aria-live": "polite" });
-    const map = h("canvas", { id: idOf("strips"), class: "strips", role: "img", tabindex: "0" });
+    const detail = h("div", { id: idOf("detail"), class: "row-summary" }); // follows the pointer: not read out (the selection is)
+    const map = h("canvas", { id: idOf("strips"), class: "strips", role: "slider", tabindex: "0" });
+    const stepTitle = h("h3", { id: idOf("step-title") });
+    const { table: stepTable, body: stepsBody, foot: stepsFoot } = buildStepTable(idOf, []);
     const tip = h("div", { id: idOf("strip-tip"), class: "tip", hidden: "" });
     const greyKeys = [...(slid ? ["outside the model's window"] : []), ...(windowed ? ["before the layer's sliding window (masked)"] : [])];
     const legend = buildLegend(idOf, "strip-legend", greyKeys.join(" or ") || null);
@@ -231,6 +246,7 @@
       "div",
       { class: "page generation" },
       header,
+      generatedText(model, idOf),
       h(
         "section",
         { class: "card" },
@@ -238,7 +254,7 @@
         h(
           "p",
           { class: "hint" },
-          "The prompt, then the generated tokens (underlined). Hover or click a generated token to colour the text by the " +
+          "The prompt, then the generated tokens (underlined; those not yet written at the step shown, dotted). Hover or click a generated token to colour the text by the " +
             "attention that chose it (← → Home End move); its query, the token before it, is outlined.",
         ),
         flow,
@@ -253,27 +269,54 @@
           { class: "hint", id: idOf("strips-hint") },
           "Rows are queries: one per generation step, named by the token it chose; the query is the token before it. " +
             "Columns are keys: the prompt, then the tokens generated so far (right of the dashed line). " +
-            "Each strip sums to 1; to its right, tokens not yet written. Hover a strip for its top keys, click to pin it (↑ ↓ move)." +
+            "Each strip sums to 1; to its right, tokens not yet written. Hover a strip for its top keys, click to pin it " +
+            "(↑ ↓ move, Shift+← → scroll wide strips)." +
             (slid ? " Past the model's positions the window slides: grey keys are outside it." : "") +
             (windowed ? " The model masks the keys before each layer's sliding window: grey, at weight 0." : ""),
         ),
         h("div", { class: "map-scroll" }, map, tip),
         legend.line,
       ),
+      h(
+        "section",
+        { class: "card" },
+        h("h2", { id: idOf("steps-heading") }, "The chosen strip's weights"),
+        stepTitle,
+        scrollRegion("div", { class: "steps-scroll", "aria-labelledby": idOf("steps-heading") }, stepTable),
+      ),
     );
-    return { page, idOf, layer, head, shadeBy, selection, hashNotice, flow, detail, map, tip, legend };
+    return { page, idOf, layer, head, shadeBy, selection, hashNotice, flow, detail, map, tip, legend, stepTitle, stepsBody, stepsFoot };
   }
 
+  /** The tokens in the strip `flow`: the generated ones its options; the prompt's, no options, hidden from
+   *  screen readers (the plain text and the step table say them). */
   function buildTokens(model, flow) {
     return model.tokens.map((token, j) => {
       const isNew = j >= model.n_prompt;
       const attrs = isNew
         ? { class: "token generated", "data-step": String(j - model.n_prompt), role: "option" }
-        : { class: "token prompt", "data-index": String(j) };
-      const el = h("span", { ...attrs, dir: "auto" }, shown(token));
+        : { class: "token prompt", "data-index": String(j), "aria-hidden": "true" };
+      const el = tokenSpan(token, attrs);
       flow.append(el);
       return el;
     });
+  }
+
+  /** Every key of step s in `layer` with its weight, in the step table: the chosen strip's, never a preview. */
+  function fillStepTable(ui, model, layer, row, s) {
+    const start = model.starts[s];
+    const query = model.queries[s];
+    const first = firstKey(model, layer, s);
+    const largest = Math.max(...row) || 1;
+    ui.stepTitle.textContent = `strip ${s}: new token ${tokenName(model, model.n_prompt + s)}, chosen by query ${tokenName(model, query)}, over keys ${start}..${query}`;
+    ui.stepsBody.replaceChildren(
+      ...Array.from(row, (weight, r) => {
+        const key = start + r;
+        const masked = key < first && outsideWindow(query, key, first);
+        return weightRow(key, shown(model.tokens[key]), [], weight, largest, { self: key === query, masked });
+      }),
+    );
+    ui.stepsFoot.replaceChildren(totalRow(row, 0));
   }
 
   /** The top keys of step s in `layer` with their weights, and the weight left on the others. */

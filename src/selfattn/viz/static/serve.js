@@ -18,7 +18,7 @@
   const BANK = ["I went to the bank to deposit money.", "We sat on the bank of the river and watched the water."];
   const RETRIES = 3; // on 503 "busy", after the server's Retry-After
 
-  const { h, fmt, fmtScale, shown: asShown, tokenName } = window.selfattn; // from view.js: DOM building (text only), numbers, a token as shown and as prose names it
+  const { h, fmt, fmtScale, shown: asShown, tokenName, scrollRegion } = window.selfattn; // from view.js: DOM building (text only), numbers, a token as shown and as prose names it, a named scroll box
 
   // ---------- the server ----------
 
@@ -271,7 +271,7 @@
     for (let a = 0; a < n; a++) for (let b = a + 1; b < n; b++) pairs.push([a, b]);
     const table = h(
       "table",
-      { id: "compare-table", class: "grid-table" },
+      { id: "compare-table", class: "grid-table", "aria-labelledby": "compare-table-title" },
       h("thead", {}, h("tr", {}, h("th", {}, "layer"), ...pairs.map(([a, b]) => h("th", {}, `S${a + 1} vs S${b + 1}`)))),
       h(
         "tbody",
@@ -315,9 +315,9 @@
         h("h2", {}, `“${data.word}”${occurrenceLabel(data.occurrence)} across ${n} sentences`),
         attended,
         h("p", { id: "compare-note", class: "hint" }, attentionNote(data)),
-        h("h3", {}, "cosine similarity of its vectors, layer by layer"),
+        h("h3", { id: "compare-table-title" }, "cosine similarity of its vectors, layer by layer"),
         h("p", { class: "hint" }, "layer 0 = the embedding output (the same token differs there only by its position, where the model adds one there); 1.000 = the same direction"),
-        h("div", { class: "table-scroll" }, table),
+        scrollRegion("div", { class: "table-scroll", "aria-labelledby": "compare-table-title" }, table),
         ...(data.tokens_note ? [h("p", { id: "compare-tokens-note", class: "note" }, data.tokens_note)] : []),
       ),
     );
@@ -397,25 +397,26 @@
         bar(alt.weights[j], "recomputed"),
       ),
     );
+    const barHeader = () => h("td", { class: "bar-cell", "aria-hidden": "true" }); // over the bars: nothing to read
     const verdict = spreadVerdict(own, alt);
     const head = data.head === "mean" ? "mean of heads" : `head ${data.head}`;
     $("ablation-result").replaceChildren(
       h(
         "section",
         { class: "card" },
-        h("h2", {}, `query ${tokenName(data, data.query.index)} · layer ${data.layer}, ${head}`),
+        h("h2", { id: "ablation-title" }, `query ${tokenName(data, data.query.index)} · layer ${data.layer}, ${head}`),
         ...(data.query.note ? [h("p", { id: "ablation-note", class: "note" }, data.query.note)] : []), // a piece of the word, or a phrase's first token
         h("p", { class: "hint" }, data.choice),
         entropyLine("ablation-entropy-model", "the model:", own),
         entropyLine("ablation-entropy-recomputed", "recomputed:", alt),
         h("p", { id: "ablation-verdict", class: "verdict" }, `recomputed weights are ${verdict} the model's`),
-        h(
+        scrollRegion(
           "div",
-          { class: "steps-scroll" },
+          { class: "steps-scroll", "aria-labelledby": "ablation-title" },
           h(
             "table",
-            { id: "ablation-table", class: "grid-table" },
-            h("thead", {}, h("tr", {}, h("th", {}, "key"), h("th", {}, "model"), h("th", { class: "bar-cell" }), h("th", {}, "recomputed"), h("th", { class: "bar-cell" }))),
+            { id: "ablation-table", class: "grid-table", "aria-labelledby": "ablation-title" },
+            h("thead", {}, h("tr", {}, h("th", { scope: "col" }, "key"), h("th", { scope: "col" }, "model"), barHeader(), h("th", { scope: "col" }, "recomputed"), barHeader())),
             h("tbody", {}, ...rows),
           ),
         ),
@@ -435,7 +436,7 @@
       fetch: () => api("/api/generate", body),
       show: (payload) => {
         const app = h("div", { id: "generate-app", class: "app" });
-        $("generate-result").replaceChildren(generatedText(payload, body), app);
+        $("generate-result").replaceChildren(app);
         window.selfattn.generation.render(payload, app, {
           hash: false,
           idPrefix: "generate-", // its parts' ids (#generate-layer, ...) apart from Explore's (#layer, ...)
@@ -443,19 +444,9 @@
             if (openView === "generate") history.replaceState(null, "", addressWith({ layer, head, step }, shown.generate));
           },
         });
+        $("generate-text").after(h("p", { id: "generate-repeat", class: "notice" }, repeatNote(body))); // under the page's text of prompt and continuation
       },
     });
-  }
-
-  /** The prompt and its continuation as text, and whether this address gives the same text again. */
-  function generatedText(payload, body) {
-    return h(
-      "section",
-      { class: "card" },
-      h("h2", {}, "Generated text"),
-      h("p", { id: "generate-text", class: "text", dir: "auto" }, payload.prompt, h("b", {}, payload.text)),
-      h("p", { id: "generate-repeat", class: "notice" }, repeatNote(body)),
-    );
   }
 
   /** With a seed, or temperature 0 (greedy), the same address gives the same text; without, a reload samples anew. */

@@ -12,7 +12,7 @@
 
 (() => {
   const BLUES = ["#f7fbff", "#deebf7", "#c6dbef", "#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c", "#08306b"];
-  const LIGHT = { ground: "#ffffff", label: "#5b6b82", axis: "#334155", accent: "#2171b5", pin: "#f59e0b", masked: "#d4d0cb", ramp: BLUES };
+  const LIGHT = { ground: "#ffffff", label: "#5b6b82", axis: "#334155", accent: "#2171b5", pin: "#b45309", masked: "#d4d0cb", ramp: BLUES };
   const TOP_K = 8; // lines drawn per query when there are more than ALL_LINES keys
   const ALL_LINES = 16;
   const OUTPUT_DIMS = 8; // output values listed; the norm covers the rest
@@ -236,10 +236,12 @@
   /** Black or white, whichever reads better on [r, g, b] (at least 4.5:1 on any colour). */
   const inkOn = (colour) => (luminance(colour) > 0.18 ? "#000" : "#fff");
 
-  /** A token on the ground [r, g, b], in the ink that reads best on it; null: in the page's own colours. */
+  /** A token on the ground [r, g, b], in the ink that reads best on it; null: in the page's own colours.
+   *  A painted token keeps its colours in forced colours too (view.css): they are its weight. */
   function paintToken(el, colour) {
     el.style.backgroundColor = colour ? `rgb(${colour.join(",")})` : "";
     el.style.color = colour ? inkOn(colour) : "";
+    el.classList.toggle("painted", Boolean(colour));
   }
 
   /** A control character written out: a line break as ↵, a tab as ⇥, the others as \x06 (in any font). */
@@ -251,6 +253,26 @@
   function shown(token) {
     const visible = token.replace(/[\u0000-\u001f\u007f]/g, escaped);
     return (/^\s+$/.test(visible) ? visible.replace(/\s/g, "␣") : visible) || "∅";
+  }
+
+  const SPOKEN = { " ": "space", "\n": "line break", "\t": "tab" };
+  /**
+   * What a screen reader should say for a token that shown() writes with marks (␣, ↵, ⇥, \x06, ∅): its
+   * white space and control characters in words ("space", "line break", "tab"); null where it shows as written.
+   */
+  function spokenToken(token) {
+    if (shown(token) === token) return null;
+    if (!token) return "empty token";
+    const blank = /^\s+$/.test(token);
+    const word = (c) => SPOKEN[c] ?? (/\s/.test(c) ? "space" : `control character ${escaped(c)}`);
+    const spoken = Array.from(token, (c) => (blank || /[\u0000-\u001f\u007f]/.test(c) ? ` ${word(c)} ` : c));
+    return spoken.join("").trim().replace(/ {2,}/g, " ");
+  }
+
+  /** A token's element in a strip of tokens, as shown(), named in words where shown() wrote marks. */
+  function tokenSpan(token, attrs) {
+    const spoken = spokenToken(token);
+    return h("span", { ...attrs, dir: "auto", ...(spoken ? { "aria-label": spoken } : {}) }, shown(token));
   }
 
   /**
@@ -346,7 +368,7 @@
     noteHash(ui.hashNotice, asked, state, model, ["query", "tokens", model.length]);
     root.replaceChildren(ui.page);
     palette = readPalette();
-    const tokenEls = buildTokens(model, ui.flow);
+    const tokenEls = buildTokens(model, payload.tokens, ui.flow);
     const thumbs = buildModelView(model, ui.grid);
 
     const current = () => headResult(state.layer, state.head);
@@ -366,7 +388,7 @@
       draw();
       const { cell, margin } = geometry();
       keepBandInView(ui.map.parentElement, margin + state.query * cell, cell);
-      ui.map.setAttribute("aria-label", describeMap(model, state, result.weights[state.query], headText));
+      describeSlider(ui.map, state.query, T, describeMap(model, state, result.weights[state.query], headText));
       fillSteps(ui, model, result, state);
       const fragment = `#layer=${state.layer}&head=${state.head}&query=${state.query}`;
       if (hash && location.hash !== fragment) history.replaceState(null, "", fragment);
@@ -435,7 +457,7 @@
       if (event.currentTarget === ui.flow) tokenEls[state.query].focus();
     };
     ui.flow.addEventListener("keydown", moveQuery);
-    ui.map.addEventListener("keydown", moveQuery);
+    mapKeys(ui.map, moveQuery);
     ui.grid.addEventListener("keydown", (event) => {
       const step = steppedThumb(event, state, model);
       if (!step) return;
@@ -634,16 +656,43 @@
     return target && event.target.matches(".thumb") ? { layer: target[0], head: target[1] } : null;
   }
 
-  /** The map's text alternative: what it shows and the chosen row's strongest key. */
+  /** The map's text alternative, for describeSlider: what it shows (label) and the chosen row's strongest key (value). */
   function describeMap(model, state, row, headText) {
     const i = state.query;
     const best = row.indexOf(Math.max(...row));
     const hidden = maskedKeysText(model, state.layer, "each query");
-    return (
-      `attention map, layer ${state.layer}, ${headText}: ${model.length} queries (rows) × ${model.length} keys (columns)` +
-      `${hidden ? `; ${hidden} are masked` : ""}. Row ${model.named[i]}: most weight, ` +
-      `${fmt(row[best])}, on key ${model.named[best]}. Arrow keys move the row; the step table lists its weights.`
-    );
+    return {
+      label:
+        `attention map, layer ${state.layer}, ${headText}: ${model.length} queries (rows) × ${model.length} keys (columns)` +
+        `${hidden ? `; ${hidden} are masked` : ""}. Arrow keys move the row, Shift+← → scroll a wide map; the step table lists its weights.`,
+      value: `Row ${model.named[i]}: most weight, ${fmt(row[best])}, on key ${model.named[best]}.`,
+    };
+  }
+
+  /**
+   * A map canvas as a slider over its rows (the explorer's queries, the generation page's strips), so that a
+   * screen reader hands it the arrow keys: `label` says what it shows, `value` what the chosen row `position` of `count` holds.
+   */
+  function describeSlider(canvas, position, count, { label, value }) {
+    canvas.setAttribute("aria-label", label);
+    canvas.setAttribute("aria-valuemin", "0");
+    canvas.setAttribute("aria-valuemax", String(count - 1));
+    canvas.setAttribute("aria-valuenow", String(position));
+    canvas.setAttribute("aria-valuetext", value);
+  }
+
+  /**
+   * Keys on a map canvas: Shift+← and Shift+→ scroll its box sideways (a map wider than the box), the
+   * others go to `move(event)`, which moves its row.
+   */
+  function mapKeys(canvas, move) {
+    canvas.addEventListener("keydown", (event) => {
+      const sideways = { ArrowLeft: -1, ArrowRight: 1 }[event.key];
+      if (!event.shiftKey || !sideways) return move(event);
+      event.preventDefault();
+      const box = canvas.parentElement;
+      box.scrollLeft += sideways * Math.max(box.clientWidth * 0.8, 1);
+    });
   }
 
   /** The header's selects: layer, head (or their mean) and shading, whose `shadings` are [value, text] pairs. */
@@ -694,7 +743,7 @@
       {},
       h("div", { class: "brand" }, "selfattn · attention explorer"),
       h("h1", { id: idOf("model") }, model.model),
-      h("p", { id: idOf("text"), class: "text", dir: "auto" }, model.text),
+      scrollRegion("p", { id: idOf("text"), class: "text", dir: "auto", "aria-label": "text" }, model.text),
       h(
         "p",
         { class: "meta" },
@@ -718,19 +767,11 @@
     const flow = h("div", { class: "flow", role: "listbox", "aria-label": "tokens", "aria-orientation": "horizontal" });
     const strip = h("div", { id: idOf("strip"), class: "strip" }, lines, flow);
     const summary = h("div", { id: idOf("row-summary"), class: "row-summary" });
-    const map = h("canvas", { id: idOf("heatmap"), class: "heatmap", role: "img", tabindex: "0" });
+    const map = h("canvas", { id: idOf("heatmap"), class: "heatmap", role: "slider", tabindex: "0" });
     const tip = h("div", { id: idOf("map-tip"), class: "tip", hidden: "" });
     const legend = buildLegend(idOf, "map-legend", model.causal || model.windows ? "masked" : null);
-    const stepsBody = h("tbody");
-    const stepsFoot = h("tfoot");
-    const steps = h(
-      "table",
-      { id: idOf("steps"), class: "step-table" },
-      h("thead", {}, h("tr", {}, ...["key", "score", "scaled", ...(model.bias ? ["+ bias"] : []), "weight"].map((x) => h("th", {}, x)), h("th", { class: "bar-cell" }))),
-      stepsBody,
-      stepsFoot,
-    );
     const stepTitle = h("h3", { id: idOf("step-title") });
+    const { table: steps, body: stepsBody, foot: stepsFoot } = buildStepTable(idOf, ["score", "scaled", ...(model.bias ? ["+ bias"] : [])]);
     const stepNote = h("p", { class: "note", id: idOf("step-note") });
     const output = h("div", { id: idOf("output"), class: "output" });
     const grid = h("div", { id: idOf("model-grid"), class: "model-grid", role: "radiogroup", "aria-label": "layer and head" });
@@ -754,17 +795,17 @@
           "section",
           { class: "card" },
           h("h2", {}, "Attention map"),
-          h("p", { class: "hint" }, "rows: queries, columns: keys · click a row to select its query"),
+          h("p", { class: "hint" }, "rows: queries, columns: keys · click a row to select its query (↑ ↓ move; Shift+← → scroll a wide map)"),
           h("div", { class: "map-scroll" }, map, tip),
           legend.line,
         ),
         h(
           "section",
           { class: "card" },
-          h("h2", {}, "Step by step"),
+          h("h2", { id: idOf("steps-heading") }, "Step by step"),
           stepTitle,
           h("label", { class: "sort" }, sort, " sort keys by weight"),
-          h("div", { class: "steps-scroll" }, steps),
+          scrollRegion("div", { class: "steps-scroll", "aria-labelledby": idOf("steps-heading") }, steps),
           stepNote,
           output,
         ),
@@ -780,11 +821,12 @@
     return { page, idOf, layer, head, shadeBy, sort, selection, choice, queryNote, hashNotice, lines, flow, strip, summary, map, tip, legend, stepsBody, stepsFoot, stepTitle, stepNote, output, grid };
   }
 
-  function buildTokens(model, flow) {
-    return model.tokens.map((token, i) => {
+  /** The tokens (as the payload has them) in the strip `flow`, an option each. */
+  function buildTokens(model, tokens, flow) {
+    return tokens.map((token, i) => {
       const words = model.words;
       const joined = words && i > 0 && words[i] !== null && words[i] === words[i - 1];
-      const el = h("span", { class: joined ? "token joined" : "token", "data-index": String(i), role: "option", dir: "auto" }, token);
+      const el = tokenSpan(token, { class: joined ? "token joined" : "token", "data-index": String(i), role: "option" });
       flow.append(el);
       return el;
     });
@@ -898,11 +940,15 @@
     ctx.restore();
   }
 
-  /** The chosen row's outline, in the pin's colour, around the box at (left, top), width × height. */
+  /** The chosen row's outline around the box at (left, top), width × height: the pin's colour between two lines
+   *  of the ground's, so that it stands out at 3:1 on cells of any colour. */
   function drawPin(ctx, palette, left, top, width, height) {
+    ctx.strokeStyle = palette.ground;
+    ctx.lineWidth = 4;
+    ctx.strokeRect(left - 2, top - 2, width + 4, height + 4);
     ctx.strokeStyle = palette.pin;
     ctx.lineWidth = 2;
-    ctx.strokeRect(left - 1, top - 1, width + 2, height + 2);
+    ctx.strokeRect(left - 2, top - 2, width + 4, height + 4);
   }
 
   /** The T×S map on one canvas (one pixel per cell, scaled up) in the cells and margins mapGeometry gives;
@@ -1021,6 +1067,54 @@
     return [list, leftover];
   }
 
+  /**
+   * A step table (the explorer's step panel, the generation page's chosen step): per key its index and
+   * name, the `columns` (the explorer's score, scaled, + bias), its weight and a bar; named by the card's
+   * heading and its title (ids steps-heading and step-title).
+   */
+  function buildStepTable(idOf, columns) {
+    const body = h("tbody");
+    const foot = h("tfoot");
+    const headers = ["key", ...columns, "weight"].map((name) => h("th", { scope: "col" }, name));
+    const table = h(
+      "table",
+      { id: idOf("steps"), class: "step-table", "aria-labelledby": `${idOf("steps-heading")} ${idOf("step-title")}` },
+      h("thead", {}, h("tr", {}, ...headers, h("td", { class: "bar-cell", "aria-hidden": "true" }))), // over the bars: nothing to read
+      body,
+      foot,
+    );
+    return { table, body, foot };
+  }
+
+  /**
+   * Key j's row of a step table: its index and `name`, `cells`, its `weight` and a bar as long as weight /
+   * `largest`; `self`: the query's own key; `masked`: why the query may not look at it (a tag in the bar's place), or false.
+   */
+  function weightRow(j, name, cells, weight, largest, { self = false, masked = false }) {
+    const bar = h("span", { class: "bar" });
+    bar.style.width = `${(weight / largest) * 100}%`;
+    return h(
+      "tr",
+      { "data-key": String(j), class: [self ? "self" : "", masked ? "masked" : ""].join(" ").trim() },
+      h("td", { class: "key" }, h("span", { class: "idx" }, String(j)), " ", h("bdi", {}, name)),
+      ...cells,
+      h("td", { class: "num strong", "data-weight": String(weight) }, fmt(weight)),
+      h("td", { class: "bar-cell" }, masked ? h("span", { class: "tag", title: masked }, "masked") : h("span", { class: "bar-track" }, bar)),
+    );
+  }
+
+  /** A step table's foot: the weights' total, under `blanks` empty cells. */
+  function totalRow(weights, blanks) {
+    const total = weights.reduce((a, b) => a + b, 0);
+    const empty = Array.from({ length: blanks }, () => h("td"));
+    return h("tr", {}, h("td", {}, "total"), ...empty, h("td", { class: "num strong" }, fmt(total)), h("td", { class: "bar-cell" }));
+  }
+
+  /** A box that scrolls (a long text, a table): a named region the keyboard can reach and scroll. */
+  function scrollRegion(tag, attrs, ...children) {
+    return h(tag, { ...attrs, role: "region", tabindex: "0" }, ...children);
+  }
+
   function fillSteps(ui, model, result, state) {
     const i = state.query;
     const mean = state.head === "mean";
@@ -1034,8 +1128,6 @@
     const perHead = model.bias ? 3 : 2; // the columns of single heads: score, scaled and, with a bias, + bias
     ui.stepsBody.replaceChildren(
       ...order.map((j) => {
-        const bar = h("span", { class: "bar" });
-        bar.style.width = `${(weights[j] / largest) * 100}%`;
         const cells = mean
           ? Array.from({ length: perHead }, () => h("td", { class: "num na" }, "—"))
           : [
@@ -1043,20 +1135,10 @@
               h("td", { class: "num", "data-scaled": String(result.scaled[i][j]) }, fmt(result.scaled[i][j])),
               ...(model.bias ? [h("td", { class: "num", "data-bias": String(result.bias[i][j]) }, fmt(result.bias[i][j]))] : []),
             ];
-        const tr = h(
-          "tr",
-          { "data-key": String(j), class: [j === i ? "self" : "", masked(j) ? "masked" : ""].join(" ").trim() },
-          h("td", { class: "key" }, h("span", { class: "idx" }, String(j)), " ", h("bdi", {}, model.names[j])),
-          ...cells,
-          h("td", { class: "num strong", "data-weight": String(weights[j]) }, fmt(weights[j])),
-          h("td", { class: "bar-cell" }, masked(j) ? h("span", { class: "tag", title: maskedTitle(model, state.layer, i, j) }, "masked") : h("span", { class: "bar-track" }, bar)),
-        );
-        return tr;
+        return weightRow(j, model.names[j], cells, weights[j], largest, { self: j === i, masked: masked(j) && maskedTitle(model, state.layer, i, j) });
       }),
     );
-    const total = weights.reduce((a, b) => a + b, 0);
-    const blanks = Array.from({ length: perHead }, () => h("td"));
-    ui.stepsFoot.replaceChildren(h("tr", {}, h("td", {}, "total"), ...blanks, h("td", { class: "num strong" }, fmt(total)), h("td", { class: "bar-cell" })));
+    ui.stepsFoot.replaceChildren(totalRow(weights, perHead));
     const tensors = model.bias && !model.bias.table ? "q, k, v and the bias" : "q, k and v"; // a table is float32
     const rounded = model.dtype === "float16" ? ` ${tensors} came as float16 to keep this long text's page small: the numbers agree with Python's to about 3 significant digits (a score near 0, to about 3 digits of the row's largest).` : "";
     const biased = model.bias ? " + bias" : "";
@@ -1140,7 +1222,7 @@
   // render, clear, h and fmt are shared with the live explorer (serve.js), which loads after this file;
   // h, fmt and the rest with the page of attention during generation (generation.js).
   window.selfattn = {
-    render, clear: explorers.clear, h, fmt, fmtScale, shown, tokenName, decodeTensor, readPalette, channels, clip, paintToken, headName,
+    render, clear: explorers.clear, h, fmt, fmtScale, shown, tokenSpan, tokenName, describeSlider, mapKeys, buildStepTable, weightRow, totalRow, scrollRegion, decodeTensor, readPalette, channels, clip, paintToken, headName,
     readHash, noteHash, renderEmbedded, renders, applySelection, markChosen, onPixelRatioChange, onColourChange, keepBandInView, keepTokenInView,
     buildControls, buildLegend, topKeys, drawLegend, sizedContext, drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents,
     windowOf, outsideWindow, pageKeys,
