@@ -319,7 +319,7 @@ def test_the_pages_weights_add_the_bias_and_its_steps_show_it(saved, browser, tm
     headers = watched.page.eval_on_selector_all(
         "#steps th", "(ths) => ths.map((th) => th.textContent)"
     )
-    assert headers == ["key", "score", "scaled", "+ bias", "weight", ""]
+    assert headers == ["key", "score", "scaled", "+ bias", "weight"]  # the bars' column: no header
     assert "+ bias" in watched.page.text_content("ol.steps")
     assert "softmax(scaled + bias)" in watched.page.text_content("#step-note")
     rows = sorted(watched.step_rows(), key=lambda row: row["key"])
