@@ -166,6 +166,17 @@ def _interrupt() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
+@pytest.fixture
+def python_sigint():
+    """SIGINT handled as Python handles it in a terminal (KeyboardInterrupt), whatever this
+    process started with: a shell starts its background jobs (`make test &`) with SIGINT
+    ignored, and train() must be seen to put back the handler it found."""
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, found)
+
+
+@pytest.mark.usefixtures("python_sigint")
 @pytest.mark.parametrize(
     ("poisoned", "problem"), [("weights", "weights are"), ("loss", "training loss is")]
 )
@@ -366,6 +377,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(
     assert not any(entry.name.startswith(".tmp-") for entry in out.iterdir())
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_ctrl_c_stops_between_steps_and_saves(corpus):
     """SIGINT during step 7 lets it finish, then the loop saves step 7 and reports it."""
     data = TextData.from_file(corpus, 16)
@@ -434,6 +446,7 @@ def test_the_progress_bar_shows_no_nan_before_the_first_loss(corpus, monkeypatch
     assert "nan" not in output.getvalue()
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_second_ctrl_c_cannot_cut_the_interrupts_save_short():
     """Ctrl-C at step 2 stops the loop; a second Ctrl-C while step 2 is being saved (an
     impatient user, a large model) is ignored and the save completes (it raised
