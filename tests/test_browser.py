@@ -998,6 +998,17 @@ def test_white_space_tokens_are_named_in_words_for_screen_readers(browser, tmp_p
         "control character \\x06",
     ]  # fmt: skip
     assert page.get_by_role("option", name="line break", exact=True).text_content() == "↵"
+    said = page.eval_on_selector_all(
+        "#steps tbody tr",
+        """(rows) => rows.map((tr) => [+tr.dataset.key,
+            tr.querySelector('.key [aria-hidden="true"]')?.textContent ?? null,
+            tr.querySelector('.key .visually-hidden')?.textContent ?? null])""",
+    )  # the step table's keys: the marks hidden from screen readers, the words read instead
+    assert sorted(said) == [
+        [0, "␣", "space"], [1, "↵", "line break"], [2, "⇥", "tab"], [3, None, None],
+        [4, "␣␣", "space space"], [5, "a↵b", "a line break b"],
+        [6, "\\x06", "control character \\x06"],
+    ]  # fmt: skip
     watched.check_clean()
 
 

@@ -598,6 +598,13 @@ def test_white_space_tokens_are_named_in_words(browser, tmp_path):
         ".token.generated", "(els) => els.map((e) => e.ariaLabel)"
     )
     assert names == [None, "line break", "space space", None]  # "b", "↵", "␣␣", "c"
+    said = watched.page.eval_on_selector_all(
+        "#steps tbody tr",
+        """(rows) => rows.map((tr) => [+tr.dataset.key,
+            tr.querySelector('.key .visually-hidden')?.textContent ?? null])""",
+    )  # the chosen strip's table: keys with marks are read in words
+    spoken = {" ": "space", "\n": "line break", "  ": "space space"}
+    assert said and all(words == spoken.get(tokens[key]) for key, words in said), said
     watched.check_clean()
 
 

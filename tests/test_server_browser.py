@@ -970,7 +970,8 @@ def test_a_space_token_is_shown_as_the_command_line_shows_it(browser, decoder_ur
     watched.wait("#app")
     page = watched.page
     assert page.text_content(".token[data-index='3']") == "␣"
-    assert page.text_content("#steps tr[data-key='3'] bdi") == "␣"
+    assert page.text_content("#steps tr[data-key='3'] bdi [aria-hidden='true']") == "␣"  # shown
+    assert page.text_content("#steps tr[data-key='3'] bdi .visually-hidden") == "space"  # read
     assert page.text_content("#top-keys li[data-key='3'] .tok") == "␣"
     page.click(".token[data-index='3']")
     assert page.text_content("#selection") == "layer 1 · head 0 · query 3 “␣”"

@@ -11,7 +11,7 @@
   const {
     h, fmt, decodeTensor, readPalette, channels, clip, paintToken, headName, readHash, noteHash, renderEmbedded, renders, applySelection,
     markChosen, onPixelRatioChange, onColourChange, keepBandInView, keepTokenInView, buildControls, buildLegend, topKeys, drawLegend, sizedContext,
-    drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents, windowOf, outsideWindow, shown, tokenSpan, tokenName, pageKeys,
+    drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents, windowOf, outsideWindow, shown, spokenToken, tokenSpan, tokenName, pageKeys,
     describeSlider, mapKeys, buildStepTable, weightRow, totalRow, scrollRegion,
   } = window.selfattn;
   const TOP_KEYS = 6; // keys listed for the chosen strip; the rest is one line of left-over weight
@@ -313,7 +313,8 @@
       ...Array.from(row, (weight, r) => {
         const key = start + r;
         const masked = key < first && outsideWindow(query, key, first);
-        return weightRow(key, shown(model.tokens[key]), [], weight, largest, { self: key === query, masked });
+        const spoken = spokenToken(model.tokens[key]);
+        return weightRow(key, shown(model.tokens[key]), [], weight, largest, { self: key === query, masked, spoken });
       }),
     );
     ui.stepsFoot.replaceChildren(totalRow(row, 0));

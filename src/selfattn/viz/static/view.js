@@ -343,6 +343,7 @@
       // every label of a token, as shown: a space or a line break visible, not blank
       tokens: payload.tokens.map(shown),
       names: (payload.names ?? payload.tokens).map(shown),
+      spoken: (payload.names ?? payload.tokens).map(spokenToken), // what a screen reader says for a name with marks
       named: payload.tokens.map((_, i) => tokenName(payload, i)), // in prose: 3 '🙂' ([UNK]), as the lists of keys name it
       query: decodeTensor(payload.query, payload.dtype),
       key: decodeTensor(payload.key, payload.dtype),
@@ -1088,15 +1089,17 @@
 
   /**
    * Key j's row of a step table: its index and `name`, `cells`, its `weight` and a bar as long as weight /
-   * `largest`; `self`: the query's own key; `masked`: why the query may not look at it (a tag in the bar's place), or false.
+   * `largest`; `self`: the query's own key; `masked`: why the query may not look at it (a tag in the bar's place), or false;
+   * `spoken`: the name in words for a screen reader (spokenToken), where the shown name has marks (␣, ↵).
    */
-  function weightRow(j, name, cells, weight, largest, { self = false, masked = false }) {
+  function weightRow(j, name, cells, weight, largest, { self = false, masked = false, spoken = null }) {
+    const said = spoken ? [h("span", { "aria-hidden": "true" }, name), h("span", { class: "visually-hidden" }, spoken)] : [name];
     const bar = h("span", { class: "bar" });
     bar.style.width = `${(weight / largest) * 100}%`;
     return h(
       "tr",
       { "data-key": String(j), class: [self ? "self" : "", masked ? "masked" : ""].join(" ").trim() },
-      h("td", { class: "key" }, h("span", { class: "idx" }, String(j)), " ", h("bdi", {}, name)),
+      h("td", { class: "key" }, h("span", { class: "idx" }, String(j)), " ", h("bdi", {}, ...said)),
       ...cells,
       h("td", { class: "num strong", "data-weight": String(weight) }, fmt(weight)),
       h("td", { class: "bar-cell" }, masked ? h("span", { class: "tag", title: masked }, "masked") : h("span", { class: "bar-track" }, bar)),
@@ -1135,7 +1138,8 @@
               h("td", { class: "num", "data-scaled": String(result.scaled[i][j]) }, fmt(result.scaled[i][j])),
               ...(model.bias ? [h("td", { class: "num", "data-bias": String(result.bias[i][j]) }, fmt(result.bias[i][j]))] : []),
             ];
-        return weightRow(j, model.names[j], cells, weights[j], largest, { self: j === i, masked: masked(j) && maskedTitle(model, state.layer, i, j) });
+        const why = masked(j) && maskedTitle(model, state.layer, i, j);
+        return weightRow(j, model.names[j], cells, weights[j], largest, { self: j === i, masked: why, spoken: model.spoken[j] });
       }),
     );
     ui.stepsFoot.replaceChildren(totalRow(weights, perHead));
@@ -1222,7 +1226,7 @@
   // render, clear, h and fmt are shared with the live explorer (serve.js), which loads after this file;
   // h, fmt and the rest with the page of attention during generation (generation.js).
   window.selfattn = {
-    render, clear: explorers.clear, h, fmt, fmtScale, shown, tokenSpan, tokenName, describeSlider, mapKeys, buildStepTable, weightRow, totalRow, scrollRegion, decodeTensor, readPalette, channels, clip, paintToken, headName,
+    render, clear: explorers.clear, h, fmt, fmtScale, shown, spokenToken, tokenSpan, tokenName, describeSlider, mapKeys, buildStepTable, weightRow, totalRow, scrollRegion, decodeTensor, readPalette, channels, clip, paintToken, headName,
     readHash, noteHash, renderEmbedded, renders, applySelection, markChosen, onPixelRatioChange, onColourChange, keepBandInView, keepTokenInView,
     buildControls, buildLegend, topKeys, drawLegend, sizedContext, drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents,
     windowOf, outsideWindow, pageKeys,
