@@ -10,6 +10,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`: two workers (pytest-xdist)
+    # One thread each: two workers' OpenMP teams on two cores made torch's tests up to 14
+    # times slower. And no COLUMNS: a worker starts with COLUMNS=80, which the CLI's rich
+    # console, made at import, would keep through the tests that set their own width.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.pop("COLUMNS", None)
 
 CHROMIUM = Path("/usr/bin/chromium")
 needs_chromium = [
