@@ -530,6 +530,30 @@ def test_config_entries_of_a_wrong_type_get_one_line_naming_the_file(
     )
 
 
+@pytest.mark.parametrize(
+    ("family", "change", "said"),
+    [
+        (
+            BERT,
+            {"num_hidden_layers": 10**8},
+            "config.json: its sizes make 100,000,000 layers, and the weights hold 2; restore",
+        ),
+        (DISTILBERT, {"n_layers": 10**8}, "config.json: its sizes make 100,000,000 layers"),
+        (GPT2, {"n_layer": 10**8}, "config.json: its sizes make 100,000,000 layers"),
+        (LLAMA, {"num_hidden_layers": 10**8}, "config.json: its sizes make 100,000,000 layers"),
+        (BERT, {"vocab_size": 10**11}, "expects (100000000000, 16); config.json and the weights"),
+        (LLAMA, {"intermediate_size": 10**11}, "expects (100000000000, 16); config.json and the"),
+    ],
+    ids=["bert-layers", "distilbert-layers", "gpt2-layers", "llama-layers", "bert-vocab", "mlp"],
+)
+def test_sizes_past_the_weights_are_refused_before_memory_is_taken(tmp_path, family, change, said):
+    # Before: 10^8 layers took a minute and 5 GB to build (on the meta device) and then
+    # crashed; 10^11 rows ended in torch's allocator traceback, as the network was allocated
+    # before its shapes were compared with the checkpoint's.
+    write(tmp_path, {**family, **change}, family_tensors(family))
+    refused(tmp_path, re.escape(said))
+
+
 @pytest.mark.parametrize("family", [BERT, LLAMA], ids=["bert", "llama"])
 def test_the_checked_configs_still_load(tmp_path, family):
     # Integers pass as numbers (a theta of 10000), null where "unsaid" is meant.

@@ -19,6 +19,7 @@ embedding. BERT's pooler is loaded (into :attr:`Bert.pooler`) when the checkpoin
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -207,10 +208,12 @@ def allocate(network: nn.Module, dtype: torch.dtype, device: torch.device) -> No
             setattr(network.get_submodule(module), attribute, network.get_parameter(first))
 
 
-def load_weights(
+def check_weights(
     network: nn.Module, rules: list[Rule], tensors: dict[str, Tensor], path: Path
 ) -> None:
-    """Copy every checkpoint tensor into its parameter(s), checking names and shapes first."""
+    """Refuse a checkpoint whose tensor names or shapes are not the network's: run on the
+    network built on the meta device, so that sizes changed in config.json are refused before
+    any memory is taken for them."""
     parameters = dict(network.named_parameters())
     unfilled = set(parameters) - {target for rule in rules for target in rule.targets}
     if unfilled:  # a name map out of step with its network: never leave memory unset
@@ -228,17 +231,25 @@ def load_weights(
             f"{path} holds {len(unexpected)} tensor(s) the model has no place for, e.g. "
             f"{_few(unexpected)}; config.json and the weights do not match"
         )
+    for rule in rules:
+        tensor = tensors[rule.source]
+        expected = CONVERSIONS[rule.kind].source_shape(
+            [tuple(parameters[t].shape) for t in rule.targets]
+        )
+        if tuple(tensor.shape) != tuple(expected):
+            raise SelfAttnError(
+                f"{path}: tensor {rule.source} has shape {tuple(tensor.shape)} but the model "
+                f"expects {tuple(expected)}; config.json and the weights do not match"
+            )
+
+
+def load_weights(network: nn.Module, rules: list[Rule], tensors: dict[str, Tensor]) -> None:
+    """Copy every checkpoint tensor into its parameter(s) (names and shapes checked before)."""
+    parameters = dict(network.named_parameters())
     with torch.no_grad():
         for rule in rules:
-            tensor = tensors[rule.source]
-            conversion = CONVERSIONS[rule.kind]
-            expected = conversion.source_shape([tuple(parameters[t].shape) for t in rule.targets])
-            if tuple(tensor.shape) != tuple(expected):
-                raise SelfAttnError(
-                    f"{path}: tensor {rule.source} has shape {tuple(tensor.shape)} but the model "
-                    f"expects {tuple(expected)}; config.json and the weights do not match"
-                )
-            for target, value in zip(rule.targets, conversion.convert(tensor), strict=True):
+            converted = CONVERSIONS[rule.kind].convert(tensors[rule.source])
+            for target, value in zip(rule.targets, converted, strict=True):
                 parameters[target].copy_(value)
 
 
@@ -253,27 +264,44 @@ def _few(names: list[str], count: int = 3) -> str:
 Built = tuple[nn.Module, list[Rule], ModelConfig, SentenceConfig | None]
 
 
+def check_layers(n_layers: int, tensors: dict[str, Tensor], folder: Path) -> None:
+    """Refuse more layers in config.json than the checkpoint has tensors for (their names
+    number the layers: ``layers.11.``) before the network is built: even on the meta device,
+    a hundred million layers would take minutes and gigabytes to build."""
+    numbers = (re.search(r"(?:^|\.)(\d+)\.", name) for name in tensors)
+    held = max((int(number[1]) + 1 for number in numbers if number), default=0)
+    if n_layers > held:
+        raise SelfAttnError(
+            f"{folder / 'config.json'}: its sizes make {n_layers:,} layers, and the weights hold "
+            f"{held:,}; restore the checkpoint's original config.json"
+        )
+
+
 def build_bert(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
     """An empty :class:`Bert` for this config (with a pooler if the checkpoint has one)."""
     config = bert_config(raw, pooler="pooler.dense.weight" in tensors)
+    check_layers(config.n_layers, tensors, folder)
     return encoder(config, raw, bert_rules(config.n_layers, config.pooler), folder)
 
 
 def build_roberta(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
     """An empty :class:`Bert` numbering positions as RoBERTa (and XLM-RoBERTa) does."""
     config = roberta_config(raw, pooler="pooler.dense.weight" in tensors)
+    check_layers(config.n_layers, tensors, folder)
     return encoder(config, raw, bert_rules(config.n_layers, config.pooler), folder)
 
 
 def build_mpnet(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
     """An empty :class:`Bert` with MPNet's relative position bias and RoBERTa's positions."""
     config = mpnet_config(raw, pooler="pooler.dense.weight" in tensors)
+    check_layers(config.n_layers, tensors, folder)
     return encoder(config, raw, mpnet_rules(config.n_layers, config.pooler), folder)
 
 
 def build_distilbert(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
     """An empty :class:`Bert` without token types or pooler, for DistilBERT's names."""
     config = distilbert_config(raw)
+    check_layers(config.n_layers, tensors, folder)
     return encoder(config, raw, distilbert_rules(config.n_layers), folder)
 
 
@@ -295,6 +323,7 @@ def encoder(config: BertConfig, raw: dict, rules: list[Rule], folder: Path) -> B
 def build_gpt2(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
     """An empty :class:`GPT` for this config; decoders have no sentence embeddings."""
     config = gpt2_config(raw)
+    check_layers(config.n_layer, tensors, folder)
     info = ModelConfig.for_decoder(config, "gpt2")
     return GPT(config), gpt2_rules(config.n_layer), info, None
 
@@ -302,6 +331,7 @@ def build_gpt2(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
 def build_llama(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
     """An empty :class:`Llama` for a Llama, Mistral, Qwen2, Qwen3, Phi-3 or Gemma config."""
     config = llama_config(raw)
+    check_layers(config.n_layers, tensors, folder)
     drop_tied_head(tensors, "lm_head.weight", "embed_tokens.weight", config, folder)
     network = Llama(config)
     rules = phi3_rules(network) if raw["model_type"] == "phi3" else llama_rules(network)
@@ -311,6 +341,7 @@ def build_llama(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
 def build_gpt_neox(raw: dict, tensors: dict[str, Tensor], folder: Path) -> Built:
     """An empty :class:`Llama` switched to GPT-NeoX's (Pythia's) structure."""
     config = neox_config(raw)
+    check_layers(config.n_layers, tensors, folder)
     drop_tied_head(tensors, "embed_out.weight", "embed_in.weight", config, folder)
     network = Llama(config)
     info = ModelConfig.for_decoder(config, raw["model_type"])
@@ -439,8 +470,9 @@ def load(
         raise SelfAttnError(
             f"{config_path}: {error}; restore the checkpoint's original config.json"
         ) from None
+    check_weights(network, rules, tensors, weights_path)
     allocate(network, dtype, device)
-    load_weights(network, rules, tensors, weights_path)
+    load_weights(network, rules, tensors)
     tokenizer_path = folder / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tokenizer_path) if tokenizer_path.is_file() else None
     ends = eos_token_ids(raw, folder, info.vocab_size) if info.kind == "decoder" else ()
