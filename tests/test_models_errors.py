@@ -463,7 +463,11 @@ WRONG_TYPES = {
         {"num_attention_heads": 0},
         "num_attention_heads must be at least 1, got 0",
     ),
-    "eps-string": (BERT, {"layer_norm_eps": "x"}, 'layer_norm_eps must be a number, got "x"'),
+    "eps-string": (
+        BERT,
+        {"layer_norm_eps": "x"},
+        'layer_norm_eps must be a positive number, got "x"',
+    ),
     "model-type-list": (
         BERT,
         {"model_type": ["bert"]},
@@ -476,14 +480,22 @@ WRONG_TYPES = {
     ),
     "distilbert-heads": (DISTILBERT, {"n_heads": "2"}, 'n_heads must be an integer, got "2"'),
     "gpt2-layers": (GPT2, {"n_layer": 2.0}, "n_layer must be an integer, got 2.0"),
-    "gpt2-eps": (GPT2, {"layer_norm_epsilon": "x"}, 'layer_norm_epsilon must be a number, got "x"'),
+    "gpt2-eps": (
+        GPT2,
+        {"layer_norm_epsilon": "x"},
+        'layer_norm_epsilon must be a positive number, got "x"',
+    ),
     "llama-kv-heads": (
         LLAMA,
         {"num_key_value_heads": "2"},
         'num_key_value_heads must be an integer or null, got "2"',
     ),
-    "llama-eps": (LLAMA, {"rms_norm_eps": [1e-6]}, "rms_norm_eps must be a number, got [1e-06]"),
-    "llama-theta": (LLAMA, {"rope_theta": True}, "rope_theta must be a number, got true"),
+    "llama-eps": (
+        LLAMA,
+        {"rms_norm_eps": [1e-6]},
+        "rms_norm_eps must be a positive number, got [1e-06]",
+    ),
+    "llama-theta": (LLAMA, {"rope_theta": True}, "rope_theta must be a positive number, got true"),
     "llama-rope": (
         LLAMA,
         {"rope_scaling": "linear"},
@@ -503,6 +515,24 @@ WRONG_TYPES = {
         MISTRAL,
         {"sliding_window": "8"},
         'sliding_window must be an integer or null, got "8"',
+    ),
+    # numbers of the right type that make NaN of every output
+    "bert-eps-negative": (
+        BERT,
+        {"layer_norm_eps": -1},
+        "layer_norm_eps must be a positive number, got -1",
+    ),
+    "gpt2-eps-nan": (
+        GPT2,
+        {"layer_norm_epsilon": math.nan},
+        "layer_norm_epsilon must be a positive number, got NaN",
+    ),
+    "llama-theta-zero": (LLAMA, {"rope_theta": 0}, "rope_theta must be a positive number, got 0"),
+    "mistral-window-negative": (
+        MISTRAL,
+        {"sliding_window": -1},
+        "LlamaConfig.sliding_windows must hold null or integers of at least 1 (a query sees "
+        "itself and window - 1 tokens before it), got -1",
     ),
     # sizes of the right type that the network cannot take together
     "heads-not-dividing": (

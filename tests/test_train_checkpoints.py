@@ -156,6 +156,21 @@ def test_more_layers_in_config_json_than_the_weights_hold_is_one_line_at_once(tr
         load_model(out)
 
 
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"layer_norm_eps": -1}, "GPTConfig.layer_norm_eps must be a positive number, got -1"),
+        ({"layer_norm_eps": 0}, "GPTConfig.layer_norm_eps must be a positive number, got 0"),
+    ],
+    ids=["negative", "zero"],
+)
+def test_a_norm_epsilon_changed_in_config_json_is_one_line(trained, tmp_path, change, said):
+    """layer_norm_eps -1 loaded, and generate died in torch's sampler (NaN probabilities)."""
+    out = _copy(trained, tmp_path / "out", lambda data: data["model"].update(change), "config.json")
+    with pytest.raises(SelfAttnError, match=re.escape(f"is unreadable: config.json: {said}")):
+        load_model(out)
+
+
 def test_a_lone_surrogate_in_the_vocabulary_is_one_line(trained, tmp_path):
     out = _copy(
         trained, tmp_path / "out", lambda data: data.update(chars=data["chars"] + "\ud800"),

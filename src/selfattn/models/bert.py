@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from selfattn.layers import ACTIVATIONS, LearnedPositions, TransformerBlock
-from selfattn.models.fields import check_fields
+from selfattn.models.fields import check_fields, check_positive
 
 RELATIVE_BUCKETS = 32  # MPNet buckets distances into 32, whatever its config's table holds
 RELATIVE_MAX_DISTANCE = 128  # distances beyond share the farthest bucket of their direction
@@ -50,6 +50,7 @@ class BertConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)  # types first: the checks below compare numbers
+        check_positive(self, "layer_norm_eps")
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "intermediate_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BertConfig.{name} must be positive, got {getattr(self, name)}")

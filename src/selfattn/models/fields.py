@@ -10,6 +10,7 @@ number here, though Python counts it as 1.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from selfattn.errors import is_integer, is_real
@@ -23,6 +24,7 @@ KINDS: dict[str, tuple[Callable[[object], bool], str]] = {  # kind -> (test, in 
     "int": (is_integer, "an integer"),
     "count": (is_integer, "an integer"),  # and at least 1: a size
     "float": (is_real, "a number"),
+    "positive": (lambda value: is_real(value) and 0 < value < math.inf, "a positive number"),
     "str": (lambda value: isinstance(value, str), "a string"),
     "bool": (lambda value: isinstance(value, bool), "true or false"),
     "dict": (lambda value: isinstance(value, dict), "an object"),
@@ -60,3 +62,12 @@ def check_fields(config: object) -> None:
             )
             if wrong:
                 raise ValueError(wrong)
+
+
+def check_positive(config: object, *names: str) -> None:
+    """A ValueError naming the first of the fields ``names`` of ``config`` that is not a
+    positive finite number: a norm's epsilon of 0 or less (or NaN) makes NaN of every output."""
+    for name in names:
+        wrong = problem(f"{type(config).__name__}.{name}", getattr(config, name), "positive")
+        if wrong:
+            raise ValueError(wrong)

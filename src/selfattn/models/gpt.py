@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from selfattn.errors import SelfAttnError, is_integer, is_real
 from selfattn.layers import ACTIVATIONS, KVCache, LearnedPositions, RMSNorm, TransformerBlock
-from selfattn.models.fields import check_fields
+from selfattn.models.fields import check_fields, check_positive
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)  # types first: the checks below compare numbers
+        check_positive(self, "layer_norm_eps")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")

@@ -105,11 +105,10 @@ CONFIG_ENTRIES = {
             "rms_norm_eps",
             "rope_theta",
             "rotary_emb_base",
-            "rotary_pct",
-            "partial_rotary_factor",
         ),
-        "float",
+        "positive",
     ),
+    **dict.fromkeys(("rotary_pct", "partial_rotary_factor"), "float"),
     "rope_parameters": "dict | None",
     "rope_scaling": "dict | None",
     **dict.fromkeys(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from selfattn.errors import SelfAttnError
+from selfattn.errors import SelfAttnError, is_integer
 from selfattn.layers import (
     ACTIVATIONS,
     FeedForward,
@@ -34,7 +34,7 @@ from selfattn.layers import (
     RopeScaling,
     RotaryPositions,
 )
-from selfattn.models.fields import check_fields
+from selfattn.models.fields import check_fields, check_positive
 from selfattn.models.gpt import Decoder, DecoderOutput, check_position_ids
 
 
@@ -69,6 +69,7 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)  # types first: the checks below compare numbers
+        check_positive(self, "norm_eps", "rope_theta")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
@@ -87,6 +88,12 @@ class LlamaConfig:
                 f"sliding_windows has {len(self.sliding_windows)} entries, one per layer of "
                 f"{self.n_layers}"
             )
+        for window in self.sliding_windows:
+            if window is not None and not (is_integer(window) and window >= 1):
+                raise ValueError(
+                    f"LlamaConfig.sliding_windows must hold null or integers of at least 1 "
+                    f"(a query sees itself and window - 1 tokens before it), got {window!r}"
+                )
 
 
 NORMS = {
