@@ -286,6 +286,24 @@ def test_a_hash_the_page_cannot_show_is_said_in_one_line(
     watched.check_clean()
 
 
+def test_control_characters_and_bidi_overrides_are_written_out_as_the_terminal_does(
+    browser, tmp_path
+):
+    # U+202E turned "bank gnp.exe money" into "bank yenom exe.png" in the text line; a C1
+    # character and ESC showed as nothing. Tokens and text now write them out (\u202e,
+    # \x9b), as the command line prints them; line breaks in the text stay line breaks.
+    tokens = ["bank", "\u202egnp.exe", "\x1b[41m", "\x9b", "money\n"]
+    path, _ = write_page(tmp_path, tokens=tokens)
+    watched = OfflinePage(browser, path)
+    page = watched.page
+    shown = page.eval_on_selector_all(
+        ".token[data-index]", "(els) => els.map((e) => e.textContent)"
+    )
+    assert shown == ["bank", "\\u202egnp.exe", "\\x1b[41m", "\\x9b", "money↵"]
+    assert page.text_content("#text") == "bank \\u202egnp.exe \\x1b[41m \\x9b money\n"
+    watched.check_clean()
+
+
 def test_user_text_shows_as_text(browser, tmp_path):
     path, _ = write_page(tmp_path)
     watched = OfflinePage(browser, path)

@@ -11,7 +11,14 @@ from rich.console import Console
 from selfattn import attention
 from selfattn.explain import Attended, Comparison, Explanation
 from selfattn.viz.report import print_comparison, print_explanation
-from selfattn.viz.terminal import bar, heatmap, step_table, weights_bars, written_scale
+from selfattn.viz.terminal import (
+    bar,
+    heatmap,
+    printable,
+    step_table,
+    weights_bars,
+    written_scale,
+)
 
 TOKENS = ["[CLS]", "i", "went", "to", "the", "bank", "[unused1]", "money", "[SEP]"]
 
@@ -297,3 +304,42 @@ def test_explain_names_unknown_tokens_on_the_heatmap_as_the_step_table_does(grou
     print_explanation(console, e)
     lines = console.export_text().splitlines()
     assert "2 '🙂' ([UN… ████████████" in lines  # its row, named as in the table, cut to 10 cells
+
+
+# An OSC 52 clipboard write, a colour and a bidi override, as a copied text may hold them.
+HOSTILE = "bank \x1b]52;c;cHduZWQ=\x07 \x1b[41mRED \u202egnp.exe money"
+WRITTEN = "bank \\x1b]52;c;cHduZWQ=\\x07 \\x1b[41mRED \\u202egnp.exe money"
+
+
+def test_printable_writes_out_control_characters_and_bidi_overrides():
+    assert printable(HOSTILE) == WRITTEN
+    assert printable("a\nb\tc\rd") == "a↵b⇥c\\x0dd"
+    assert printable("a\nb\tc", keep="\n\t") == "a\nb\tc"
+    assert printable("\x9b2J \u2066x\u2069 ок 🙂 \u200d") == "\\x9b2J \\u2066x\\u2069 ок 🙂 \u200d"
+
+
+def test_no_control_character_of_a_text_reaches_the_terminal():
+    # Text copied from elsewhere could recolour, clear or retitle the terminal, or write to
+    # its clipboard: the header, a character model's tokens (here ESC and the override), the
+    # keys, the map and a comparison's sentences write each such character out instead.
+    tokens = ["b", "\x1b", "[", "2", "J", "\u202e"]
+    e = Explanation(
+        model="m", text=HOSTILE, tokens=tokens, layer=0, head=None, choice="as asked",
+        query=1, attention=torch.full((6, 6), 1 / 6), steps=None, recorded_output=None,
+        alternative=None, groups=None, query_word=None, causal=False,
+        masked=torch.zeros(6, 6, dtype=torch.bool),
+    )  # fmt: skip
+    console = Console(record=True, width=200, color_system=None)
+    print_explanation(console, e)
+    explained = console.export_text()
+    assert WRITTEN in explained and "1:\\x1b" in explained and "5:\\u202e" in explained
+    texts = [HOSTILE, "a river bank"]
+    attended = [[Attended("\x1b[2J", 0.5, 3, repeated=False)]] * 2
+    comparison = Comparison("bank\x1b[0m", texts, torch.ones(7, 2, 2), attended, 5)
+    console = Console(record=True, width=200, color_system=None)
+    print_comparison(console, comparison, "m")
+    compared = console.export_text()
+    assert WRITTEN in compared and "attends to: \\x1b[2J 0.50" in compared
+    assert "'bank\\x1b[0m' across sentences" in compared
+    for printed in (explained, compared):
+        assert not any(char in printed for char in "\x1b\x07\u202e"), printed

@@ -36,6 +36,7 @@ from selfattn.viz.terminal import (
     RowTable,
     as_numpy,
     heatmap,
+    printable,
     scale_formula,
     step_table,
     weights_bars,
@@ -54,8 +55,12 @@ WHITESPACE_SIGNS = str.maketrans({" ": "␣", "\n": "↵", "\t": "⇥", "\r": "�
 
 
 def shown(tokens: list[str]) -> list[str]:
-    """Tokens as printed: one made only of whitespace (character-level models) made visible."""
-    return [token.translate(WHITESPACE_SIGNS) if not token.strip() else token for token in tokens]
+    """Tokens as printed: one made only of whitespace (character-level models) made visible,
+    control characters in the others written out (:func:`printable`)."""
+    return [
+        token.translate(WHITESPACE_SIGNS) if not token.strip() else printable(token)
+        for token in tokens
+    ]
 
 
 def _labels(e: Explanation) -> tuple[list[str], object]:
@@ -70,14 +75,14 @@ HEADLINE_CHARS = 160  # longer texts are cut short in the header (every token is
 
 
 def _headline(e: Explanation) -> str:
-    """The text for the header: whole, or its start (to a space, or, without one, before a
-    character whose combining marks would be cut from it) and how long it is."""
+    """The text for the header, printable: whole, or its start (to a space, or, without one,
+    before a character whose combining marks would be cut from it) and how long it is."""
     if len(e.text) <= HEADLINE_CHARS:
-        return e.text
+        return printable(e.text, keep="\n\t")
     end = HEADLINE_CHARS
     while end > 0 and is_mark(e.text[end]):
         end -= 1
-    start = e.text[:end].rsplit(" ", 1)[0]
+    start = printable(e.text[:end].rsplit(" ", 1)[0], keep="\n\t")
     return f"{start} … ({len(e.text):,} characters, {len(e.tokens)} tokens)"
 
 
@@ -212,12 +217,12 @@ def _causal_note(e: Explanation) -> str:
 
 def _listed(attended: list[Attended]) -> str:
     """Attended keys as a line, "deposit 0.68, 9:river 0.07" (an index where a name repeats)."""
-    return ", ".join(f"{key.label} {key.weight:.2f}" for key in attended)
+    return ", ".join(f"{printable(key.label)} {key.weight:.2f}" for key in attended)
 
 
 def _query_name(e: Explanation, labels: list[str]) -> str:
     """The query token as quoted: 'bank', or '🙂' ([UNK]) by the text an unknown one stands for."""
-    return e.name(labels[e.query], [e.query])
+    return printable(e.name(labels[e.query], [e.query]))
 
 
 def _query_note(e: Explanation) -> str:
@@ -227,7 +232,7 @@ def _query_note(e: Explanation) -> str:
     if e.piece_note is not None:
         merged = "merged by word below" if e.groups is not None else "--words merges them"
         notes.append(f"{e.piece_note}; {merged}")
-    return f" ({'; '.join(notes)})" if notes else ""
+    return printable(f" ({'; '.join(notes)})") if notes else ""
 
 
 def _alternative_table(e: Explanation, keys: list[str]) -> Table:
@@ -355,7 +360,7 @@ def _width(console: Console, table: Table) -> int:
 
 def _followed(c: Comparison) -> str:
     """The compared word, with the occurrence followed when it is not the first."""
-    return f"'{c.word}'" + (f" (--occurrence {c.occurrence})" if c.occurrence else "")
+    return f"'{printable(c.word)}'" + (f" (--occurrence {c.occurrence})" if c.occurrence else "")
 
 
 def print_comparison(console: Console, c: Comparison, model: str) -> None:
@@ -366,7 +371,7 @@ def print_comparison(console: Console, c: Comparison, model: str) -> None:
         table = min(table, pairs_as_rows, key=partial(_width, console))
     sentences = Table.grid(padding=(0, 2))
     for i, (sentence, attended) in enumerate(zip(c.sentences, c.attended, strict=True)):
-        sentences.add_row(f"S{i + 1}", Text(sentence))
+        sentences.add_row(f"S{i + 1}", Text(printable(sentence, keep="\n\t")))
         listed = _listed(attended) or ("no word before it" if c.causal else "no other word")
         sentences.add_row("", Text(f"attends to: {listed}", style="cyan"))
     title = f"{_followed(c)} across sentences ({model}): cosine similarity of its vectors"
@@ -388,8 +393,8 @@ def _attention_note(c: Comparison) -> str:
     layer = c.attended_layer
     note = (
         f"attends to: attention layer {layer} (explain --layer {layer}), mean of heads, "
-        f"'{c.word}' itself and the special tokens left out (so the weights sum to less than "
-        f"1); its block's output is layer {layer + 1} in the table"
+        f"'{printable(c.word)}' itself and the special tokens left out (so the weights sum to "
+        f"less than 1); its block's output is layer {layer + 1} in the table"
     )
     if any(key.repeated for row in c.attended for key in row):
         note += "; n:word = the word at token n, where a sentence has it more than once"

@@ -8,6 +8,7 @@ are keys, everywhere.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -24,6 +25,27 @@ from selfattn.attention import default_scale
 from selfattn.text import is_mark
 
 ArrayLike = Tensor | np.ndarray | Sequence[float] | Sequence[Sequence[float]]
+
+# Control characters (an escape sequence in a text could recolour, clear or retitle the
+# terminal, or write to its clipboard) and bidi overrides (which reorder what follows them);
+# the pages write out the same characters (view.js).
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+CONTROL_SIGNS = {"\n": "↵", "\t": "⇥"}
+
+
+def printable(text: str, keep: str = "") -> str:
+    """``text`` safe to print: each control character and bidi override written out (\\x1b,
+    \\u202e), a line break as ↵ and a tab as ⇥, but those in ``keep`` as they are."""
+
+    def sign(match: re.Match[str]) -> str:
+        char = match[0]
+        if char in keep:
+            return char
+        code = ord(char)
+        return CONTROL_SIGNS.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+    return CONTROL.sub(sign, text)
+
 
 CAPTION = "rows: queries, columns: keys"
 VECTORS_CAPTION = "rows: tokens, columns: dimensions"

@@ -11,7 +11,7 @@
   const {
     h, fmt, decodeTensor, readPalette, channels, clip, paintToken, headName, readHash, noteHash, renderEmbedded, renders, applySelection,
     markChosen, onPixelRatioChange, onColourChange, keepBandInView, keepTokenInView, buildControls, buildLegend, topKeys, drawLegend, sizedContext,
-    drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents, windowOf, outsideWindow, shown, spokenToken, tokenSpan, tokenName, pageKeys,
+    drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents, windowOf, outsideWindow, printable, shown, spokenToken, tokenSpan, tokenName, pageKeys,
     describeSlider, mapKeys, buildStepTable, weightRow, totalRow, scrollRegion,
   } = window.selfattn;
   const TOP_KEYS = 6; // keys listed for the chosen strip; the rest is one line of left-over weight
@@ -207,7 +207,7 @@
       "section",
       { class: "card" },
       h("h2", { id: idOf("text-heading") }, "Generated text"),
-      scrollRegion("p", { id: idOf("text"), class: "text", dir: "auto", "aria-labelledby": idOf("text-heading") }, model.prompt, h("b", {}, model.text)),
+      scrollRegion("p", { id: idOf("text"), class: "text", dir: "auto", "aria-labelledby": idOf("text-heading") }, printable(model.prompt), h("b", {}, printable(model.text))),
     );
   }
 

@@ -18,7 +18,7 @@
   const BANK = ["I went to the bank to deposit money.", "We sat on the bank of the river and watched the water."];
   const RETRIES = 3; // on 503 "busy", after the server's Retry-After
 
-  const { h, fmt, fmtScale, shown: asShown, tokenName, scrollRegion } = window.selfattn; // from view.js: DOM building (text only), numbers, a token as shown and as prose names it, a named scroll box
+  const { h, fmt, fmtScale, printable, shown: asShown, tokenName, scrollRegion } = window.selfattn; // from view.js: DOM building (text only), numbers, a text and a token as shown and as prose names it, a named scroll box
 
   // ---------- the server ----------
 
@@ -298,7 +298,7 @@
           "li",
           { "data-sentence": String(i) },
           h("span", { class: "label" }, `S${i + 1}`),
-          h("span", { class: "sentence", dir: "auto" }, sentence),
+          h("span", { class: "sentence", dir: "auto" }, printable(sentence)),
           h(
             "span",
             { class: "looks" },

@@ -244,14 +244,20 @@
     el.classList.toggle("painted", Boolean(colour));
   }
 
-  /** A control character written out: a line break as ↵, a tab as ⇥, the others as \x06 (in any font). */
-  const escaped = (c) => ({ "\n": "↵", "\t": "⇥" })[c] ?? `\\x${c.charCodeAt(0).toString(16).padStart(2, "0")}`;
+  /** Control characters (an escape sequence) and bidi overrides (they reorder what follows), as terminal.py's CONTROL. */
+  const CONTROL = /[\u0000-\u001f\u007f-\u009f\u202a-\u202e\u2066-\u2069]/;
+  const CONTROLS = new RegExp(CONTROL.source, "g");
+  const hex = (c, digits) => c.charCodeAt(0).toString(16).padStart(digits, "0");
+  /** A control character written out: a line break as ↵, a tab as ⇥, the others as \x06 or \u202e (in any font). */
+  const escaped = (c) => ({ "\n": "↵", "\t": "⇥" })[c] ?? (c.charCodeAt(0) < 0x100 ? `\\x${hex(c, 2)}` : `\\u${hex(c, 4)}`);
+  /** A text as the page shows it, as the command line does: control characters written out, line breaks and tabs kept. */
+  const printable = (text) => text.replace(CONTROLS, (c) => (c === "\n" || c === "\t" ? c : escaped(c)));
   /**
    * A token as the page shows it, as the command line does: control characters visible, a token of white
    * space only as ␣ each (a character model's space, a BPE's line break), the rest as written.
    */
   function shown(token) {
-    const visible = token.replace(/[\u0000-\u001f\u007f]/g, escaped);
+    const visible = token.replace(CONTROLS, escaped);
     return (/^\s+$/.test(visible) ? visible.replace(/\s/g, "␣") : visible) || "∅";
   }
 
@@ -265,7 +271,7 @@
     if (!token) return "empty token";
     const blank = /^\s+$/.test(token);
     const word = (c) => SPOKEN[c] ?? (/\s/.test(c) ? "space" : `control character ${escaped(c)}`);
-    const spoken = Array.from(token, (c) => (blank || /[\u0000-\u001f\u007f]/.test(c) ? ` ${word(c)} ` : c));
+    const spoken = Array.from(token, (c) => (blank || CONTROL.test(c) ? ` ${word(c)} ` : c));
     return spoken.join("").trim().replace(/ {2,}/g, " ");
   }
 
@@ -744,7 +750,7 @@
       {},
       h("div", { class: "brand" }, "selfattn · attention explorer"),
       h("h1", { id: idOf("model") }, model.model),
-      scrollRegion("p", { id: idOf("text"), class: "text", dir: "auto", "aria-label": "text" }, model.text),
+      scrollRegion("p", { id: idOf("text"), class: "text", dir: "auto", "aria-label": "text" }, printable(model.text)),
       h(
         "p",
         { class: "meta" },
@@ -1226,7 +1232,7 @@
   // render, clear, h and fmt are shared with the live explorer (serve.js), which loads after this file;
   // h, fmt and the rest with the page of attention during generation (generation.js).
   window.selfattn = {
-    render, clear: explorers.clear, h, fmt, fmtScale, shown, spokenToken, tokenSpan, tokenName, describeSlider, mapKeys, buildStepTable, weightRow, totalRow, scrollRegion, decodeTensor, readPalette, channels, clip, paintToken, headName,
+    render, clear: explorers.clear, h, fmt, fmtScale, printable, shown, spokenToken, tokenSpan, tokenName, describeSlider, mapKeys, buildStepTable, weightRow, totalRow, scrollRegion, decodeTensor, readPalette, channels, clip, paintToken, headName,
     readHash, noteHash, renderEmbedded, renders, applySelection, markChosen, onPixelRatioChange, onColourChange, keepBandInView, keepTokenInView,
     buildControls, buildLegend, topKeys, drawLegend, sizedContext, drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents,
     windowOf, outsideWindow, pageKeys,
