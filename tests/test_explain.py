@@ -1019,6 +1019,7 @@ def test_compare_tells_a_repeated_attended_word_apart():
         ),
         (["explain", MONEY, "--png", "/no/such/folder/bank.png"], "does not exist"),
         (["explain", MONEY, "--html", "."], "is a folder"),
+        (["explain", MONEY, "--html", "/etc/passwd/x/b.html"], "/etc/passwd is a file, not a"),
         (["explain", MONEY, "--svg", "/proc/bank.svg"], "cannot write /proc/bank.svg"),
         (["view", MONEY, "-o", "/no/such/folder/bank.html"], "does not exist"),
         # usage mistakes, found by typer before the command runs ("root": the test runner's name)

@@ -530,6 +530,13 @@ def _check_outputs(*outputs: tuple[Path | None, str]) -> None:
         if path.is_dir():
             raise _fail(f"{option} {path} is a folder; give a file name", 2)
         if not path.parent.is_dir():
+            file = next((above for above in path.parents if above.exists()), None)
+            if file is not None and not file.is_dir():  # out/x.html where out is a file
+                raise _fail(
+                    f"{option} {path}: {file} is a file, not a folder; give {option} a file in a "
+                    "folder",
+                    2,
+                )
             raise _fail(
                 f"{option} {path}: the folder {path.parent} does not exist; create it first", 2
             )
