@@ -90,7 +90,7 @@ def print_explanation(console: Console, e: Explanation) -> None:
     """Everything explain shows in the terminal, in the order of the steps."""
     header = Text.assemble(
         ("model ", "dim"), (e.model, "bold"), ("   text ", "dim"), (_headline(e), "bold"), "\n",
-        (_where(e), "bold cyan"), (f"   ({e.choice})", "dim"),
+        (_where(e), "bold cyan"), (f"   ({printable(e.choice)})", "dim"),
     )  # fmt: skip
     console.print(Panel(header, title="selfattn explain", expand=False))
     labels = shown(e.tokens)
@@ -382,7 +382,7 @@ def print_comparison(console: Console, c: Comparison, model: str) -> None:
             Text(f"\n{title}", style="bold"),
             table,
             Text("layer 0 = the embedding output; 1.000 = the same direction", style="dim"),
-            *([Text(c.tokens_note, style="yellow")] if c.tokens_note else []),
+            *([Text(printable(c.tokens_note), style="yellow")] if c.tokens_note else []),
         )
     )
 
