@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import math
 from itertools import pairwise
@@ -25,6 +26,7 @@ from selfattn.errors import SelfAttnError
 from selfattn.layers import GatedFeedForward, GroupedQueryAttention, RMSNorm, RotaryPositions
 from selfattn.models.gpt import GPT, GPTConfig
 from selfattn.models.llama import Llama, LlamaConfig
+from selfattn.recording import active_recordings
 from test_attention import compile_whole
 
 
@@ -609,6 +611,34 @@ def test_nested_records_each_get_every_call_inside_them():
         assert mine.query.data_ptr() == theirs.query.data_ptr()
         torch.testing.assert_close(mine.weights(), theirs.weights(), atol=0, rtol=0)
     assert outer.n_layers == 2 and inner.n_layers == 2
+
+
+def test_records_ended_out_of_order_or_in_another_context_leave_none_active():
+    """Two generators that each hold a record() block, stepped in turn: the second block to
+    end put back the first's recording, which then captured every call of the process for
+    ever. A block ended in another context (a thread pool stepping the generator) raised a
+    ValueError (a ContextVar token made elsewhere)."""
+    layer = MultiHeadAttention(8, 2)
+    x = torch.randn(1, 4, 8)
+
+    def stream():
+        with record(layer) as recording:
+            layer(x)
+            yield recording
+            layer(x)
+
+    first, second = stream(), stream()
+    recordings = [next(first), next(second)]
+    for generator in (first, second):  # first ends first
+        assert next(generator, None) is None
+    assert active_recordings() == ()
+    layer(x)
+    assert [len(recording) for recording in recordings] == [3, 3]
+    third = stream()  # each step in a copy of this context, as a thread pool steps it
+    contextvars.copy_context().run(next, third)
+    assert contextvars.copy_context().run(next, third, None) is None
+    layer(x)
+    assert active_recordings() == () and [len(recording) for recording in recordings] == [3, 3]
 
 
 def test_head_out_of_range_names_the_range():

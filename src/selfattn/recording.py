@@ -210,8 +210,11 @@ def record(*models: nn.Module) -> Iterator[Recording]:
     Pass the model(s) to name each capture by its qualified module name
     (``encoder.layers.3.attention``); layers are numbered by order of first call. Blocks
     nest: each gets every call made inside it (an inner block, or a ``model.run`` inside
-    yours, no longer keeps them from the outer one). Calls inside a ``torch.compile`` graph
-    are not recorded; a compiled model passed here is a :class:`SelfAttnError`.
+    yours, no longer keeps them from the outer one), and may end in any order (two
+    generators that each hold one open). A block records the calls of its own context (its
+    thread, its asyncio task), not a model run in another thread meanwhile. Calls inside a
+    ``torch.compile`` graph are not recorded; a compiled model passed here is a
+    :class:`SelfAttnError`.
     """
     recording = Recording()
     for model in models:
@@ -223,11 +226,12 @@ def record(*models: nn.Module) -> Iterator[Recording]:
         for name, module in model.named_modules():
             _refuse_compiled(module, name)
             recording.names[id(module)] = name or type(module).__name__
-    token = _ACTIVE.set((*_ACTIVE.get(), recording))
+    _ACTIVE.set((*_ACTIVE.get(), recording))
     try:
         yield recording
-    finally:
-        _ACTIVE.reset(token)
+    finally:  # this recording only: restoring the tuple from before would revive one that
+        # ended meanwhile (out of order) and, in another context, fails (a ContextVar token)
+        _ACTIVE.set(tuple(other for other in _ACTIVE.get() if other is not recording))
 
 
 def _refuse_compiled(module: nn.Module, name: str) -> None:
