@@ -230,6 +230,28 @@ def test_resume_gives_the_same_losses_as_straight_training(corpus, tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_training_leaves_the_callers_random_state_and_a_models_mode_as_they_were(corpus, tmp_path):
+    """train_decoder reseeded the caller's torch generator: two notebooks seeded 1 and 9999
+    drew the same numbers after it. And a model put back in train() mode ran with dropout:
+    two runs of one text differed, a recording's recomputed output was not the model's, a
+    seed gave another text each time. run and generate now evaluate, and leave the mode."""
+    torch.manual_seed(9999)
+    expected = torch.rand(4)
+    torch.manual_seed(9999)
+    train_decoder(
+        corpus, tmp_path / "out", preset="tiny", overrides={"max_iters": 2, "dropout": 0.5}
+    )
+    assert torch.equal(torch.rand(4), expected)
+    model = load_model(tmp_path / "out").train()
+    first, second = model.run("First Citizen"), model.run("First Citizen")
+    assert torch.equal(first.hidden_states, second.hidden_states)
+    capture = first.captures[0]
+    torch.testing.assert_close(capture.trace().output, capture.output[0], atol=1e-6, rtol=0)
+    assert model.generate("All", 20, seed=3) == model.generate("All", 20, seed=3)
+    assert model.generate_recorded("All", 20, seed=3).text == model.generate("All", 20, seed=3)
+    assert all(module.training for module in model.modules())
+
+
 @pytest.mark.parametrize(
     ("setting", "value", "group_key"),
     [("weight_decay", 0.0, "weight_decay"), ("beta1", 0.5, "betas"), ("beta2", 0.9, "betas")],

@@ -14,6 +14,7 @@ import operator
 import reprlib
 import sys
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import ClassVar, TypeVar, overload
 
@@ -410,6 +411,20 @@ def _character_end(tokenizer: Tokenizer, ids: list[int], pieces: list[str], star
     return start + 1
 
 
+@contextmanager
+def evaluating(network: nn.Module) -> Iterator[None]:
+    """``network`` in eval mode inside, each module's mode put back after: a run, an
+    embedding or a generation has no dropout even after ``.train()``, so what a recording
+    recomputes is what the model did, and a seed gives the same text every time."""
+    modes = [(module, module.training) for module in network.modules()]
+    network.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 def left_padded(rows: list[Tensor]) -> Tensor:
     """The 1-D ``rows`` as one (B, T) tensor, each padded with 0 on its left (pad_sequence's
     ``padding_side`` needs torch 2.5; flipping twice does it on any)."""
@@ -575,7 +590,7 @@ class Model(nn.Module):
                 "pass a sentence to run"
             )
         input_ids = torch.tensor([encoding.ids], device=self.device)
-        with torch.no_grad(), record(self.network) as recording:
+        with torch.no_grad(), evaluating(self.network), record(self.network) as recording:
             # forward, not self(...): after model.compile() the call would run its graph,
             # which records nothing; one text runs eager (compiled blocks are refused).
             output = self.forward(input_ids)
@@ -629,6 +644,7 @@ class Model(nn.Module):
         embeddings = torch.empty(len(ids), self.config.d_model, dtype=self.dtype)
         with (
             torch.inference_mode(),
+            evaluating(self.network),
             Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar,
         ):
             task = bar.add_task("encoding", total=len(texts))
@@ -708,7 +724,8 @@ class Model(nn.Module):
             seed=seed,
             use_cache=use_cache,
         )
-        new_ids, _ = self._until_end(((ids[:, -1], None) for ids in steps), len(prompts))
+        with evaluating(self.network):
+            new_ids, _ = self._until_end(((ids[:, -1], None) for ids in steps), len(prompts))
         texts = [self._continuation(p, p + n) for p, n in zip(prompt_ids, new_ids, strict=True)]
         return texts[0] if isinstance(prompt, str) else texts
 
@@ -744,7 +761,8 @@ class Model(nn.Module):
             seed=seed,
             use_cache=use_cache,
         )
-        (new_ids,), steps = self._until_end(_recorded_steps(self.network, new_steps), 1)
+        with evaluating(self.network):
+            (new_ids,), steps = self._until_end(_recorded_steps(self.network, new_steps), 1)
         return Generation(
             prompt=prompt,
             text=self._continuation(encoding.ids, encoding.ids + new_ids),

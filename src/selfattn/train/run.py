@@ -82,11 +82,13 @@ def train_decoder(
     ``overrides={"arch": "llama"}`` trains a Llama instead of a GPT (``"n_kv_head"`` sets its
     key/value heads); resuming keeps the checkpoint's architecture and refuses another.
     Under torchrun each rank trains on its own batches; rank 0 writes and prints. ``out`` is
-    locked while the run lasts: a second run into it is refused.
+    locked while the run lasts: a second run into it is refused. The caller's torch random
+    state is as it was afterwards: the run seeds a fork of it.
     """
     context = distributed.setup(device)
     try:
         with ExitStack() as locks:
+            locks.enter_context(_own_global_state(context.device))
             return _train_decoder(
                 context,
                 Path(data),
@@ -106,6 +108,20 @@ def train_decoder(
         ) from None
     finally:
         distributed.teardown()
+
+
+@contextmanager
+def _own_global_state(device: torch.device) -> Iterator[None]:
+    """The caller's torch random state and float32 matmul precision, put back after the run:
+    training seeds the one (and restores a checkpoint's states into it) and sets the other
+    on CUDA, which a notebook's own code after the run should not inherit."""
+    precision = torch.get_float32_matmul_precision()
+    devices = [torch.cuda.current_device()] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 def _out_of_memory(error: RuntimeError) -> bool:
