@@ -215,6 +215,27 @@ def test_reduced_precision_no_worse_than_twice_sdpa(backend, dtype):
     assert our_error <= 2 * sdpa_error + 1e-6, (our_error, sdpa_error)
 
 
+@pytest.mark.parametrize("backend", [*EXACT_BACKENDS, "chunked"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_precision_cosine_of_zero_and_long_vectors_within_twice_sdpa(backend, dtype):
+    # Cosine normalised in the inputs' dtype: in float16 a zero key's norm rounded to 0 (NaN
+    # in every row) and a norm past 65504 to inf (that row's scores all 0: uniform weights).
+    # Normalised in float32 now; error at most twice SDPA's on the same inputs, normalised
+    # in float32 and cast, against float64 (+ 1e-6).
+    q64, k64, v64 = qkv((2,), 9, 11, 64, 64, seed=5)
+    k64[:, 3] = 0
+    q64[:, 2] *= 1e4  # entries up to about 4e4, a norm near 1e5
+    k64[:, 5] *= 1e4
+    unit = (F.normalize(q64, dim=-1), F.normalize(k64, dim=-1))
+    reference = sdpa(*unit, v64, scale=8.0)
+    q, k, v = (x.to(dtype) for x in (q64, k64, v64))
+    ours = attention(q, k, v, similarity="cosine", scale=8.0, backend=backend)
+    their_inputs = (*(x.float().to(dtype) for x in unit), v)
+    sdpa_error = (sdpa(*their_inputs, scale=8.0).double() - reference).abs().max()
+    our_error = (ours.double() - reference).abs().max()
+    assert our_error <= 2 * sdpa_error + 1e-6, (our_error, sdpa_error)
+
+
 def test_reduced_precision_gradients_no_worse_than_twice_sdpa():
     dtype = torch.bfloat16
     shape = ((2, 2), 17, 23, 32, 32)
@@ -470,6 +491,8 @@ def test_trace_from_a_fused_backend_is_a_clear_error():
         ({"as_list": True}, "must be a torch.Tensor, got list"),
         ({"mask": [[True] * 3] * 3}, "mask must be a torch.Tensor"),
         ({"scale": "0.5"}, "scale must be a finite number"),
+        ({"scale": True}, "scale must be a finite number, got True"),  # was read as 1.0
+        ({"dropout_p": True}, "dropout_p must be a finite number, got True"),  # said "got 1.0"
         ({"scale": torch.ones(2)}, "scale must be a finite number"),
     ],
 )

@@ -438,6 +438,23 @@ def test_half_precision_within_twice_sdpa_error(monkeypatch, plan, dtype):
     assert_matches_reference(*_inputs(33, 64, 16), dtype=dtype, causal=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_cosine_of_zero_and_long_vectors(dtype):
+    """A zero key, and norms past float16's 65504: NaN everywhere and uniform weights while
+    cosine normalised in the inputs' dtype (test_attention.py has the other backends)."""
+    q, k, v, _ = _inputs(9, 11, 16)
+    k[..., 3, :] = 0
+    q[..., 2, :] *= 1e4
+    k[..., 5, :] *= 1e4
+    reference = attention(q, k, v, similarity="cosine", backend="explicit")
+    ours, baseline = (
+        attention(*(x.to(dtype) for x in (q, k, v)), similarity="cosine", backend=backend)
+        for backend in ("triton", "sdpa")
+    )
+    error, base_error = ((x.double() - reference).abs().max() for x in (ours, baseline))
+    assert error <= 2 * base_error + ABS_FLOOR[dtype], (error, base_error)
+
+
 def test_bfloat16_output_rounds_to_nearest_as_on_a_gpu():
     """Equal scores (query 0) over three keys: the output is the values' float32 mean, rounded
     to nearest even, bit for bit (the interpreter's own cast would truncate)."""

@@ -145,18 +145,25 @@ def allowed_mask(call: AttentionCall) -> Tensor | None:
     return allowed
 
 
-def normalize_for_similarity(call: AttentionCall) -> tuple[Tensor, Tensor]:
-    """Query and key as the dot product sees them: L2-normalised for cosine similarity."""
+def normalize_for_similarity(
+    call: AttentionCall, dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
+    """Query and key as the dot product sees them, in ``dtype`` (default: the inputs'):
+    L2-normalised for cosine similarity, in float32 for half and bfloat16 inputs (there a
+    zero vector's norm rounds to 0, giving NaN everywhere, and one past 65504 to inf)."""
+    query, key = call.query, call.key
     if call.similarity == "cosine":
-        return F.normalize(call.query, dim=-1), F.normalize(call.key, dim=-1)
-    return call.query, call.key
+        wide = torch.float32 if query.dtype in REDUCED_PRECISION else query.dtype
+        query, key = F.normalize(query.to(wide), dim=-1), F.normalize(key.to(wide), dim=-1)
+    dtype = dtype or call.query.dtype
+    return query.to(dtype), key.to(dtype)
 
 
 def _explicit(call: AttentionCall) -> AttentionTrace:
     """The reference: the six steps, in order, every intermediate kept."""
     compute = torch.float32 if call.query.dtype in REDUCED_PRECISION else call.query.dtype
-    query, key = normalize_for_similarity(call)
-    query, key, value = query.to(compute), key.to(compute), call.value.to(compute)
+    query, key = normalize_for_similarity(call, compute)
+    value = call.value.to(compute)
 
     scores = query @ key.transpose(-2, -1)  # (..., T, S)
     scaled = scores * call.scale
@@ -666,7 +673,7 @@ def _finite(scale: object) -> float:
 def _number(name: str, value: object) -> float:
     """``value`` as a float (a Python, NumPy or one-element torch number), if finite."""
     try:
-        number = math.nan if isinstance(value, str) else float(value)
+        number = math.nan if isinstance(value, (str, bool)) else float(value)
     except (TypeError, ValueError, RuntimeError):
         number = math.nan
     if not math.isfinite(number):
