@@ -10,6 +10,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Before anything imports triton: its kernels run under the interpreter, on CPU tensors, in
+# every test file (test_triton.py's and ring attention's alike), whichever runs alone.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`: two workers (pytest-xdist)
     # One thread each: two workers' OpenMP teams on two cores made torch's tests up to 14
     # times slower. And no COLUMNS: a worker starts with COLUMNS=80, which the CLI's rich

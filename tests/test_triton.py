@@ -1,7 +1,7 @@
 """The Triton kernels (forward and backward) against the explicit path, under the interpreter.
 
-TRITON_INTERPRET=1 is set before triton is imported, so the same kernels that run on a GPU run
-here on CPU float32 tensors (small shapes: the interpreter is slow).
+TRITON_INTERPRET=1 is set (conftest.py) before triton is imported, so the same kernels that run
+on a GPU run here on CPU float32 tensors (small shapes: the interpreter is slow).
 
 Tolerance (flash-attention's rule): against the explicit path in float64, our error (max abs,
 output and each gradient) is at most twice that of torch's own SDPA in the same dtype, plus an
@@ -13,9 +13,6 @@ SDPA happens to be exact.
 import dataclasses
 import importlib
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import subprocess
 import sys
 from pathlib import Path
