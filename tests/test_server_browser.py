@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import pairwise
 from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 import httpx
@@ -1303,6 +1304,20 @@ def test_the_page_has_a_main_landmark_and_a_heading_for_each_view(browser, decod
         assert section.get_attribute("id") == f"view-{view}"
         assert section.evaluate("(e) => e.parentElement.tagName") == "MAIN"
         assert page.get_by_role("heading", name=title, exact=True).count() == 1
+    # A rendered view's headings sit below its section's: its model's name was a second h1.
+    page.click("#tab-explore")
+    watched.explore(PROMPT)
+    watched.wait("#app")
+    page.click("#tab-generate")
+    page.fill("#generate-prompt", PROMPT)
+    page.click("#generate-run")
+    watched.wait("#generate-result")
+    for view in ("explore", "generate"):
+        levels = page.eval_on_selector_all(
+            f"#view-{view} :is(h1, h2, h3, h4, h5, h6)", "(hs) => hs.map((h) => +h.tagName[1])"
+        )
+        assert levels[:2] == [2, 3] and min(levels) == 2 and max(levels) == 5, levels
+        assert all(b - a <= 1 for a, b in pairwise(levels)), levels  # no level skipped
     watched.check_clean()
 
 

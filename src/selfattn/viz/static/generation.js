@@ -9,7 +9,7 @@
 
 (() => {
   const {
-    h, fmt, decodeTensor, readPalette, channels, clip, paintToken, headName, readHash, noteHash, renderEmbedded, renders, applySelection,
+    h, headingsFrom, fmt, decodeTensor, readPalette, channels, clip, paintToken, headName, readHash, noteHash, renderEmbedded, renders, applySelection,
     markChosen, onPixelRatioChange, onColourChange, keepBandInView, keepTokenInView, buildControls, buildLegend, topKeys, drawLegend, sizedContext,
     drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents, windowOf, outsideWindow, printable, shown, spokenToken, tokenSpan, tokenName, pageKeys,
     describeSlider, mapKeys, buildStepTable, weightRow, totalRow, scrollRegion,
@@ -72,10 +72,11 @@
    * options.hash (default true): read and write the selection in the URL hash;
    * options.onChange(selection): called with {layer, head, step} after every change;
    * options.idPrefix (default ""): put before every id the page gives its parts (#layer, #strips, ...), so
-   * that it can share a page with another view that names its parts alike (the live explorer's Explore).
+   * that it can share a page with another view that names its parts alike (the live explorer's Explore);
+   * options.headingLevel (default 1): the level of its heading (the model's name), its cards' one below.
    */
   function render(payload, root = document.getElementById("app"), options = {}) {
-    const { hash = true, onChange = null, idPrefix = "" } = options;
+    const { hash = true, onChange = null, idPrefix = "", headingLevel = 1 } = options;
     const signal = pages.start(root);
     const model = { ...payload, weights: decodeTensor(payload.weights, payload.dtype) };
     model.offsets = stepOffsets(model);
@@ -90,7 +91,7 @@
       return cache.get(name);
     };
     let palette = readPalette();
-    const ui = buildLayout(model, (name) => idPrefix + name);
+    const ui = buildLayout(model, (name) => idPrefix + name, headingsFrom(headingLevel));
     root.replaceChildren(ui.page);
     const tokenEls = buildTokens(model, ui.flow);
     const generated = tokenEls.slice(model.n_prompt);
@@ -202,17 +203,17 @@
   }
 
   /** The prompt and its continuation as plain text, in a card of its own (the live explorer's Generate adds to it). */
-  function generatedText(model, idOf) {
+  function generatedText(model, idOf, heading) {
     return h(
       "section",
       { class: "card" },
-      h("h2", { id: idOf("text-heading") }, "Generated text"),
+      heading(1, { id: idOf("text-heading") }, "Generated text"),
       scrollRegion("p", { id: idOf("text"), class: "text", dir: "auto", "aria-labelledby": idOf("text-heading") }, printable(model.prompt), h("b", {}, printable(model.text))),
     );
   }
 
-  /** The page's parts; `idOf(name)` is the id of the part called `name`. */
-  function buildLayout(model, idOf) {
+  /** The page's parts; `idOf(name)` is the id of the part called `name`, `heading` makes its headings (headingsFrom). */
+  function buildLayout(model, idOf, heading) {
     const { layer, head, shadeBy } = buildControls(model, idOf, [["row", "each strip's largest"], ["all", "largest weight"]]);
     const slid = model.starts.some((start) => start > 0);
     const windowed = windowMasks(model);
@@ -223,7 +224,7 @@
       "header",
       {},
       h("div", { class: "brand" }, "selfattn · attention during generation"),
-      h("h1", { id: idOf("model") }, model.model),
+      heading(0, { id: idOf("model") }, model.model),
       h(
         "p",
         { class: "meta" },
@@ -237,7 +238,7 @@
     const flow = h("div", { id: idOf("flow"), class: "flow", role: "listbox", "aria-label": "generated tokens", "aria-orientation": "horizontal" });
     const detail = h("div", { id: idOf("detail"), class: "row-summary" }); // follows the pointer: not read out (the selection is)
     const map = h("canvas", { id: idOf("strips"), class: "strips", role: "slider", tabindex: "0" });
-    const stepTitle = h("h3", { id: idOf("step-title") });
+    const stepTitle = heading(2, { id: idOf("step-title") });
     const { table: stepTable, body: stepsBody, foot: stepsFoot } = buildStepTable(idOf, []);
     const tip = h("div", { id: idOf("strip-tip"), class: "tip", hidden: "" });
     const greyKeys = [...(slid ? ["outside the model's window"] : []), ...(windowed ? ["before the layer's sliding window (masked)"] : [])];
@@ -246,11 +247,11 @@
       "div",
       { class: "page generation" },
       header,
-      generatedText(model, idOf),
+      generatedText(model, idOf, heading),
       h(
         "section",
         { class: "card" },
-        h("h2", {}, "Text"),
+        heading(1, {}, "Text"),
         h(
           "p",
           { class: "hint" },
@@ -263,7 +264,7 @@
       h(
         "section",
         { class: "card" },
-        h("h2", {}, "One strip per generated token"),
+        heading(1, {}, "One strip per generated token"),
         h(
           "p",
           { class: "hint", id: idOf("strips-hint") },
@@ -280,7 +281,7 @@
       h(
         "section",
         { class: "card" },
-        h("h2", { id: idOf("steps-heading") }, "The chosen strip's weights"),
+        heading(1, { id: idOf("steps-heading") }, "The chosen strip's weights"),
         stepTitle,
         scrollRegion("div", { class: "steps-scroll", "aria-labelledby": idOf("steps-heading") }, stepTable),
       ),

@@ -175,6 +175,7 @@
         const serverChose = body.layer === undefined || body.head === undefined;
         window.selfattn.render(payload, $("app"), {
           hash: false,
+          headingLevel: 3, // under the page's h1 and the view's h2
           onChange: ({ layer, head, query }) => {
             // the word's match as the query: the word and its occurrence; any other token: its index
             const byWord = query === wordQuery;
@@ -439,6 +440,7 @@
         $("generate-result").replaceChildren(app);
         window.selfattn.generation.render(payload, app, {
           hash: false,
+          headingLevel: 3, // under the page's h1 and the view's h2
           idPrefix: "generate-", // its parts' ids (#generate-layer, ...) apart from Explore's (#layer, ...)
           onChange: ({ layer, head, step }) => {
             if (openView === "generate") history.replaceState(null, "", addressWith({ layer, head, step }, shown.generate));

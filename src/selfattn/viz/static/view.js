@@ -339,10 +339,11 @@
    * options.hash (default true): read and write the selection in the URL hash;
    * options.onChange(selection): called with {layer, head, query} after every change;
    * options.idPrefix (default ""): put before every id the explorer gives its parts (#layer, #heatmap,
-   * ...), so that it can share a page with another view that names its parts alike.
+   * ...), so that it can share a page with another view that names its parts alike;
+   * options.headingLevel (default 1): the level of its heading (the model's name), its cards' one below.
    */
   function render(payload, root = document.getElementById("app"), options = {}) {
-    const { hash = true, onChange = null, idPrefix = "" } = options;
+    const { hash = true, onChange = null, idPrefix = "", headingLevel = 1 } = options;
     const signal = explorers.start(root);
     const model = {
       ...payload,
@@ -371,7 +372,7 @@
     const asked = hash ? readHash(HASH_NAMES) : {};
     choose(asked);
 
-    const ui = buildLayout(model, (name) => idPrefix + name);
+    const ui = buildLayout(model, (name) => idPrefix + name, headingsFrom(headingLevel));
     noteHash(ui.hashNotice, asked, state, model, ["query", "tokens", model.length]);
     root.replaceChildren(ui.page);
     palette = readPalette();
@@ -725,8 +726,14 @@
     return { bar, largest, line };
   }
 
-  /** The page's parts; `idOf(name)` is the id of the part called `name`. */
-  function buildLayout(model, idOf) {
+  /**
+   * heading(depth, attrs, ...children): a heading `depth` levels below a view's own, which is at `level`
+   * (h1 on a page of its own; inside the live explorer, below its page's h1 and its view's h2).
+   */
+  const headingsFrom = (level) => (depth, attrs, ...children) => h(`h${Math.min(level + depth, 6)}`, attrs, ...children);
+
+  /** The page's parts; `idOf(name)` is the id of the part called `name`, `heading` makes its headings (headingsFrom). */
+  function buildLayout(model, idOf, heading) {
     const { layer, head, shadeBy } = buildControls(model, idOf, [["matrix", "largest weight"], ["row", "each row's largest"]]);
     const sort = h("input", { type: "checkbox", id: idOf("sort-weight") });
     const similarity = model.similarity === "cosine" ? "cosine similarity" : "dot product";
@@ -749,7 +756,7 @@
       "header",
       {},
       h("div", { class: "brand" }, "selfattn · attention explorer"),
-      h("h1", { id: idOf("model") }, model.model),
+      heading(0, { id: idOf("model") }, model.model),
       scrollRegion("p", { id: idOf("text"), class: "text", dir: "auto", "aria-label": "text" }, printable(model.text)),
       h(
         "p",
@@ -777,7 +784,7 @@
     const map = h("canvas", { id: idOf("heatmap"), class: "heatmap", role: "slider", tabindex: "0" });
     const tip = h("div", { id: idOf("map-tip"), class: "tip", hidden: "" });
     const legend = buildLegend(idOf, "map-legend", model.causal || model.windows ? "masked" : null);
-    const stepTitle = h("h3", { id: idOf("step-title") });
+    const stepTitle = heading(2, { id: idOf("step-title") });
     const { table: steps, body: stepsBody, foot: stepsFoot } = buildStepTable(idOf, ["score", "scaled", ...(model.bias ? ["+ bias"] : [])]);
     const stepNote = h("p", { class: "note", id: idOf("step-note") });
     const output = h("div", { id: idOf("output"), class: "output" });
@@ -790,7 +797,7 @@
       h(
         "section",
         { class: "card" },
-        h("h2", {}, "Tokens"),
+        heading(1, {}, "Tokens"),
         h("p", { class: "hint" }, "Hover a token to see where it looks; click to pin it (← → Home End move)."),
         strip,
         summary,
@@ -801,7 +808,7 @@
         h(
           "section",
           { class: "card" },
-          h("h2", {}, "Attention map"),
+          heading(1, {}, "Attention map"),
           h("p", { class: "hint" }, "rows: queries, columns: keys · click a row to select its query (↑ ↓ move; Shift+← → scroll a wide map)"),
           h("div", { class: "map-scroll" }, map, tip),
           legend.line,
@@ -809,7 +816,7 @@
         h(
           "section",
           { class: "card" },
-          h("h2", { id: idOf("steps-heading") }, "Step by step"),
+          heading(1, { id: idOf("steps-heading") }, "Step by step"),
           stepTitle,
           h("label", { class: "sort" }, sort, " sort keys by weight"),
           scrollRegion("div", { class: "steps-scroll", "aria-labelledby": idOf("steps-heading") }, steps),
@@ -820,12 +827,12 @@
       h(
         "section",
         { class: "card" },
-        h("h2", {}, "Model view"),
+        heading(1, {}, "Model view"),
         h("p", { class: "hint" }, "Every layer × head (rows: queries, columns: keys), each scaled to its own largest weight; click one to select it."),
         grid,
       ),
     );
-    return { page, idOf, layer, head, shadeBy, sort, selection, choice, queryNote, hashNotice, lines, flow, strip, summary, map, tip, legend, stepsBody, stepsFoot, stepTitle, stepNote, output, grid };
+    return { page, idOf, heading, layer, head, shadeBy, sort, selection, choice, queryNote, hashNotice, lines, flow, strip, summary, map, tip, legend, stepsBody, stepsFoot, stepTitle, stepNote, output, grid };
   }
 
   /** The tokens (as the payload has them) in the strip `flow`, an option each. */
@@ -1166,7 +1173,7 @@
     const norm = Math.hypot(...output);
     const dims = [...output.slice(0, OUTPUT_DIMS)].map((x, c) => h("span", { class: "output-dim", "data-dim": String(c), "data-value": String(x) }, fmt(x, 3)));
     ui.output.replaceChildren(
-      h("h3", {}, "output = Σ weight × v"),
+      ui.heading(2, {}, "output = Σ weight × v"),
       h("div", { class: "vector" }, "[", ...dims, output.length > OUTPUT_DIMS ? `… ${output.length - OUTPUT_DIMS} more]` : "]"),
       h(
         "p",
@@ -1232,7 +1239,7 @@
   // render, clear, h and fmt are shared with the live explorer (serve.js), which loads after this file;
   // h, fmt and the rest with the page of attention during generation (generation.js).
   window.selfattn = {
-    render, clear: explorers.clear, h, fmt, fmtScale, printable, shown, spokenToken, tokenSpan, tokenName, describeSlider, mapKeys, buildStepTable, weightRow, totalRow, scrollRegion, decodeTensor, readPalette, channels, clip, paintToken, headName,
+    render, clear: explorers.clear, h, headingsFrom, fmt, fmtScale, printable, shown, spokenToken, tokenSpan, tokenName, describeSlider, mapKeys, buildStepTable, weightRow, totalRow, scrollRegion, decodeTensor, readPalette, channels, clip, paintToken, headName,
     readHash, noteHash, renderEmbedded, renders, applySelection, markChosen, onPixelRatioChange, onColourChange, keepBandInView, keepTokenInView,
     buildControls, buildLegend, topKeys, drawLegend, sizedContext, drawCells, drawAxisNames, drawKeyLabel, drawPin, attachCellEvents,
     windowOf, outsideWindow, pageKeys,
