@@ -1318,6 +1318,9 @@ def test_the_page_has_a_main_landmark_and_a_heading_for_each_view(browser, decod
         )
         assert levels[:2] == [2, 3] and min(levels) == 2 and max(levels) == 5, levels
         assert all(b - a <= 1 for a, b in pairwise(levels)), levels  # no level skipped
+        size = "(h) => getComputedStyle(h).fontSize"  # styled as on a page of its own
+        assert page.eval_on_selector(f"#view-{view} .depth-0", size) == "26px"
+        assert page.eval_on_selector(f"#view-{view} .depth-1", size) == "17px"
     watched.check_clean()
 
 

@@ -728,9 +728,11 @@
 
   /**
    * heading(depth, attrs, ...children): a heading `depth` levels below a view's own, which is at `level`
-   * (h1 on a page of its own; inside the live explorer, below its page's h1 and its view's h2).
+   * (h1 on a page of its own; inside the live explorer, below its page's h1 and its view's h2), styled by
+   * its depth (view.css's .depth-0 looks as h1 does) whatever its level.
    */
-  const headingsFrom = (level) => (depth, attrs, ...children) => h(`h${Math.min(level + depth, 6)}`, attrs, ...children);
+  const headingsFrom = (level) => (depth, attrs, ...children) =>
+    h(`h${Math.min(level + depth, 6)}`, { ...attrs, class: `depth-${depth}` }, ...children);
 
   /** The page's parts; `idOf(name)` is the id of the part called `name`, `heading` makes its headings (headingsFrom). */
   function buildLayout(model, idOf, heading) {
