@@ -1956,3 +1956,43 @@ def test_a_resume_on_another_data_file_is_noted(trained, corpus, tmp_path):
         "it from now on\n"
     )
     assert load_checkpoint(out)[2].data == str(other)
+
+
+def _selfattn(*args: str, stdout) -> subprocess.CompletedProcess:
+    """The command line in its own process, its standard output ``stdout``."""
+    command = [sys.executable, "-m", "selfattn", *args]
+    return subprocess.run(command, stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
+
+
+def _closed_pipe() -> int:
+    """The write end of a pipe whose reader is gone, as `| head -1` leaves it."""
+    read, write = os.pipe()
+    os.close(read)
+    return write
+
+
+@pytest.mark.slow
+def test_a_closed_or_full_standard_output_stops_the_printing_only(corpus, tmp_path):
+    """`explain … --html x.html | head -1` ended at its first printed line, the page never
+    written, and exit 1 with no word; training into a closed pipe ended without a save, its
+    steps lost; `> /dev/full` was a traceback. Now the work goes on: the files, the saves; a
+    closed pipe says nothing (exit 1), a full disk one line."""
+    page = tmp_path / "bank.html"
+    pipe = _closed_pipe()
+    explained = _selfattn("explain", "the bank of the river", "--word", "bank", "--html",
+                          str(page), stdout=pipe)  # fmt: skip
+    trained = _selfattn("train", "--data", str(corpus), "--out", str(tmp_path / "run"),
+                        "--preset", "tiny", "--max-iters", "4", "--eval-interval", "2",
+                        stdout=pipe)  # fmt: skip
+    os.close(pipe)
+    assert explained.returncode == 1 and "Traceback" not in explained.stderr
+    assert page.stat().st_size > 0 and explained.stderr.startswith("wrote ")
+    assert trained.returncode == 1 and "Traceback" not in trained.stderr, trained.stderr
+    assert load_checkpoint(tmp_path / "run")[3].step == 4
+    if Path("/dev/full").exists():
+        with open("/dev/full", "w") as full:
+            version = _selfattn("--version", stdout=full)
+        assert version.returncode == 1
+        assert (
+            version.stderr == "Error: cannot write the standard output: No space left on device\n"
+        )

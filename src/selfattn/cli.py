@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import inspect
 import json
 import math
 import os
 import signal
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from decimal import Decimal, InvalidOperation
 from functools import partial
 from itertools import combinations, pairwise
@@ -50,6 +52,62 @@ class _Group(_Plain, typer.core.TyperGroup):
     def resolve_command(self, *args, **kwargs):
         with _one_line_usage_errors():
             return super().resolve_command(*args, **kwargs)
+
+    def main(self, *args, **kwargs):
+        """Every command with its standard output guarded (:class:`_GuardedStdout`): a closed
+        pipe stops nothing but the printing, and a full disk is one line at the end."""
+        guarded = _GuardedStdout(sys.stdout)
+        sys.stdout = guarded
+        try:
+            super().main(*args, **kwargs)
+            code = 0
+        except SystemExit as done:
+            code = done.code
+        finally:
+            sys.stdout = guarded.stream
+        if guarded.error is not None:
+            if guarded.error.errno != errno.EPIPE:  # a reader gone (| head) needs no word
+                reason = guarded.error.strerror or guarded.error
+                typer.echo(f"Error: cannot write the standard output: {reason}", err=True)
+            code = code or 1
+        sys.exit(code)
+
+
+class _GuardedStdout:
+    """Standard output that a failed write cannot stop: after a closed pipe (``| head -1``)
+    or a full disk, what the command prints goes nowhere, and its other work goes on — the
+    files it writes, a training run and its saves (before, the first failed print ended the
+    command there, files unwritten and training unsaved)."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.error: OSError | None = None
+
+    def write(self, text: str) -> int:
+        if self.error is None:
+            try:
+                return self.stream.write(text)
+            except OSError as error:
+                self._failed(error)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.error is None:
+            try:
+                self.stream.flush()
+            except OSError as error:
+                self._failed(error)
+
+    def _failed(self, error: OSError) -> None:
+        self.error = error
+        # what the stream still holds is flushed at exit: into /dev/null, not a traceback
+        with suppress(OSError, ValueError):  # ValueError: a stream with no file (a test's)
+            nowhere = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(nowhere, self.stream.fileno())
+            os.close(nowhere)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
 
 
 class _Command(_Plain, typer.core.TyperCommand):
