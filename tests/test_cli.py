@@ -473,3 +473,11 @@ def test_version_prints_the_installed_packages_version():
     assert result.exit_code == 0, result.output
     assert result.output == f"selfattn {installed}\n"
     assert selfattn.__version__ == installed
+
+
+@pytest.mark.parametrize("args", [["-h"], ["explain", "-h"], ["train", "-h"]])
+def test_minus_h_is_help_as_in_most_commands(args):
+    # It was "No such option: -h" (exit 2).
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == CliRunner().invoke(app, [*args[:-1], "--help"]).stdout

@@ -146,6 +146,7 @@ app = typer.Typer(
     cls=_Group,
     help="Self-attention, step by step: explain it on real models, view it, run it, train it.",
     no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
     add_completion=False,
     pretty_exceptions_enable=False,
 )
