@@ -481,3 +481,21 @@ def test_minus_h_is_help_as_in_most_commands(args):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert result.stdout == CliRunner().invoke(app, [*args[:-1], "--help"]).stdout
+
+
+def test_a_write_that_fails_midway_leaves_the_file_that_was_there(tmp_path):
+    """A full disk (or Ctrl-C) halfway through --html replaced a good page with half of one;
+    the output is now written beside it and renamed over it once whole."""
+    page = tmp_path / "bank.html"
+    page.write_text("the page from before")
+
+    def half_then_full(path: Path) -> None:
+        path.write_text("<!doctype html><html><head>")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(typer.Exit):
+        cli._write(page, half_then_full)
+    assert page.read_text() == "the page from before"
+    cli._write(page, lambda path: path.write_text("the new page"))
+    assert page.read_text() == "the new page"
+    assert [entry.name for entry in tmp_path.iterdir()] == ["bank.html"]  # no half file left

@@ -629,13 +629,24 @@ def _check_writable(path: Path, option: str) -> None:
 
 def _write(path: Path, write: Callable[[Path], object]) -> None:
     """Write ``path`` with ``write`` and say so on stderr; a failure (permissions, a full
-    disk) is one line, and so is each warning (a figure's characters no font has)."""
+    disk) is one line, and so is each warning (a figure's characters no font has). A file
+    is written beside it and renamed over it once whole, so that a failure or Ctrl-C midway
+    leaves the file that was there, not half a new one; what is no file (/dev/stdout, a
+    pipe) is written as it is."""
+    final = path.resolve() if path.is_symlink() else path  # the file a link names, the link kept
+    in_place = path.exists() and not path.is_file()
+    written = path if in_place else final.with_name(f".{final.stem}-{os.getpid()}{final.suffix}")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            write(path)
+            write(written)
+        if not in_place:
+            os.replace(written, final)
     except OSError as error:
         raise _fail(f"cannot write {path}: {error.strerror or error}") from None
+    finally:
+        if not in_place:
+            written.unlink(missing_ok=True)
     stderr = Console(stderr=True)
     for warning in caught:
         stderr.print(f"note: {path.name}: {warning.message}", soft_wrap=True, markup=False)
