@@ -499,3 +499,17 @@ def test_a_write_that_fails_midway_leaves_the_file_that_was_there(tmp_path):
     cli._write(page, lambda path: path.write_text("the new page"))
     assert page.read_text() == "the new page"
     assert [entry.name for entry in tmp_path.iterdir()] == ["bank.html"]  # no half file left
+
+
+def test_a_file_in_a_folder_that_takes_no_new_one_is_still_written_in_place(monkeypatch, tmp_path):
+    """_check_outputs lets such a file through (test above); its write then cannot go beside
+    it, and goes in place. The folder's refusal is played by a touch that fails."""
+    page = tmp_path / "bank.html"
+    page.write_text("the page from before")
+
+    def no_new_file(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "touch", no_new_file)
+    cli._write(page, lambda path: path.write_text("the new page"))
+    assert page.read_text() == "the new page"

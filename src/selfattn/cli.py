@@ -632,10 +632,16 @@ def _write(path: Path, write: Callable[[Path], object]) -> None:
     disk) is one line, and so is each warning (a figure's characters no font has). A file
     is written beside it and renamed over it once whole, so that a failure or Ctrl-C midway
     leaves the file that was there, not half a new one; what is no file (/dev/stdout, a
-    pipe) is written as it is."""
+    pipe), or a file in a folder that takes no new one, is written in place."""
     final = path.resolve() if path.is_symlink() else path  # the file a link names, the link kept
+    written = final.with_name(f".{final.stem}-{os.getpid()}{final.suffix}")
     in_place = path.exists() and not path.is_file()
-    written = path if in_place else final.with_name(f".{final.stem}-{os.getpid()}{final.suffix}")
+    if not in_place and final.is_file():
+        try:
+            written.touch(exist_ok=False)
+        except OSError:  # the folder takes no new file (_check_writable let its file through)
+            in_place = True
+    written = path if in_place else written
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
