@@ -513,3 +513,71 @@ def test_a_file_in_a_folder_that_takes_no_new_one_is_still_written_in_place(monk
     monkeypatch.setattr(Path, "touch", no_new_file)
     cli._write(page, lambda path: path.write_text("the new page"))
     assert page.read_text() == "the new page"
+
+
+class TextsRun:
+    """A stand-in model that keeps the texts it is asked to run, and stops the command at the
+    first but compare's first sentence."""
+
+    name = "stand-in"
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def run(self, text: str, truncate: bool = False):
+        self.texts.append(text)
+        if text != "I sat on the bank.":
+            raise SelfAttnError("stand-in stops here")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["explain", "-", "--word", "bank"],
+        ["view", "-", "-o", "page.html"],
+        ["compare", "I sat on the bank.", "-", "--word", "bank"],
+    ],
+)
+def test_a_text_given_as_dash_is_read_from_the_standard_input(command, monkeypatch, tmp_path):
+    """`echo … | selfattn explain - …`: the text comes from the pipe, whole (more than a
+    command line takes, and one that starts with "-"), its final line break dropped."""
+    monkeypatch.chdir(tmp_path)
+    stand_in = TextsRun()
+    monkeypatch.setattr(cli, "_load", lambda model, checkpoint: stand_in)
+    piped = "-the bank of the river " * 20_000  # 460 KB, past a command line's 128 KB per word
+    result = CliRunner().invoke(app, command, input=piped.encode() + b"\r\n")
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("Error: ") and "stand-in stops here" in result.output
+    assert stand_in.texts[-1] == piped
+
+
+def test_generate_takes_its_prompt_from_the_standard_input(monkeypatch):
+    prompts = []
+    stand_in = SimpleNamespace(
+        generate=lambda prompt, max_new_tokens, **sampling: prompts.append(prompt) or " more"
+    )
+    monkeypatch.setattr(cli, "_load", lambda model, checkpoint: stand_in)
+    result = CliRunner().invoke(
+        app,
+        ["generate", "--checkpoint", "run", "-", "--max-new-tokens", "2"],
+        input="\ufeffTo be\n",
+    )
+    assert result.exit_code == 0, result.output
+    assert (prompts, result.output) == (["To be"], "To be more\n")  # the byte-order mark dropped
+
+
+@pytest.mark.parametrize(
+    ("command", "given", "message"),
+    [
+        (["compare", "-", "-", "--word", "bank"], b"a bank", 'only one text can be "-"'),
+        (["explain", "-", "--word", "bank"], b"the bank \xff", "is not UTF-8 text (byte 9)"),
+    ],
+)
+def test_the_standard_input_read_twice_or_not_text_is_one_line(
+    command, given, message, monkeypatch
+):
+    monkeypatch.setattr(cli, "_load", lambda model, checkpoint: TextsRun())
+    result = CliRunner().invoke(app, command, input=given)
+    assert result.exit_code in (1, 2)
+    assert result.output.startswith("Error: ") and message in result.output
+    assert len(result.output.strip().splitlines()) == 1

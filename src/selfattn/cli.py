@@ -174,6 +174,32 @@ def _path_option(*names: str, **settings) -> typer.models.OptionInfo:
     return typer.Option(*names, parser=_given_path, metavar="<path>", **settings)
 
 
+STDIN_HELP = ' ("-" reads it from the standard input)'
+
+
+def _standard_input_for_dash(*texts: str) -> list[str]:
+    """The texts as given, but "-" replaced by the standard input, read once (its final line
+    breaks dropped, as `echo` adds one): a pipe can feed a text longer than a command line
+    takes, or one that starts with "-"."""
+    if texts.count("-") > 1:
+        raise _fail('only one text can be "-": the standard input is read once', 2)
+    if "-" not in texts:
+        return list(texts)
+    if sys.stdin is None:
+        raise _fail('"-" reads the text from the standard input, and there is none', 2)
+    if sys.stdin.isatty():
+        typer.echo("Reading the text from the standard input; end it with Ctrl-D.", err=True)
+    stream = getattr(sys.stdin, "buffer", None)
+    try:
+        given = stream.read().decode("utf-8-sig") if stream is not None else sys.stdin.read()
+    except UnicodeDecodeError as error:
+        raise _fail(
+            f"the standard input is not UTF-8 text (byte {error.start}); give it as UTF-8"
+        ) from None
+    given = given.rstrip("\r\n")
+    return [given if text == "-" else text for text in texts]
+
+
 def _whole_number(value: str) -> int:
     """An integer setting of `selfattn train` as written: 5000, or a whole number written as a
     float (5e3, 5000.0), as the presets take it from Python; 2.5 is refused, in a usage
@@ -419,7 +445,9 @@ def generate(
         str | None,
         typer.Argument(
             metavar="PROMPT",
-            help="Text to continue (for a model trained here, in characters of its text).",
+            help="Text to continue (for a model trained here, in characters of its text)"
+            + STDIN_HELP
+            + ".",
             show_default="a new line",
         ),
     ] = None,
@@ -475,6 +503,8 @@ def generate(
     if html is None and (layer is not None or head is not None):
         raise _fail("--layer and --head choose what the --html page opens on; add --html FILE", 2)
     view = {"layer": -1 if layer is None else layer, "head": _parse_head(head or "mean")}
+    if prompt is not None:
+        (prompt,) = _standard_input_for_dash(prompt)
     sampling = {"temperature": temperature, "top_k": top_k, "seed": seed}
     with _user_errors():
         network = _load(model, checkpoint)
@@ -699,7 +729,9 @@ def _parse_head(head: str | None) -> int | str | None:
 
 @app.command(epilog=EXPLAIN_EPILOG)
 def explain(
-    text: Annotated[str, typer.Argument(metavar="TEXT", help="The sentence to look into.")],
+    text: Annotated[
+        str, typer.Argument(metavar="TEXT", help="The sentence to look into" + STDIN_HELP + ".")
+    ],
     word: Annotated[
         str | None, typer.Option(help="The word to explain as a query (whole word, any case).")
     ] = None,
@@ -763,6 +795,7 @@ def explain(
     head_choice = _parse_head(head)
     _check_layer(layer)
     _check_outputs((png, "--png"), (svg, "--svg"), (html, "--html"))
+    (text,) = _standard_input_for_dash(text)
     with _user_errors():
         network = _load(model, checkpoint)
         run, explanation = explaining.explain_text(
@@ -786,7 +819,10 @@ def explain(
 def compare(
     sentences: Annotated[
         list[str],
-        typer.Argument(metavar="SENTENCE", help="Two or more sentences with the word."),
+        typer.Argument(
+            metavar="SENTENCE",
+            help='Two or more sentences with the word; one may be "-", the standard input.',
+        ),
     ],
     word: Annotated[str, typer.Option(help="The word to follow across the sentences.")],
     occurrence: Annotated[
@@ -811,6 +847,7 @@ def compare(
     _one_model(model, checkpoint)
     if len(sentences) < 2:
         raise _fail("give at least two sentences to compare", 2)
+    sentences = _standard_input_for_dash(*sentences)
     with _user_errors():
         network = _load(model, checkpoint)
         runs = explaining.run_sentences(network, sentences, word, truncate=truncate)
@@ -825,7 +862,9 @@ def compare(
 
 @app.command()
 def view(
-    text: Annotated[str, typer.Argument(metavar="TEXT", help="The sentence to explore.")],
+    text: Annotated[
+        str, typer.Argument(metavar="TEXT", help="The sentence to explore" + STDIN_HELP + ".")
+    ],
     output: Annotated[Path, _path_option("-o", "--output", help="The HTML file to write.")],
     model: Annotated[str | None, typer.Option(help=MODEL_HELP, show_default=False)] = None,
     checkpoint: Annotated[Path | None, _path_option(help=CHECKPOINT_HELP)] = None,
@@ -837,6 +876,7 @@ def view(
 
     _one_model(model, checkpoint)
     _check_outputs((output, "--output"))
+    (text,) = _standard_input_for_dash(text)
     with _user_errors():
         network = _load(model, checkpoint)
         run = network.run(text, truncate=truncate)
