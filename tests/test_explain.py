@@ -1042,6 +1042,39 @@ def test_user_errors_are_one_line(args, message):
 
 
 @pytest.mark.parametrize(
+    ("args", "status"),
+    [
+        # 2: the command line is wrong whatever the text, model and files (a usage error)
+        (["explain", MONEY, "--bogus"], 2),
+        (["explain", MONEY, "--layer", "-1"], 2),
+        (["explain", MONEY, "--word", ""], 2),
+        (["explain", MONEY, "--scale", "2"], 2),
+        (["explain", MONEY, "--occurrence", "2"], 2),
+        (["explain", MONEY, "--word", "bank", "--head", "mean", "--scale", "2"], 2),
+        (["compare", MONEY, RIVER, "--word", " "], 2),
+        (["train", "--data", "x.txt", "--out", "run", "--preset", "huge"], 2),
+        (["train", "--data", "x.txt", "--out", "run", "--lr", "nan"], 2),
+        (["train", "--data", "x.txt", "--out", "run", "--device", "gpu"], 2),
+        # 1: a problem met in the work: the text, the model, a file
+        (["explain", MONEY, "--word", "river"], 1),
+        (["explain", MONEY, "--layer", "9"], 1),
+        (["explain", MONEY, "--word", "bank", "--head", "12"], 1),
+        (["explain", "word " * 600], 1),
+        (["train", "--data", "missing.txt", "--out", "run"], 1),
+    ],
+)
+def test_the_exit_status_says_whether_the_command_line_or_the_work_went_wrong(
+    args, status, tmp_path, monkeypatch
+):
+    """As README's "Exit status" says: 2 for a usage error, 1 for a problem in the work; an
+    unknown preset or a NaN learning rate was 1, an unknown option 2."""
+    monkeypatch.chdir(tmp_path)
+    result = invoke(*args)
+    assert result.exit_code == status, result.output
+    assert result.stderr.startswith("Error: ") and len(result.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
     ("given", "message"),
     [({"word": 3}, "word= takes the word as a str, got 3"), ({"index": "bank"}, "got 'bank'")],
 )

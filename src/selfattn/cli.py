@@ -23,9 +23,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from selfattn.errors import SelfAttnError
+from selfattn.errors import SelfAttnError, SettingsError
 from selfattn.examples import CIAO_MEANING, CIAO_TOKENS, ciao_steps
 from selfattn.models.gpt import MAX_SAMPLING_SEED
+from selfattn.text import check_word
 from selfattn.viz.terminal import matrix_table
 
 # The click typer runs on: its own copy (typer._click) in recent typer, click itself before.
@@ -366,11 +367,7 @@ def train(
         from selfattn.train.distributed import check_device
         from selfattn.train.loop import signals_held_after_a_stop
 
-        try:
-            check_device(device)
-        except SelfAttnError as error:  # a flag's value: a usage error, as click's are
-            raise _fail(str(error), 2) from None
-
+        check_device(device)
         with signals_held_after_a_stop():  # a repeated signal cannot cut the last line short
             run = train_decoder(
                 data, out, preset=preset, overrides=overrides, resume=resume, device=device,
@@ -378,7 +375,7 @@ def train(
             )  # fmt: skip
             _report_training(run, out)
     except SelfAttnError as error:
-        raise _fail(str(error)) from None
+        raise _fail(str(error), _status(error)) from None
     except KeyboardInterrupt:  # outside the loop, which saves on Ctrl-C: before it or after
         if _is_main_process():
             console.print(_interrupted_outside_the_loop(out), soft_wrap=True)
@@ -607,7 +604,13 @@ def _user_errors() -> Iterator[None]:
         yield
     except (SelfAttnError, ValueError, IndexError) as error:
         message = str(error).strip().splitlines()
-        raise _fail(message[0] if message else type(error).__name__) from None
+        raise _fail(message[0] if message else type(error).__name__, _status(error)) from None
+
+
+def _status(error: Exception) -> int:
+    """The exit status of a user's mistake: 2 for a setting wrong in itself (a usage error, as
+    click's are), 1 for a problem met in the work (the text, the model, a file)."""
+    return 2 if isinstance(error, SettingsError) else 1
 
 
 def _check_outputs(*outputs: tuple[Path | None, str]) -> None:
@@ -795,6 +798,9 @@ def explain(
     head_choice = _parse_head(head)
     _check_layer(layer)
     _check_outputs((png, "--png"), (svg, "--svg"), (html, "--html"))
+    with _user_errors():
+        if word is not None:
+            check_word(word)  # before the model loads
     (text,) = _standard_input_for_dash(text)
     with _user_errors():
         network = _load(model, checkpoint)
@@ -847,6 +853,8 @@ def compare(
     _one_model(model, checkpoint)
     if len(sentences) < 2:
         raise _fail("give at least two sentences to compare", 2)
+    with _user_errors():
+        check_word(word)  # before the model loads
     sentences = _standard_input_for_dash(*sentences)
     with _user_errors():
         network = _load(model, checkpoint)

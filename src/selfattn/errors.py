@@ -35,6 +35,12 @@ class SelfAttnError(ValueError):
     """A problem with the user's input or files (checkpoint, text, options), and its fix."""
 
 
+class SettingsError(SelfAttnError):
+    """A setting wrong in itself, whatever the files and the machine (an unknown preset, a
+    learning rate of NaN): the command line's usage error, exit status 2, as for an option's
+    bad value; a problem found in the work (a missing file, a layer the model lacks) is 1."""
+
+
 @dataclass(frozen=True)
 class Options:
     """Where a message names options: ``text`` as the command line and Python name them,

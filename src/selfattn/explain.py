@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from selfattn.attention import AttentionTrace
-from selfattn.errors import Message, Options, SelfAttnError, message_of, parts_of
+from selfattn.errors import Message, Options, SelfAttnError, SettingsError, message_of, parts_of
 from selfattn.recording import Capture, Recording
 from selfattn.text import check_word, is_mark, join_pieces
 
@@ -371,7 +371,7 @@ def _check_experiment(has_query: bool, head: int | str | None, query_options: st
     if head == HEAD_MEAN:
         missing.append("a head number instead of 'mean' (or no head, to have one chosen)")
     if missing:
-        raise ValueError(
+        raise SettingsError(
             Message(
                 "another similarity or scale is recomputed for one query of one head: give ",
                 *Message.joined(" and ", missing).parts,
@@ -395,13 +395,13 @@ def explain_text(
     what ``selfattn explain`` and the web explorer's ``/api/explain`` both call.
     """
     if word is not None and index is not None:
-        raise ValueError("give either a word or a token index, not both")
+        raise SettingsError("give either a word or a token index, not both")
     if word is not None and not isinstance(word, str):
         raise TypeError(f"word= takes the word as a str, got {word!r}; a token's number is index=")
     if index is not None and (isinstance(index, bool | str) or not hasattr(index, "__index__")):
         raise TypeError(f"index= takes a token's number, got {index!r}; a word goes in word=")
     if word is None and occurrence != 0:
-        raise ValueError(
+        raise SettingsError(
             Message(
                 f"occurrence {occurrence} counts the matches of a word, and no word is given: "
                 "give the word too (",

@@ -33,7 +33,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders
 
-from selfattn.errors import Message, Options, SelfAttnError
+from selfattn.errors import Message, Options, SelfAttnError, SettingsError
 
 # CJK ideographs, the ranges BERT's tokenizer splits into one word per character.
 CJK = (
@@ -338,7 +338,7 @@ def cut_end(text: str, kept: list[Span], overflowing: list) -> int:
 def check_word(word: str) -> None:
     """One line for a word to find that is empty or only spaces."""
     if not word.strip():
-        raise SelfAttnError("the word to find is empty; pass a word of the text")
+        raise SettingsError("the word to find is empty; pass a word of the text")
 
 
 def decoder_json(backend: tokenizers.Tokenizer) -> str:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from selfattn.errors import SelfAttnError
+from selfattn.errors import SelfAttnError, SettingsError
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def check_device(device: object) -> None:
     """A one-line error unless ``device`` is one of :data:`DEVICES` ("cuda:0" too: it would
     give every process of a distributed run the same GPU)."""
     if device not in DEVICES:
-        raise SelfAttnError(
+        raise SettingsError(
             f"unknown device {device!r}; choose auto, cpu or cuda (each process then takes the "
             "GPU of its LOCAL_RANK)"
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from selfattn.errors import SelfAttnError, is_real
+from selfattn.errors import SettingsError, is_real
 from selfattn.models.gpt import GPTConfig
 from selfattn.models.llama import LlamaConfig, llama_hidden_size
 from selfattn.train.loop import TrainConfig, setting, whole_number
@@ -147,7 +147,7 @@ class Preset:
         valid = (*MODEL_FIELDS, *(item.name for item in dataclasses.fields(TrainConfig)))
         unknown = [key for key in changes if key not in valid]
         if unknown:
-            raise SelfAttnError(
+            raise SettingsError(
                 f"unknown training setting(s) {', '.join(map(repr, unknown))}; "
                 f"valid overrides: {', '.join(valid)}"
             )
@@ -158,7 +158,7 @@ class Preset:
                 self, train=dataclasses.replace(self.train, **train), **model
             )
         except (TypeError, ValueError) as error:
-            raise SelfAttnError(f"invalid training settings: {error}") from None
+            raise SettingsError(f"invalid training settings: {error}") from None
 
     @classmethod
     def from_configs(cls, name: str, model: DecoderConfig, train: TrainConfig) -> Preset:
@@ -254,5 +254,5 @@ DEFAULT_PRESET = "shakespeare-char-cpu"
 def get_preset(name: str) -> Preset:
     """The preset called ``name``; a one-line error listing the others."""
     if name not in PRESETS:
-        raise SelfAttnError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+        raise SettingsError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
     return PRESETS[name]
