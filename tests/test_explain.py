@@ -1075,6 +1075,24 @@ def test_the_exit_status_says_whether_the_command_line_or_the_work_went_wrong(
 
 
 @pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"query": 99}, IndexError, r"^token index 99 is out of range: tokens 0\.\.10$"),
+        ({"query": -1, "layer": 0, "head": 0}, IndexError, "token index -1 is out of range"),
+        ({"query": True}, IndexError, "token index True is out of range"),
+        ({"layer": 0, "head": True}, ValueError, r"head True is out of range.*0\.\.11, or 'mean'"),
+    ],
+)
+def test_explain_refuses_a_query_or_head_that_is_no_token_or_head(
+    money_run, options, error, message
+):
+    """explain() itself, as explain_text() did: an empty StopIteration or torch's IndexError
+    for a query past the tokens, and True taken as token or head 1."""
+    with pytest.raises(error, match=message):
+        explaining.explain(money_run, model_name="minilm", **options)
+
+
+@pytest.mark.parametrize(
     ("given", "message"),
     [({"word": 3}, "word= takes the word as a str, got 3"), ({"index": "bank"}, "got 'bank'")],
 )

@@ -43,7 +43,15 @@ import torch
 from torch import Tensor
 
 from selfattn.attention import AttentionTrace
-from selfattn.errors import Message, Options, SelfAttnError, SettingsError, message_of, parts_of
+from selfattn.errors import (
+    Message,
+    Options,
+    SelfAttnError,
+    SettingsError,
+    is_integer,
+    message_of,
+    parts_of,
+)
 from selfattn.recording import Capture, Recording
 from selfattn.text import check_word, is_mark, join_pieces
 
@@ -303,10 +311,12 @@ def explain(
     head_index = None if head == HEAD_MEAN else head
     if head_index is not None:
         n_heads = captures[0].n_heads
-        if not isinstance(head_index, int) or not 0 <= head_index < n_heads:
+        if not is_integer(head_index) or not 0 <= head_index < n_heads:
             raise ValueError(
                 f"head {head!r} is out of range: this model has heads 0..{n_heads - 1}, or 'mean'"
             )
+    if query is not None and not (is_integer(query) and 0 <= query < len(run.tokens)):
+        raise IndexError(f"token index {query!r} is out of range: tokens 0..{len(run.tokens) - 1}")
     if similarity is not None or scale is not None:
         _check_experiment(query is not None, head, "the query's token index (query=)")
     choice = "as asked"
@@ -431,8 +441,6 @@ def explain_query(
     if isinstance(query, str):
         tokens = run.word_tokens(query, occurrence)
         query, phrase = tokens.start, phrase_of(run, tokens)
-    if query is not None and not 0 <= query < len(run.tokens):
-        raise IndexError(f"token index {query} is out of range: tokens 0..{len(run.tokens) - 1}")
     explanation = explain(run, model_name=model_name, query=query, **options)
     return replace(explanation, query_phrase=phrase)
 
