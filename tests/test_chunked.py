@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -619,3 +620,33 @@ def test_benchmark_reports_a_case_killed_without_stderr_as_failed(monkeypatch):
     result = benchmark.measure("chunked", 512, False, False, 1, "random")
     assert result == {"error": "exit code -9 (Killed)"}
     assert benchmark.describe(result, 512, False, False)[0] == "failed: exit code -9 (Killed)"
+
+
+Q, K, V = torch.randn(2, 3, 7, 8), torch.randn(2, 3, 9, 8), torch.randn(2, 3, 9, 5)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "options", "message"),
+    [
+        ((Q, K[..., :4], V), {}, "query and key must have the same last dim, got 8 and 4"),
+        ((Q[0], K, V), {}, "must have the same leading dims"),
+        ((Q.double(), K, V), {}, "must share a dtype"),
+        ((Q, K, V), {"scale": math.nan}, "scale must be a finite number"),
+        ((Q, K, V), {"bias": torch.ones(7, 9, dtype=torch.bool)}, "bias must be a floating-point"),
+        ((Q, K, V), {"allowed": torch.ones(7, 9)}, "allowed must be a boolean tensor"),
+        ((Q, K, V), {"allowed": torch.ones(7, 8, dtype=torch.bool)}, "allowed of shape (7, 8)"),
+        ((Q, K, V), {"block_k": 2.5}, "block sizes must be positive"),
+    ],
+)
+def test_the_public_kernel_refuses_what_attention_refuses_in_one_line(inputs, options, message):
+    """chunked_attention is exported (selfattn.kernels): it checked only its block sizes, so a
+    wrong shape was torch's bmm error, a bool bias a TypeError from torch.finfo, and float64
+    queries with float32 keys were taken."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        chunked_attention(*inputs, **options)
+
+
+def test_the_public_kernel_takes_attentions_default_scale():
+    # tolerance: float32 rounding of one (7, 9) softmax, 1e-6
+    expected = F.scaled_dot_product_attention(Q, K, V)
+    torch.testing.assert_close(chunked_attention(Q, K, V, block_k=4), expected, atol=1e-6, rtol=0)

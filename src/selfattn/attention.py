@@ -622,30 +622,35 @@ def make_call(
         )
     if query.shape[-1] == 0:
         raise ValueError("query and key have a head dim of 0; attention needs at least 1")
-    t, s = query.shape[-2], key.shape[-2]
     if mask is not None:
-        if not isinstance(mask, Tensor):
-            raise ValueError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
-        # At its own size (an expanded view narrowed back, so no backend's cast or fill
-        # allocates all of it); a mask made on the CPU serves a GPU call as it is.
-        mask = unexpanded(mask).to(query.device)
-        target = (*query.shape[:-2], t, s)
-        if mask.dim() > len(target):
-            raise ValueError(f"mask has more dims ({mask.dim()}) than the scores ({len(target)})")
-        if not _broadcasts_to(mask.shape, target):
-            raise ValueError(
-                f"mask of shape {tuple(mask.shape)} does not broadcast to (..., T, S) = {target}; "
-                "give each axis, counted from the right, that size or 1 (a padding mask (B, S) "
-                "for (B, H, T, S) scores: mask[:, None, None, :])"
-            )
+        mask = checked_mask(mask, query, key)
         if mask.dtype != torch.bool and not mask.is_floating_point():
             raise ValueError(f"mask must be boolean (True = may attend) or float, got {mask.dtype}")
-        mask = at_least_2d(mask)  # every backend may index the mask's (T, S) dims
     dropout_p = _number("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     scale = default_scale(similarity, query.shape[-1]) if scale is None else _finite(scale)
     return AttentionCall(query, key, value, mask, causal, similarity, scale, dropout_p)
+
+
+def checked_mask(mask: object, query: Tensor, key: Tensor, name: str = "mask") -> Tensor:
+    """``mask`` if it broadcasts to the scores ``(..., T, S)``: at its own size (an expanded
+    view narrowed back, so no backend's cast or fill allocates all of it), on the query's
+    device (one made on the CPU serves a GPU call as it is), at least 2-D (every backend may
+    index its (T, S) dims)."""
+    if not isinstance(mask, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    mask = unexpanded(mask).to(query.device)
+    target = (*query.shape[:-2], query.shape[-2], key.shape[-2])
+    if mask.dim() > len(target):
+        raise ValueError(f"{name} has more dims ({mask.dim()}) than the scores ({len(target)})")
+    if not _broadcasts_to(mask.shape, target):
+        raise ValueError(
+            f"{name} of shape {tuple(mask.shape)} does not broadcast to (..., T, S) = {target}; "
+            "give each axis, counted from the right, that size or 1 (a padding mask (B, S) "
+            f"for (B, H, T, S) scores: {name}[:, None, None, :])"
+        )
+    return at_least_2d(mask)
 
 
 def _broadcasts_to(shape: torch.Size, target: tuple[int, ...]) -> bool:

@@ -61,6 +61,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from selfattn.errors import is_integer
+
 REDUCED_PRECISION = (torch.float16, torch.bfloat16)
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 BLOCK_K = 1024  # key columns per tile
@@ -76,7 +78,7 @@ def chunked_attention(
     allowed: Tensor | None = None,
     bias: Tensor | None = None,
     causal: bool = False,
-    scale: float,
+    scale: float | None = None,
     block_q: int | None = None,
     block_k: int = BLOCK_K,
 ) -> Tensor:
@@ -88,15 +90,29 @@ def chunked_attention(
         bias: float, added to the scaled scores, broadcastable to ``(*lead, T, S)``;
             differentiable.
         causal: query i sees keys ``j <= i + S - T`` (bottom-right alignment).
-        scale: multiplies the dot products.
+        scale: multiplies the dot products; None: 1/sqrt(D), as :func:`selfattn.attention`.
         block_q, block_k: rows of queries and columns of keys per tile; by default
             ``block_q`` keeps a tile of all heads at ``TILE_ELEMENTS``, at most ``MAX_BLOCK_Q``.
 
     Returns:
         ``(*lead, T, Dv)`` in the dtype of the inputs.
+
+    Raises:
+        ValueError: in one line, for what :func:`selfattn.attention` refuses (shapes, dtypes,
+            devices, a scale that is no finite number), an ``allowed`` that is not boolean or
+            a ``bias`` that is not float, and block sizes below 1.
     """
+    # Imported here: attention.py imports this module (as ring_attention does).
+    from selfattn.attention import checked_mask, make_call
+
+    scale = make_call(query, key, value, None, causal, "dot", scale, 0.0).scale
+    for name, mask, kind in (("allowed", allowed, "boolean"), ("bias", bias, "floating-point")):
+        if mask is not None:
+            mask = checked_mask(mask, query, key, name)
+            if not (mask.dtype == torch.bool if kind == "boolean" else mask.is_floating_point()):
+                raise ValueError(f"{name} must be a {kind} tensor, got {mask.dtype}")
     lead, t, dv = query.shape[:-2], query.shape[-2], value.shape[-1]
-    if (block_q is not None and block_q < 1) or block_k < 1:
+    if not is_integer(block_k, least=1) or not (block_q is None or is_integer(block_q, least=1)):
         raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
     block_q = default_block_q(lead, block_k) if block_q is None else block_q
     compute = torch.float32 if query.dtype in REDUCED_PRECISION else query.dtype
