@@ -87,8 +87,11 @@ def test_from_torch_refuses_what_it_cannot_copy():
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda: MultiHeadAttention(8, 2, dropout=1.5), r"dropout must be in \[0, 1\), got 1.5"),
-        (lambda: MultiHeadAttention(8, 2, dropout=-0.1), r"dropout must be in \[0, 1\)"),
+        (
+            lambda: MultiHeadAttention(8, 2, dropout=1.5),
+            r"dropout must be a number in \[0, 1\), got 1.5",
+        ),
+        (lambda: MultiHeadAttention(8, 2, dropout=-0.1), r"dropout must be a number in \[0, 1\)"),
         (lambda: MultiHeadAttention(8, 2, similarity="cos"), "unknown similarity 'cos'.*cosine"),
         (lambda: SelfAttention(8, similarity="cos"), "unknown similarity 'cos'"),
         (lambda: MultiHeadAttention(10, 0), "n_heads must be a whole number >= 1, got 0"),
@@ -105,6 +108,12 @@ def test_from_torch_refuses_what_it_cannot_copy():
         (lambda: SinusoidalPositions(10, 16.0), "d_model must be a whole number >= 1, got 16.0"),
         (lambda: SinusoidalPositions(0, 16), "max_len must be a whole number >= 1, got 0"),
         (lambda: LearnedPositions(-1, 16), "max_len must be a whole number >= 1, got -1"),
+        # RMSNorm(0) was taken, RMSNorm(-1) torch's "negative dimension"; a str dropout "'<='
+        # not supported between instances of 'float' and 'str'"
+        (lambda: RMSNorm(0), "d_model must be a whole number >= 1, got 0"),
+        (lambda: RMSNorm(-1), "d_model must be a whole number >= 1, got -1"),
+        (lambda: RMSNorm(8, eps=0.0), "eps must be a positive, finite number, got 0.0"),
+        (lambda: MultiHeadAttention(8, 2, dropout="0.1"), r"dropout must be a number .*'0\.1'"),
     ],
 )
 def test_bad_constructor_options_fail_at_construction(build, message):
@@ -118,6 +127,12 @@ def test_bad_calls_of_the_smaller_parts_get_one_line():
     with pytest.raises(ValueError, match="x has last dim 6 but this layer has d_model=8"):
         GatedFeedForward(8, 16)(torch.randn(1, 3, 6))
     assert GatedFeedForward(8, 16)(torch.randn(8)).shape == (8,)  # one token's vector: taken
+    with pytest.raises(
+        TypeError, match=r"x must be a torch.Tensor of shape \(\.\.\., 6\), got list"
+    ):
+        RMSNorm(6)([1.0] * 6)  # an AttributeError
+    with pytest.raises(ValueError, match=r"RMSNorm\(6\) got x of shape \(\)"):
+        RMSNorm(6)(torch.tensor(1.0))
     with pytest.raises(ValueError, match=r"offset must be a whole number >= 0 .*got 1\.5"):
         LearnedPositions(10, 8)(torch.zeros(1, 3, 8), offset=1.5)
     with pytest.raises(ValueError, match=r"positions must give each of the 4 tokens .*\(1, 5\)"):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from selfattn.attention import SIMILARITIES, as_4d, attention
-from selfattn.errors import is_integer
+from selfattn.errors import is_integer, is_real
 from selfattn.kernels.chunked import at_least_2d
 from selfattn.recording import active_recordings
 
@@ -110,8 +110,8 @@ class AttentionModule(nn.Module):
             raise ValueError(
                 f"unknown similarity {similarity!r}; choose one of {list(SIMILARITIES)}"
             )
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if not is_real(dropout) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
         self.similarity = similarity
         self.dropout = dropout
         self.backend = "auto"
@@ -537,6 +537,8 @@ class LearnedPositions(nn.Module):
         self.embedding = nn.Embedding(max_len, d_model)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """``x`` ``(..., length, d_model)`` plus the vectors of positions ``offset``,
+        ``offset + 1``, … (``offset``: the tokens before, cached)."""
         return x + _positions(self.embedding.weight, x, offset, self.max_len)
 
 
@@ -721,6 +723,7 @@ class GatedFeedForward(FeedForward):
         self.gate = nn.Linear(d_model, d_ff, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        """``(..., d_model)`` -> ``(..., d_model)``, each token on its own."""
         _check_input(x, self.up.weight, takes="vectors")
         return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
 
@@ -736,6 +739,9 @@ class RMSNorm(nn.Module):
 
     def __init__(self, d_model: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
         super().__init__()
+        _check_sizes(d_model=d_model)
+        if not is_real(eps) or not 0 < eps < math.inf:
+            raise ValueError(f"eps must be a positive, finite number, got {eps!r}")
         self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.empty(d_model))
         self.reset_parameters()
@@ -748,8 +754,14 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, unit_offset={self.unit_offset}"
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x`` of shape ``(..., d_model)`` normalised over its last dim, in its dtype."""
         width = self.weight.shape[0]
-        if x.shape[-1] != width:
+        if not isinstance(x, Tensor):
+            raise TypeError(
+                f"x must be a torch.Tensor of shape (..., {width}), got {type(x).__name__}; "
+                "convert it with torch.as_tensor(x)"
+            )
+        if x.shape[-1:] != (width,):
             raise ValueError(
                 f"RMSNorm({width}) got x of shape {tuple(x.shape)}; it normalises the last dim, "
                 f"which must be {width}"
