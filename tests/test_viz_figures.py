@@ -51,6 +51,13 @@ def test_heatmap_figure_refuses_mismatched_labels():
         heatmap_figure(WEIGHTS, TOKENS[:3], TOKENS, "x")
 
 
+@pytest.mark.parametrize("query_row", [4, 99, -1, True])
+def test_heatmap_figure_refuses_a_query_row_outside_the_map(query_row):
+    # 99 outlined a rectangle at y = 98.5, off the map, and -1 one at y = -1.5
+    with pytest.raises(ValueError, match=rf"query_row {query_row!r} is out of range: rows 0\.\.3"):
+        heatmap_figure(WEIGHTS, TOKENS, TOKENS, "x", query_row=query_row)
+
+
 def test_save_png_and_svg(tmp_path):
     fig = heatmap_figure(WEIGHTS, TOKENS, TOKENS, "x")
     png = save_figure(fig, tmp_path / "map.png")

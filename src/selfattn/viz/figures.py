@@ -30,6 +30,7 @@ from matplotlib import font_manager
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from selfattn.errors import is_integer
 from selfattn.text import is_mark
 from selfattn.viz.terminal import CAPTION, ArrayLike, as_numpy
 
@@ -82,6 +83,10 @@ def heatmap_figure(
         raise ValueError(
             f"weights must have shape (rows, columns) = ({len(row_labels)}, {len(col_labels)}), "
             f"got {matrix.shape}"
+        )
+    if query_row is not None and not (is_integer(query_row) and 0 <= query_row < len(row_labels)):
+        raise ValueError(
+            f"query_row {query_row!r} is out of range: rows 0..{len(row_labels) - 1}, or None"
         )
     missing: set[str] = set()
 
