@@ -1996,3 +1996,14 @@ def test_a_closed_or_full_standard_output_stops_the_printing_only(corpus, tmp_pa
         assert (
             version.stderr == "Error: cannot write the standard output: No space left on device\n"
         )
+
+
+def test_a_tokenizer_saves_and_loads_at_a_str_path_and_a_split_is_named(corpus, tmp_path):
+    """save/load took only a Path (a str gave an AttributeError), and batch("test") a bare
+    KeyError."""
+    data = TextData.from_file(corpus, 16)
+    path = str(tmp_path / "chars.json")
+    data.tokenizer.save(path)
+    assert type(data.tokenizer).load(path) == data.tokenizer
+    with pytest.raises(ValueError, match="unknown split 'test'; choose one of train, val"):
+        RandomBatches(data, 8, 16, seed=0).batch("test")

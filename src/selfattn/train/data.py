@@ -47,13 +47,16 @@ class CharTokenizer:
 
     @classmethod
     def from_text(cls, text: str) -> CharTokenizer:
+        """The vocabulary of ``text``: each character it holds, once, in code point order."""
         return cls("".join(sorted(set(text))))
 
     @property
     def vocab_size(self) -> int:
+        """The number of characters, and so of token ids (0 .. vocab_size - 1)."""
         return len(self.chars)
 
     def encode(self, text: str) -> list[int]:
+        """One id per character; a character outside the vocabulary is refused by name."""
         self._refuse_unknown(self.unknown_characters(text))
         return [self._ids[char] for char in text]
 
@@ -87,6 +90,7 @@ class CharTokenizer:
         return quoted_characters(unknown) if unknown else ""
 
     def decode(self, ids: list[int] | Tensor) -> str:
+        """The text of ``ids`` (a list or a 1-D tensor), one character per id."""
         if isinstance(ids, Tensor):
             ids = ids.tolist()
         return "".join(self.chars[i] for i in ids)
@@ -110,13 +114,15 @@ class CharTokenizer:
     def __hash__(self) -> int:
         return hash(self.chars)
 
-    def save(self, path: Path) -> None:
+    def save(self, path: str | Path) -> None:
+        """The vocabulary as JSON, ``{"type": "char", "chars": ...}``, in UTF-8."""
         text = json.dumps({"type": "char", "chars": self.chars}, ensure_ascii=False)
-        path.write_text(text, encoding="utf-8")
+        Path(path).write_text(text, encoding="utf-8")
 
     @classmethod
-    def load(cls, path: Path) -> CharTokenizer:
-        return cls(json.loads(path.read_text(encoding="utf-8"))["chars"])
+    def load(cls, path: str | Path) -> CharTokenizer:
+        """The tokenizer :meth:`save` wrote to ``path``."""
+        return cls(json.loads(Path(path).read_text(encoding="utf-8"))["chars"])
 
 
 @dataclass(frozen=True)
@@ -240,6 +246,8 @@ class RandomBatches:
 
     def batch(self, split: str) -> tuple[Tensor, Tensor]:
         """Inputs and targets, each (batch_size, block_size), of the given split."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
         windows = self.windows[split]
         starts = torch.randint(len(windows), (self.batch_size,), generator=self.generators[split])
         rows = windows[starts]  # (B, block + 1)
