@@ -32,10 +32,12 @@ Conventions, the same on every backend:
 
 Backends are a small registry (``BACKENDS``): ``explicit`` is the reference and the only one
 that gives a trace; the others are checked against it. ``chunked`` (kernels/chunked.py) is
-FlashAttention's online softmax in PyTorch ops: O(T·D) memory, never a ``(T, S)`` tensor.
-``backend="auto"`` (:func:`choose_backend`) takes explicit when a trace is asked for, chunked when
-the weights would exceed ``MEMORY_BUDGET`` (2 GiB) and torch's kernel would be handed a
-``(T, S)`` mask, otherwise torch's fused kernel.
+FlashAttention's online softmax in PyTorch ops: O(T·D) memory, never a ``(T, S)`` tensor;
+``triton`` (kernels/triton_attention.py) is the same algorithm as a GPU kernel.
+``backend="auto"`` (:func:`choose_backend`) takes explicit when a trace is asked for, Triton on
+CUDA for the float16/bfloat16 calls it can compute, chunked when the weights would exceed
+``MEMORY_BUDGET`` (2 GiB) and torch's kernel would be handed a ``(T, S)`` mask, otherwise
+torch's fused kernel.
 """
 
 from __future__ import annotations
