@@ -7,9 +7,11 @@ shown (scores, scaled, weights, output) is a step of the same computation the mo
 Choosing what to show, when the user does not say: the layer and head where the query word
 puts the most weight on *other content words* — not itself, not special tokens
 (``[CLS]``, ``[SEP]``), not punctuation, not a short list of English stop words, not an
-unknown token (``[UNK]``: the model reads only "some unknown text" there). Without a query
-word, the same measure averaged over every content token. Heads that follow position, not
-meaning (most content tokens' largest weight on the token just before, or just after) are
+unknown token (``[UNK]``: the model reads only "some unknown text" there); a stop word or
+punctuation is judged as a whole word, never by one of its pieces. Without a query word, the
+same measure averaged over every content token. Heads that follow position, not meaning
+(most of the words' tokens put their largest weight on the token just before, or just after,
+when that token belongs to a word too: weight on [CLS] or [SEP] is no neighbour habit) are
 passed over unless every head does (then the best of them is shown); if no head weighs other
 content words (a one-word text), the first head is shown.
 
@@ -523,15 +525,17 @@ def query_steps(trace: AttentionTrace, query: int, biased: bool = False) -> Step
 
 
 def content_tokens(tokens: list[str], word_ids: list[int | None]) -> list[int]:
-    """Tokens that carry meaning: not special, not unknown ([UNK]), not punctuation, not a
-    stop word."""
+    """Tokens that carry meaning: those of words that are neither punctuation nor a stop word,
+    judged on the whole word ("amazonas" is one, though its piece "##as" reads as "as"); never
+    a special or unknown ([UNK]) token."""
     return [
         i
-        for i, (token, word) in enumerate(zip(tokens, word_ids, strict=True))
-        if word is not None
-        and token not in UNKNOWN_TOKENS
-        and any(ch.isalnum() for ch in token)
-        and token.strip().lstrip("#").lower() not in STOPWORDS
+        for name, pieces in word_groups(tokens, word_ids)
+        if word_ids[pieces[0]] is not None
+        and any(ch.isalnum() for ch in name)
+        and name.strip().lstrip("#").lower() not in STOPWORDS
+        for i in pieces
+        if tokens[i] not in UNKNOWN_TOKENS
     ]
 
 
@@ -564,7 +568,7 @@ def choose_head(
             weights = weights[head : head + 1]
         scores.append((weights[:, queries] * other_content).sum(-1).mean(-1))  # (H,) or (1,)
         if head is None:  # a head given is not passed over
-            positional.append(positional_heads(weights, content))
+            positional.append(positional_heads(weights, run.word_ids))
     by_layer = torch.stack(scores)  # (layers, heads)
     passed_over = (
         torch.stack(positional) if positional else torch.zeros_like(by_layer, dtype=torch.bool)
@@ -591,12 +595,26 @@ def choose_head(
     return layers[row], None if chosen == HEAD_MEAN else chosen, choice
 
 
-def positional_heads(weights: Tensor, queries: list[int]) -> Tensor:
-    """(H,) bool, from (H, T, S) weights: the heads where more than half of ``queries`` put
-    their largest weight on the token just before them, or more than half on the token just
-    after (a previous- or next-token head: it follows position, not meaning)."""
-    nearest = weights[:, queries].argmax(-1) - torch.tensor(queries, dtype=torch.long)  # (H, Q)
-    return torch.stack([(nearest == step).sum(-1) * 2 > len(queries) for step in (-1, 1)]).any(0)
+def positional_heads(weights: Tensor, word_ids: list[int | None]) -> Tensor:
+    """(H,) bool, from (H, T, S) weights: the heads where more than half of the text's tokens
+    put their largest weight on the token just before them, or more than half on the token
+    just after (a previous- or next-token head: it follows position, not meaning).
+
+    Only tokens of words vote, and only those with a word's token on that side: the first
+    word's weight on [CLS] (the last one's on [SEP]) is where heads park what they do not
+    use, not a habit of looking next door."""
+    of_a_word = [word is not None for word in word_ids]
+    flags = torch.zeros(weights.shape[0], dtype=torch.bool)
+    for step in (-1, 1):
+        voters = [
+            i
+            for i, voting in enumerate(of_a_word)
+            if voting and 0 <= i + step < len(of_a_word) and of_a_word[i + step]
+        ]
+        if voters:
+            neighbours = torch.tensor(voters) + step
+            flags |= (weights[:, voters].argmax(-1) == neighbours).sum(-1) * 2 > len(voters)
+    return flags
 
 
 def _passed_over_note(count: int) -> str:
