@@ -153,10 +153,10 @@ def test_the_scale_says_where_it_comes_from():
     args = ("explain", MONEY, "--word", "bank", "--layer", "0", "--head", "4")
     cosine = " ".join(runner.invoke(app, [*args, "--similarity", "cosine"],
                                     env={"COLUMNS": "200"}).stdout.split())  # fmt: skip
-    assert "scaled by 0.1768, which is 1/√d_k = 1/√32, softmax to weights" in cosine
-    assert "scaled = score × scale, scale = 1/√d_k = 1/√32 = 0.1768" in cosine
-    assert "model: dot, scale 1/√d_k = 1/√32 = 0.1768" in cosine
-    assert "yours: cosine, scale √d_k = √32 = 5.657" in cosine
+    assert "scaled by 0.17678, which is 1/√d_k = 1/√32, softmax to weights" in cosine
+    assert "scaled = score × scale, scale = 1/√d_k = 1/√32 = 0.17678" in cosine
+    assert "model: dot, scale 1/√d_k = 1/√32 = 0.17678" in cosine
+    assert "yours: cosine, scale √d_k = √32 = 5.6569" in cosine
     halved = " ".join(runner.invoke(app, [*args, "--scale", "0.5"],
                                     env={"COLUMNS": "200"}).stdout.split())  # fmt: skip
     assert "yours: dot, scale 0.5 " in halved

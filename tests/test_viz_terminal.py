@@ -61,7 +61,8 @@ def test_step_table_lists_score_scaled_and_weight_per_key():
         for value in (tr.scores[5, j], tr.scaled[5, j], tr.weights[5, j]):
             assert f"{value.item():.3f}" in text
     assert "1.000" in text
-    assert "scaled = score × scale, scale = 1/√d_k = 1/√8 = 0.3536" in text
+    assert "scaled = score × scale, scale = 1/√d_k = 1/√8 = 0.35355" in text
+    assert "(the total adds the weights before rounding)" in text  # 0.999 or 1.001 otherwise
 
 
 @pytest.mark.parametrize("width", [40, 60, 200])
@@ -91,9 +92,9 @@ def test_row_tables_print_every_key_and_number_whole_in_any_width(width):
 @pytest.mark.parametrize(
     ("scale", "similarity", "written"),
     [
-        (1 / math.sqrt(32), "dot", "1/√d_k = 1/√32 = 0.1768"),  # the default: where it is from
-        (math.sqrt(32), "cosine", "√d_k = √32 = 5.657"),
-        (1 / math.sqrt(32), "cosine", "0.1768"),  # dot's default is no default for cosine
+        (1 / math.sqrt(32), "dot", "1/√d_k = 1/√32 = 0.17678"),  # the default: where it is from
+        (math.sqrt(32), "cosine", "√d_k = √32 = 5.6569"),
+        (1 / math.sqrt(32), "cosine", "0.17678"),  # dot's default is no default for cosine
         (1.0, "dot", "1"),  # a scale the user gave: the number alone
         (0.5, "dot", "0.5"),
     ],

@@ -163,8 +163,8 @@ def _step_table(keys: list[str], steps: Steps, scaled: Tensor, scale: str) -> Ro
     *before, weights = table.columns.items()
     columns = dict([*before, ("+ bias", as_numpy(steps.bias)), weights])
     caption = (
-        f"scaled = score × scale, scale = {scale}\nweight = softmax(scaled + bias) over the row"
-        "\nbias: the model's relative position bias, learned per head and bucket of distances"
+        table.caption.replace("softmax(scaled)", "softmax(scaled + bias)")
+        + "\nbias: the model's relative position bias, learned per head and bucket of distances"
     )
     return RowTable(keys, columns, "score → scaled → + bias → weight", caption)
 
@@ -173,7 +173,7 @@ def _scaled_by(steps: Steps) -> str:
     """The scale as the query line says it: "0.1768, which is 1/√d_k = 1/√32" where it is the
     default for the similarity, else the number alone."""
     formula = scale_formula(steps.scale, steps.similarity, steps.key_width)
-    return f"{steps.scale:.4g}" + (f", which is {formula}" if formula else "")
+    return f"{steps.scale:.5g}" + (f", which is {formula}" if formula else "")
 
 
 def _print_masked_note(console: Console, e: Explanation) -> None:

@@ -157,9 +157,10 @@ def scale_formula(scale: float, similarity: str, key_width: int) -> str | None:
 
 
 def written_scale(scale: float, similarity: str, key_width: int) -> str:
-    """The scale with where it comes from: "1/√d_k = 1/√32 = 0.1768", or the number alone."""
+    """The scale with where it comes from: "1/√d_k = 1/√32 = 0.17678", or the number alone
+    (five digits: the shown scores times it give the shown scaled scores)."""
     formula = scale_formula(scale, similarity, key_width)
-    return f"{formula} = {scale:.4g}" if formula else f"{scale:.4g}"
+    return f"{formula} = {scale:.5g}" if formula else f"{scale:.5g}"
 
 
 def step_table(
@@ -180,7 +181,10 @@ def step_table(
         "scaled": _one_row(scaled, n, "scaled"),
         "weight": _one_row(weights, n, "weights"),
     }
-    caption = f"scaled = score × scale, scale = {scale}\nweight = softmax(scaled) over the row"
+    caption = (
+        f"scaled = score × scale, scale = {scale}\nweight = softmax(scaled) over the row\n"
+        "(the total adds the weights before rounding)"
+    )
     return RowTable(tokens, columns, "score → scaled → weight", caption)
 
 

@@ -179,7 +179,8 @@
   }
 
   const fmt = (x, digits = 4) => (Number.isFinite(x) ? x.toFixed(digits) : String(x));
-  const fmtScale = (x) => (x !== 0 && Math.abs(x) < 1e-3 ? x.toExponential(3) : fmt(x)); // 1e-30 is not 0.0000
+  // five digits, so that the shown scores times it give the shown scaled ones; 1e-30 is not 0
+  const fmtScale = (x) => (x !== 0 && Math.abs(x) < 1e-3 ? x.toExponential(3) : String(Number(x.toPrecision(5))));
   // the letters of a text as a reader counts them: a letter with its marks, an emoji whole
   const letters = (s) =>
     typeof Intl.Segmenter === "function" ? Array.from(new Intl.Segmenter(undefined, { granularity: "grapheme" }).segment(s), (part) => part.segment) : Array.from(s);
@@ -1165,7 +1166,7 @@
     ui.stepNote.textContent =
       (mean
         ? `mean of ${model.heads} heads: the weights are averaged; scores${model.bias ? ", biases" : ""} and outputs belong to single heads.`
-        : `scaled = score × ${fmtScale(model.scale)}; weight = softmax(scaled${biased}) over the row${bias}${hidden ? `; ${hidden} are masked (as if scaled were −∞): weight 0` : ""}.`) + rounded;
+        : `scaled = score × ${fmtScale(model.scale)}; weight = softmax(scaled${biased}) over the row${bias}${hidden ? `; ${hidden} are masked (as if scaled were −∞): weight 0` : ""}; the total adds the weights before rounding.`) + rounded;
 
     if (mean) {
       ui.output.replaceChildren();
