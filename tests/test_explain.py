@@ -222,6 +222,19 @@ def test_the_figure_names_unknown_keys_by_their_text(model, monkeypatch, tmp_pat
     assert [row[3] for row in labels] == ["'🙂' ([UNK])"] * 2
 
 
+def test_the_figure_tells_a_repeated_token_apart_as_the_tables_do(model, monkeypatch, tmp_path):
+    # The PNG/SVG labelled both "to"s of MONEY plain "to", where the tables say 3:to and 6:to;
+    # merged into words, a word is labelled by its first token's index.
+    labels = []
+    draw = figures.heatmap_figure  # imported by save_heatmap when it draws
+    monkeypatch.setattr(figures, "heatmap_figure", lambda *a: labels.append(a[1]) or draw(*a))
+    for words in (False, True):
+        _, e = explaining.explain_text(model, MONEY, word="bank", words=words)
+        report.save_heatmap(e, tmp_path / "map.png")
+    assert labels[0][:7] == ["[CLS]", "i", "went", "3:to", "the", "bank", "6:to"]
+    assert labels[1] == labels[0]  # every word is one token here
+
+
 def test_saved_heatmaps_do_not_pile_up_in_pyplot(model, tmp_path):
     # pyplot keeps every figure until it is closed: 25 saves in one process (a notebook, a
     # script) kept 25 figures and warned "More than 20 figures have been opened".

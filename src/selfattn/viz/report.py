@@ -71,6 +71,11 @@ def _labels(e: Explanation) -> tuple[list[str], object]:
     return shown(e.word_names), merge_words(e.attention, [m for _, m in e.groups])
 
 
+def _first_tokens(e: Explanation) -> list[int] | None:
+    """The token index of each label of :func:`_labels`: None for tokens (their places)."""
+    return None if e.groups is None else [members[0] for _, members in e.groups]
+
+
 HEADLINE_CHARS = 160  # longer texts are cut short in the header (every token is listed below)
 
 
@@ -147,7 +152,7 @@ def print_explanation(console: Console, e: Explanation) -> None:
         row = _query_row(e)
         word, pieces = e.groups[row]
         named = e.name(shown([word])[0], pieces)
-        words = key_labels(labels, [members[0] for _, members in e.groups])
+        words = key_labels(labels, _first_tokens(e))
         console.print(weights_bars(words, matrix[row], f"{named} by word (pieces merged)"))
     title = f"attention, {_where(e)}{_causal_note(e)}"
     more = "a wider terminal, --png, --svg or --html shows them all"
@@ -267,6 +272,7 @@ def save_heatmap(e: Explanation, path: Path) -> Path:
     from selfattn.viz.figures import heatmap_figure, save_figure  # matplotlib: 0.3 s to import
 
     labels, matrix = _labels(e)
+    labels = key_labels(labels, _first_tokens(e))  # 3:to and 6:to, as the tables list them
     figure = heatmap_figure(matrix, labels, labels, f"{e.model}: {_where(e)}", _query_row(e))
     return save_figure(figure, path, close=True)
 
