@@ -162,6 +162,16 @@ def test_the_scale_says_where_it_comes_from():
     assert "yours: dot, scale 0.5 " in halved
 
 
+def test_the_output_line_shows_no_minus_zero_and_says_whose_output_it_is():
+    # In layer 0, head 4, the output of "." (token 9) has -0.00039 in dimension 6, printed
+    # "-0.000"; and the line did not say it is one head's part, before the output projection.
+    args = ("explain", MONEY, "--index", "9", "--layer", "0", "--head", "4")
+    shown = " ".join(runner.invoke(app, args, env={"COLUMNS": "200"}).stdout.split())
+    dims = shown.split("dims [")[1].split(", …]")[0].split(", ")
+    assert dims[6] == "+0.000" and "-0.000" not in dims
+    assert "(this head's part, before the output projection joins the heads)" in shown
+
+
 def test_the_step_table_labels_a_repeated_key_as_top_attended_does():
     # "the" and "bank" stand twice: each row says which one it is, as 10:the in the top list.
     result = runner.invoke(app, ["explain", TWO_BANKS, "--word", "bank"], env={"COLUMNS": "200"})
@@ -990,7 +1000,7 @@ def test_compare_names_the_attention_read_in_both_numberings():
     assert result.exit_code == 0, result.output
     shown = " ".join(result.stdout.split())
     assert (
-        "(attends to: attention layer 5 (explain --layer 5), mean of heads, 'bank' itself and "
+        "(attends to: attention layer 5 (explain --layer 5), mean of heads, this 'bank' itself and "
         "the special tokens left out (so the weights sum to less than 1); its block's output "
         "is layer 6 in the table)" in shown
     )

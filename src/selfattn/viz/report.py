@@ -130,10 +130,13 @@ def print_explanation(console: Console, e: Explanation) -> None:
         )
         output = steps.output
         own = float(steps.weights[e.query])
-        dims = ", ".join(f"{x:+.3f}" for x in output[:OUTPUT_DIMS].tolist())
+        dims = ", ".join(
+            f"{x:+.3f}" if round(x, 3) else "+0.000" for x in output[:OUTPUT_DIMS].tolist()
+        )
         console.print(
             f"[bold]output[/] = weights @ values: {output.shape[-1]} dims [{dims}, …], "
-            f"norm {float(output.norm()):.3f}; it keeps {own:.1%} of the weight on itself"
+            f"norm {float(output.norm()):.3f}; it keeps {own:.1%} of the weight on itself "
+            "(this head's part, before the output projection joins the heads)"
         )
         if e.recorded_output is not None:
             gap = float((e.recorded_output.double() - output.double()).abs().max())
@@ -399,7 +402,7 @@ def _attention_note(c: Comparison) -> str:
     layer = c.attended_layer
     note = (
         f"attends to: attention layer {layer} (explain --layer {layer}), mean of heads, "
-        f"'{printable(c.word)}' itself and the special tokens left out (so the weights sum to "
+        f"this '{printable(c.word)}' itself and the special tokens left out (so the weights sum to "
         f"less than 1); its block's output is layer {layer + 1} in the table"
     )
     if any(key.repeated for row in c.attended for key in row):

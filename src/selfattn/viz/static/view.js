@@ -1160,7 +1160,7 @@
     );
     ui.stepsFoot.replaceChildren(totalRow(weights, perHead));
     const tensors = model.bias && !model.bias.table ? "q, k, v and the bias" : "q, k and v"; // a table is float32
-    const rounded = model.dtype === "float16" ? ` ${tensors} came as float16 to keep this long text's page small: the numbers agree with Python's to about 3 significant digits (a score near 0, to about 3 digits of the row's largest).` : "";
+    const rounded = model.dtype === "float16" ? ` ${tensors} came as float16 to keep this long text's page small: the numbers agree with Python's to 2 or 3 significant digits (a score near 0, to about 3 digits of the row's largest).` : "";
     const biased = model.bias ? " + bias" : "";
     const bias = model.bias ? "; bias: the model's position bias for this query and key (it depends on their distance)" : "";
     ui.stepNote.textContent =
