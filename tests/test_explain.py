@@ -1417,3 +1417,20 @@ def test_the_terminal_report_does_not_import_matplotlib():
     code = "import sys, selfattn.viz.report; print('matplotlib' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_an_offline_page_says_why_it_opened_where_it_did(model, tmp_path):
+    """explain --html and view chose a layer and head without saying why (only the live
+    explorer did), and view opened on query 0, [CLS]; now the page carries explain's reason,
+    naming its menus, and opens on the first content word."""
+    run, chosen = explaining.explain_text(model, MONEY, word="bank")
+    data = page_data(run, chosen)
+    assert data["choice"] == (
+        str(chosen.choice).removesuffix("--layer/--head") + "the layer menu or the head menu"
+    )
+    run, asked = explaining.explain_text(model, MONEY, word="bank", layer=0, head=4)
+    assert "choice" not in page_data(run, asked)
+    run = model.run(MONEY)
+    data = page_data(run, explaining.explain(run, model_name=model.name))
+    assert data["selection"]["query"] == run.tokens.index("went")  # "i" is a stop word
+    assert data["choice"].startswith("chosen: the words, on average, put the most weight")

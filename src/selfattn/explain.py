@@ -66,6 +66,7 @@ STOPWORDS = frozenset(
 )
 UNKNOWN_TOKENS = frozenset({"[UNK]", "<unk>"})  # what a tokenizer reads text it has no piece for
 HEAD_MEAN = "mean"
+AS_ASKED = "as asked"  # Explanation.choice when the layer and head were both given
 SHOWN_SENTENCE = 60  # characters of a compared sentence that an error about it quotes
 
 
@@ -321,7 +322,7 @@ def explain(
         raise IndexError(f"token index {query!r} is out of range: tokens 0..{len(run.tokens) - 1}")
     if similarity is not None or scale is not None:
         _check_experiment(query is not None, head, "the query's token index (query=)")
-    choice = "as asked"
+    choice = AS_ASKED
     if layer is None or head is None:
         layer, head_index, choice = choose_head(run, query, layer, head)
     capture = captures.layer(layer)[0]

@@ -540,7 +540,7 @@ def _explain(model: Model, body: ExplainRequest) -> Response:
 
 # Explore's and Generate's names for the layer and head: the menus over their map, not
 # Similarity & scale's fields; their requests' messages (the 400s, the 422s) name them so.
-MENU_NAMES = {"layer": "the layer menu", "head": "the head menu"}
+MENU_NAMES = report.MENU_NAMES
 MENU_PATHS = ("/api/view", "/api/generate")
 
 
@@ -559,10 +559,7 @@ def _view(model: Model, body: Selection) -> Response:
         model, body.text, word=body.word, index=body.index, occurrence=body.occurrence,
         layer=body.layer, head=body.head,
     )  # fmt: skip
-    payload = report.page_data(run, explanation)
-    if body.layer is None or body.head is None:  # the server chose: the page says why
-        payload["choice"] = worded(explanation.choice, menu_naming)
-    return as_json(payload)
+    return as_json(report.page_data(run, explanation))
 
 
 def _compare(model: Model, body: CompareRequest) -> Response:

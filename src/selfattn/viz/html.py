@@ -35,8 +35,8 @@ Payload (a JSON object, the input of the page's ``render(payload)``)::
     thumbnails     {"size": n, "pool": "max", "data": base64 uint8 [L, H, n, n]}, each
                    head's weights max-pooled to n <= 48 and scaled by that head's largest weight
     selection      {"layer": l, "head": h or "mean", "query": i}: what the page shows first
-    choice         (the live explorer's POST /api/view only, where it chose the layer or head)
-                   why it chose them, as ``selfattn explain`` says it: shown while they are
+    choice         (where the layer or head was chosen, not given) why they were chosen,
+                   as ``selfattn explain`` says it: shown while they are on screen
 
 User text is escaped by construction: the payload sits in a ``<script type="application/json">``
 tag with ``<``, ``>`` and ``&`` written as ``\\u003c``-style escapes, and the script builds the

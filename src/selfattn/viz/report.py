@@ -17,13 +17,16 @@ from rich.text import Text
 from torch import Tensor
 
 from selfattn.attention import default_scale
+from selfattn.errors import worded
 from selfattn.explain import (
+    AS_ASKED,
     Attended,
     Comparison,
     Explanation,
     RecordedRun,
     Steps,
     adds_bias,
+    content_tokens,
     key_labels,
     merge_words,
     stacked_qkv,
@@ -308,13 +311,25 @@ def page_data(run: RecordedRun, e: Explanation) -> dict:
     scale = capture.scale or default_scale(capture.similarity, query.shape[-1])
     head = "mean" if e.head is None else e.head
     calls = [run.captures.layer(index)[0] for index in range(run.captures.n_layers)]
-    return page_payload(
+    first_content = content_tokens(e.tokens, run.word_ids)[:1] or [0]  # not [CLS]
+    payload = page_payload(
         tokens=e.tokens, query=query, key=key, value=value, scale=scale,
         similarity=capture.similarity, model_name=e.model, text=e.text, layer=e.layer,
-        head=head, query_index=e.query, words=run.word_ids, causal=capture.causal,
-        windows=run.sliding_windows, names=e.key_names, note=e.query_note,
-        bias=page_bias(calls),
+        head=head, query_index=first_content[0] if e.query is None else e.query,
+        words=run.word_ids, causal=capture.causal, windows=run.sliding_windows,
+        names=e.key_names, note=e.query_note, bias=page_bias(calls),
     )  # fmt: skip
+    if e.choice != AS_ASKED:  # the layer or head was chosen: the page says why
+        payload["choice"] = worded(e.choice, menu_naming)
+    return payload
+
+
+MENU_NAMES = {"layer": "the layer menu", "head": "the head menu"}
+
+
+def menu_naming(options: tuple[str, ...]) -> str:
+    """Options as a page's menus name them: "the layer menu or the head menu"."""
+    return " or ".join(MENU_NAMES.get(name, name) for name in options)
 
 
 def page_bias(calls: Sequence[Capture]) -> Tensor | None:
