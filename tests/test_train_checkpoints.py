@@ -341,3 +341,40 @@ def test_a_resume_evaluates_on_the_batches_a_straight_run_does(corpus, tmp_path)
     train_decoder(corpus, tmp_path / "b", preset="tiny", overrides={"max_iters": 20})
     resumed = train_decoder(corpus, tmp_path / "b", overrides={"max_iters": 40}, resume=True)
     assert resumed.result.history[-1] == straight.result.history[-1]
+
+
+def test_step_folders_without_latest_are_never_removed_by_a_new_run(trained, corpus, tmp_path):
+    """With LATEST deleted (or step folders copied in to fork a run), a new run trained from
+    scratch and its first save removed every step folder; --resume said "drop --resume". Now
+    a new run is refused, and --resume and generate name the folder to write into LATEST."""
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    steps = sorted(entry.name for entry in out.iterdir() if entry.name.startswith("step-"))
+    (out / "LATEST").unlink()
+    args = ["train", "--data", str(corpus), "--out", str(out), "--preset", "tiny"]
+    assert "already holds a checkpoint; pass --resume" in _error_line([*args, "--max-iters", "2"])
+    fix = (
+        f"holds step folders but no LATEST file naming one; write the name of an existing step "
+        f"folder (e.g. {steps[-1]}) into LATEST"
+    )
+    assert fix in _error_line([*args, "--resume"])
+    assert fix in _error_line(["generate", "--checkpoint", str(out), "To"])
+    left = sorted(entry.name for entry in out.iterdir() if entry.name != ".lock")
+    assert left == steps  # nothing written or removed
+
+
+def test_a_latest_that_is_a_folder_is_refused_before_any_training(trained, corpus, tmp_path):
+    # A new run trained a whole evaluation interval, then could not save ("Is a directory")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "LATEST").mkdir()
+    line = _error_line(["train", "--data", str(corpus), "--out", str(out), "--preset", "tiny"])
+    assert "already holds a checkpoint" in line
+    assert [entry.name for entry in out.iterdir() if entry.name != ".lock"] == ["LATEST"]
+
+
+def test_a_data_path_that_is_no_str_in_config_json_is_one_line(trained, corpus, tmp_path):
+    # {"data": 5}: a TypeError from Path(5) when the resume compared data files
+    out = _copy(trained, tmp_path / "out", lambda data: data.update(data=5), "config.json")
+    line = _error_line(["train", "--data", str(corpus), "--out", str(out), "--resume"])
+    assert "config.json: data is 5, not a name (a str)" in line

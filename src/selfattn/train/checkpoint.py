@@ -107,6 +107,9 @@ class RunConfig:
             config = LlamaConfig(**{**model, "sliding_windows": tuple(model["sliding_windows"])})
         else:
             raise ValueError(f"model_type {model_type!r} is neither 'gpt' nor 'llama'")
+        for name in ("preset", "data"):
+            if not isinstance(data[name], str):
+                raise ValueError(f"{name} is {data[name]!r}, not a name (a str)")
         return cls(config, TrainConfig(**data["train"]), data["preset"], data["data"])
 
 
@@ -408,8 +411,8 @@ def checkpoint_dir(path: str | Path) -> Path:
             f"checkpoint directory {path} does not exist; train one with "
             f"`selfattn train --data FILE --out {path}`"
         )
-    if (path / LATEST).is_file():
-        return _latest_dir(path)
+    if _has_latest(path) or (has_checkpoint(path) and not (path / "config.json").is_file()):
+        return _latest_dir(path)  # or step folders without LATEST: say which to name in it
     if not (path / "config.json").is_file():
         raise SelfAttnError(
             f"{path} holds no checkpoint (no LATEST or config.json); pass the --out directory "
@@ -430,12 +433,17 @@ def _latest_dir(out_dir: Path) -> Path:
     """The checkpoint directory that ``out_dir/LATEST`` names; a one-line error if it is gone
     or is not a folder inside ``out_dir`` (a hand-edited ``../elsewhere/step-…``)."""
     latest = out_dir / LATEST
-    try:
-        name = latest.read_text(encoding="utf-8").strip()
-    except (OSError, ValueError) as error:
-        raise SelfAttnError(f"{latest} is unreadable: {error}") from None
-    target = out_dir / name
-    if name and not _is_inside(out_dir, target):
+    if not _has_latest(out_dir):
+        name, target = "", out_dir
+    else:
+        try:
+            name = latest.read_text(encoding="utf-8").strip()
+        except (OSError, ValueError) as error:
+            raise SelfAttnError(f"{latest} is unreadable: {error}") from None
+        target = out_dir / name
+    if not _has_latest(out_dir):
+        problem = None
+    elif name and not _is_inside(out_dir, target):
         problem = f"is outside {out_dir} (only step folders inside it are read)"
     elif name and (target / "config.json").is_file():
         return target
@@ -455,6 +463,8 @@ def _latest_dir(out_dir: Path) -> Path:
         if existing
         else "no step folder is left: train again with another --out"
     )
+    if problem is None:
+        raise SelfAttnError(f"{out_dir} holds step folders but no {LATEST} file naming one; {fix}")
     raise SelfAttnError(
         f"{latest} points at checkpoint folder {name[:80]!r}, which {problem}; {fix}"
     )
@@ -478,8 +488,22 @@ def is_checkpoint_folder(path: Path) -> bool:
 
 
 def has_checkpoint(path: Path) -> bool:
+    """Whether ``path`` holds a checkpoint or what is left of one: a LATEST (whatever it
+    is), a config.json, or a step folder a save wrote. A new run may start only where none
+    is, since its first save removes the step folders it did not write."""
     path = Path(path)
-    return (path / LATEST).is_file() or (path / "config.json").is_file()
+    if _has_latest(path) or (path / "config.json").is_file():
+        return True
+    try:
+        return any(entry.name.startswith("step-") and _is_ours(entry) for entry in path.iterdir())
+    except OSError:
+        return False
+
+
+def _has_latest(path: Path) -> bool:
+    """Whether ``path/LATEST`` is there, as a file or anything else (a folder, a broken link)."""
+    latest = path / LATEST
+    return latest.exists() or latest.is_symlink()
 
 
 def _split_optimizer_state(state_dict: dict) -> tuple[dict[str, Tensor], list[dict]]:
