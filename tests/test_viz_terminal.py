@@ -257,7 +257,9 @@ def test_comparison_lists_a_repeated_word_with_its_token_index():
 def test_comparison_says_what_attends_to_leaves_out():
     # The word itself and the special tokens are not listed: the weights shown sum to less.
     text = compared([[Attended("river", 0.5, 2, repeated=False)]] * 2)
-    left_out = "this 'bank' itself and the special tokens left out (so the weights sum to less than 1)"
+    left_out = (
+        "this 'bank' itself and the special tokens left out (so the weights sum to less than 1)"
+    )
     assert left_out in text
 
 
