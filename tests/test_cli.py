@@ -581,3 +581,24 @@ def test_the_standard_input_read_twice_or_not_text_is_one_line(
     assert result.exit_code in (1, 2)
     assert result.output.startswith("Error: ") and message in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_a_ctrl_c_while_the_command_exits_is_no_traceback():
+    """The command's work done and said, a Ctrl-C as the interpreter exits (a repeated one
+    after training's "Interrupted at step …" line) met torch's exit handlers: a traceback
+    and the status -2. Here the signal comes from an exit handler, as late as it can."""
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, os, signal, sys\n"
+        "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
+        "sys.argv = ['selfattn', '--version']\n"
+        "from selfattn.cli import main\n"
+        "main()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.startswith("selfattn ")

@@ -942,7 +942,14 @@ for _command in app.registered_commands:
 
 
 def main() -> None:
-    app()
+    """The ``selfattn`` command: the app, then Ctrl-C and SIGTERM ignored while the process
+    exits, its work done and said (a repeated Ctrl-C after a stopped training's last line
+    was a traceback from torch's exit handlers, and the exit status -2, not 130)."""
+    try:
+        app()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 if __name__ == "__main__":
