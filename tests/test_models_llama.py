@@ -763,6 +763,15 @@ def test_generation_ends_at_the_end_of_text_token_as_hugging_faces(llama_folder,
     assert selfattn.load(folder).generate_recorded(PROMPT, 20, temperature=0).token_ids == (
         prompt_ids + free[:1]
     )
+    # A generation_config.json without eos_token_id stops at none, config.json's aside: we
+    # stopped at config.json's, where Hugging Face's generate runs on.
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))
+    hf = transformers.LlamaForCausalLM.from_pretrained(folder)
+    expected = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=20, do_sample=False)
+    assert expected[0].tolist() == prompt_ids + free
+    assert selfattn.load(folder).generate_recorded(PROMPT, 20, temperature=0).token_ids == (
+        prompt_ids + free
+    )
 
 
 @pytest.mark.parametrize("file", ["config.json", "generation_config.json"])
