@@ -480,9 +480,9 @@ def eos_token_ids(raw: dict, folder: Path, vocab_size: int) -> tuple[int, ...]:
     """The tokens that end a generation: ``generation_config.json``'s ``eos_token_id`` (one
     id or a list, as Llama 3's instruct models list three), or without that file
     ``config.json``'s, as Hugging Face's generate reads them (a generation_config.json with
-    no ``eos_token_id`` stops at none, whatever config.json says); () for none. Ids past the vocabulary are left out:
-    no step can choose them (transformers writes GPT-2's 50256 into the config of a GPT-2
-    of any vocabulary). One that is not an integer is refused."""
+    no ``eos_token_id`` stops at none, whatever config.json says); () for none. Ids past the
+    vocabulary are left out: no step can choose them (transformers writes GPT-2's 50256 into
+    the config of a GPT-2 of any vocabulary). One that is not an integer is refused."""
     generation_file = folder / "generation_config.json"
     generation = (
         read_json(generation_file, "generation settings") if generation_file.is_file() else {}
