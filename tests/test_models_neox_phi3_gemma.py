@@ -96,6 +96,12 @@ def folders(tmp_path_factory, vocab_size) -> Callable[[str], Path]:  # noqa: F81
             "unsupported partial_rotary_factor 0.5 in config.json; gemma turns every dim of a "
             "head (1.0)",
         ),
+        (  # transformers 5 computes SiLU here, 4 the GELU: they read different fields
+            "gemma",
+            {"hidden_act": "silu", "hidden_activation": "gelu_pytorch_tanh"},
+            "config.json: hidden_activation 'gelu_pytorch_tanh' and hidden_act 'silu' name "
+            "different activations (transformers 4 reads the first, 5 the second); make them agree",
+        ),
     ],
 )
 def test_what_does_not_fit_is_refused_in_one_line(folders, tmp_path, name, config, message):
@@ -105,6 +111,20 @@ def test_what_does_not_fit_is_refused_in_one_line(folders, tmp_path, name, confi
     assert "\n" not in str(error.value)
     if config.get("model_type") == "gemma2":
         assert "soft-caps attention scores" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "given",
+    [{"hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"}, {"hidden_act": "gelu"}],
+)
+def test_gemmas_two_activation_fields_that_agree_load(folders, tmp_path, given):
+    # Gemma's own config.json gives "gelu" (read as the tanh approximation) beside the named
+    # one; the same weights give the same logits (exact) whichever the fields say
+    model = selfattn.load(folders("gemma"))
+    reloaded = selfattn.load(rewritten(folders("gemma"), tmp_path, given))
+    ids = torch.tensor([[5, 9, 2, 77]])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=0, rtol=0)
 
 
 def test_older_neox_configs_read_rotary_pct_and_rotary_emb_base(neox, tmp_path):

@@ -315,12 +315,22 @@ def llama_config(raw: dict) -> LlamaConfig:
 
 
 def gemma_activation(raw: dict) -> str:
-    """Gemma's GeGLU activation: ``hidden_activation`` where older configs give it, else
-    ``hidden_act``; a plain "gelu" means the tanh approximation, as transformers reads it."""
-    key = "hidden_activation" if raw.get("hidden_activation") else "hidden_act"
-    if raw.get(key, "gelu") == "gelu":
-        return "gelu_tanh"
-    return activation_of(raw, key, "gelu_pytorch_tanh")
+    """Gemma's GeGLU activation, from ``hidden_activation`` and ``hidden_act`` (the tanh
+    approximation where neither is given); a plain "gelu" means that approximation too, as
+    transformers reads it. Where the two name different activations the config is refused:
+    transformers 4 reads the first, 5 the second, so neither answer is the checkpoint's."""
+    given = {key: raw[key] for key in ("hidden_activation", "hidden_act") if raw.get(key)}
+    read = {
+        key: "gelu_tanh" if name == "gelu" else activation_of(raw, key, "gelu_pytorch_tanh")
+        for key, name in given.items()
+    }
+    if len(set(read.values())) > 1:
+        raise SelfAttnError(
+            f"config.json: hidden_activation {given['hidden_activation']!r} and hidden_act "
+            f"{given['hidden_act']!r} name different activations (transformers 4 reads the "
+            "first, 5 the second); make them agree"
+        )
+    return next(iter(read.values()), "gelu_tanh")
 
 
 def neox_config(raw: dict) -> LlamaConfig:
