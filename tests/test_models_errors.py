@@ -571,10 +571,28 @@ def test_config_entries_of_a_wrong_type_get_one_line_naming_the_file(
         (DISTILBERT, {"n_layers": 10**8}, "config.json: its sizes make 100,000,000 layers"),
         (GPT2, {"n_layer": 10**8}, "config.json: its sizes make 100,000,000 layers"),
         (LLAMA, {"num_hidden_layers": 10**8}, "config.json: its sizes make 100,000,000 layers"),
+        # a window per layer was made (minutes, gigabytes) before the layer count was checked
+        (MISTRAL, {"num_hidden_layers": 10**12}, "config.json: its sizes make 1,000,000,000,000"),
         (BERT, {"vocab_size": 10**11}, "expects (100000000000, 16); config.json and the weights"),
         (LLAMA, {"intermediate_size": 10**11}, "expects (100000000000, 16); config.json and the"),
+        # torch's "Storage size calculation overflowed" on the meta device
+        (BERT, {"hidden_size": 10**12}, "config.json: its sizes make a model that cannot be built"),
+        (GPT2, {"n_embd": 3 * 10**12}, "config.json: its sizes make a model that cannot be built"),
+        # a KeyError: the name map still placed the token types the network lacked
+        (BERT, {"type_vocab_size": 0}, "1 tensor(s) the model has no place for, e.g. embeddings"),
     ],
-    ids=["bert-layers", "distilbert-layers", "gpt2-layers", "llama-layers", "bert-vocab", "mlp"],
+    ids=[
+        "bert-layers",
+        "distilbert-layers",
+        "gpt2-layers",
+        "llama-layers",
+        "mistral-windows",
+        "bert-vocab",
+        "mlp",
+        "bert-width",
+        "gpt2-width",
+        "no-token-types",
+    ],
 )
 def test_sizes_past_the_weights_are_refused_before_memory_is_taken(tmp_path, family, change, said):
     # Before: 10^8 layers took a minute and 5 GB to build (on the meta device) and then

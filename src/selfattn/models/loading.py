@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from selfattn.errors import SelfAttnError
+from selfattn.errors import SelfAttnError, is_integer
 from selfattn.models.bert import Bert, BertConfig
 from selfattn.models.gpt import GPT
 from selfattn.models.hf_config import (
@@ -225,7 +225,8 @@ def check_weights(
             f"{path} lacks {len(missing)} tensor(s) the model needs, e.g. {_few(missing)}; "
             "config.json and the weights do not match"
         )
-    unexpected = [name for name in tensors if name not in sources]
+    no_place = [rule.source for rule in rules if not set(rule.targets) <= parameters.keys()]
+    unexpected = [name for name in tensors if name not in sources] + no_place
     if unexpected:
         raise SelfAttnError(
             f"{path} holds {len(unexpected)} tensor(s) the model has no place for, e.g. "
@@ -262,6 +263,9 @@ def _few(names: list[str], count: int = 3) -> str:
 # Networks
 
 Built = tuple[nn.Module, list[Rule], ModelConfig, SentenceConfig | None]
+
+
+LAYER_ENTRIES = ("num_hidden_layers", "n_layers", "n_layer")  # config.json's layer count
 
 
 def check_layers(n_layers: int, tensors: dict[str, Tensor], folder: Path) -> None:
@@ -456,6 +460,9 @@ def load(
     check_entries(raw, config_path)  # a family read here (another's may hold other kinds)
     weights_path, files = weight_files(folder)
     tensors, skipped = read_checkpoint(files, ARCHITECTURES[model_type])
+    for key in LAYER_ENTRIES:  # before a family's config makes anything per layer
+        if is_integer(raw.get(key)):
+            check_layers(raw[key], tensors, folder)
     try:
         with torch.device("meta"), NoRandomFill():  # no memory, no init: all are loaded
             network, rules, info, sentence = BUILDERS[model_type](raw, tensors, folder)
@@ -469,6 +476,12 @@ def load(
     except ValueError as error:  # sizes a config class refuses together: heads that do not divide
         raise SelfAttnError(
             f"{config_path}: {error}; restore the checkpoint's original config.json"
+        ) from None
+    except (RuntimeError, MemoryError, OverflowError) as error:  # sizes past any memory
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise SelfAttnError(
+            f"{config_path}: its sizes make a model that cannot be built ({reason}); restore "
+            "the checkpoint's original config.json"
         ) from None
     check_weights(network, rules, tensors, weights_path)
     allocate(network, dtype, device)
