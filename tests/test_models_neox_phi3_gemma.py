@@ -84,6 +84,11 @@ def folders(tmp_path_factory, vocab_size) -> Callable[[str], Path]:  # noqa: F81
             {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}},
             "unsupported RoPE type 'longrope' (rope_parameters in config.json)",
         ),
+        (  # loaded, though transformers' Phi-3 refuses it: no reference says what it computes
+            "phi3",
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
+            "unsupported RoPE type 'linear' for phi3 (rope_parameters in config.json)",
+        ),
         (
             "gpt_neox",
             {"rope_parameters": None, "rotary_pct": 0.1},

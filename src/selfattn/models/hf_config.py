@@ -287,6 +287,11 @@ def llama_config(raw: dict) -> LlamaConfig:
     n_heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // n_heads
     theta, scaling, rotary_dim = rope_of(raw, head_dim, partial=model_type == "phi3")
+    if model_type == "phi3" and scaling is not None:  # transformers refuses it: no reference
+        raise SelfAttnError(
+            f"unsupported RoPE type {scaling.kind!r} for phi3 (rope_parameters in config.json); "
+            "Phi-3 scales RoPE only by its own longrope, which is not built here"
+        )
     biased = model_type in ("llama", "qwen3", "gemma")
     attention_bias = raw.get("attention_bias", False) if biased else False
     return LlamaConfig(
