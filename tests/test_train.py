@@ -2007,3 +2007,8 @@ def test_a_tokenizer_saves_and_loads_at_a_str_path_and_a_split_is_named(corpus, 
     assert type(data.tokenizer).load(path) == data.tokenizer
     with pytest.raises(ValueError, match="unknown split 'test'; choose one of train, val"):
         RandomBatches(data, 8, 16, seed=0).batch("test")
+    # batch_size 0 drew empty batches, a block past the data torch's unfold error
+    with pytest.raises(ValueError, match="batch_size must be a whole number >= 1, got 0"):
+        RandomBatches(data, 0, 16, seed=0)
+    with pytest.raises(ValueError, match=r"the val split holds \d+ tokens, too few for one window"):
+        RandomBatches(data, 8, len(data.val), seed=0)

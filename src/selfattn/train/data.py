@@ -19,7 +19,7 @@ import torch
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from torch import Tensor
 
-from selfattn.errors import SelfAttnError
+from selfattn.errors import SelfAttnError, is_integer
 from selfattn.text import LONE_SURROGATE, quoted_characters
 
 TRAIN_FRACTION = 0.9
@@ -232,6 +232,15 @@ class RandomBatches:
     def __init__(
         self, data: TextData, batch_size: int, block_size: int, seed: int, rank: int = 0
     ) -> None:
+        for name, size in (("batch_size", batch_size), ("block_size", block_size)):
+            if not is_integer(size, 1):
+                raise ValueError(f"{name} must be a whole number >= 1, got {size!r}")
+        for split in SPLITS:
+            if len(getattr(data, split)) <= block_size:
+                raise ValueError(
+                    f"the {split} split holds {len(getattr(data, split))} tokens, too few for "
+                    f"one window of block_size {block_size} and its next token; lower block_size"
+                )
         self.batch_size = batch_size
         self.block_size = block_size
         self.seed = seed
