@@ -642,7 +642,12 @@ def test_an_unknown_token_is_named_by_the_text_it_stands_for():
     assert "query 1 'hello🙂' ([UNK]): similarity" in both
     merged = invoke("explain", "I love it 🙂 so much", "--word", "🙂", "--head", "mean", "--words")
     assert "'🙂' ([UNK]), layer" in merged.stdout  # the titles of the bars too
-    assert "'🙂' ([UNK]) by word (pieces merged)" in merged.stdout
+    assert "'🙂' ([UNK]) by word (pieces merged: keys summed)" in " ".join(merged.stdout.split())
+    giochi = invoke("explain", "Ciao gioco a giochi", "--word", "giochi", "--words")
+    assert (
+        "'giochi' by word (pieces merged: keys summed; its row the mean of its 3 pieces' rows)"
+        in (" ".join(giochi.stdout.split()))
+    )
 
 
 def test_the_top_lists_name_an_unknown_key_by_the_text_it_stands_for(model):

@@ -159,7 +159,9 @@ def print_explanation(console: Console, e: Explanation) -> None:
         word, pieces = e.groups[row]
         named = e.name(shown([word])[0], pieces)
         words = key_labels(labels, _first_tokens(e))
-        console.print(weights_bars(words, matrix[row], f"{named} by word (pieces merged)"))
+        how = f"; its row the mean of its {len(pieces)} pieces' rows" if len(pieces) > 1 else ""
+        title = f"{named} by word (pieces merged: keys summed{how})"
+        console.print(weights_bars(words, matrix[row], title))
     title = f"attention, {_where(e)}{_causal_note(e)}"
     more = "a wider terminal, --png, --svg or --html shows them all"
     console.print(heatmap(labels, labels, matrix, title, focus=_query_row(e), more=more))
