@@ -2,7 +2,9 @@
 that name options.
 
 :class:`SelfAttnError` is a ValueError, as are the attention core's and the layers' refusals
-of wrong arguments (shapes, dtypes, options), so ``except ValueError`` catches every one.
+of wrong arguments (shapes, dtypes, options), so ``except ValueError`` catches every one;
+:class:`SettingsError`, one of them, marks a setting wrong in itself (the command line's exit
+status 2).
 Every message is one line: what is wrong, then what to do about it. A message that names the
 options to change (``--word; word= in Python``) can be a :class:`Message`: a str worded for the
 command line and Python, whose option names another front end (the web explorer's form fields)
