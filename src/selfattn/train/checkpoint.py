@@ -430,27 +430,26 @@ def _latest_name(out_dir: Path) -> str | None:
 
 
 def _latest_dir(out_dir: Path) -> Path:
-    """The checkpoint directory that ``out_dir/LATEST`` names; a one-line error if it is gone
-    or is not a folder inside ``out_dir`` (a hand-edited ``../elsewhere/step-…``)."""
+    """The checkpoint directory that ``out_dir/LATEST`` names; a one-line error if it is gone,
+    is not a folder inside ``out_dir`` (a hand-edited ``../elsewhere/step-…``), or if there is
+    no LATEST beside the step folders, naming one to write into it."""
     latest = out_dir / LATEST
-    if not _has_latest(out_dir):
-        name, target = "", out_dir
-    else:
+    found = f"{out_dir} holds step folders but no {LATEST} file naming one"
+    if _has_latest(out_dir):
         try:
             name = latest.read_text(encoding="utf-8").strip()
         except (OSError, ValueError) as error:
             raise SelfAttnError(f"{latest} is unreadable: {error}") from None
         target = out_dir / name
-    if not _has_latest(out_dir):
-        problem = None
-    elif name and not _is_inside(out_dir, target):
-        problem = f"is outside {out_dir} (only step folders inside it are read)"
-    elif name and (target / "config.json").is_file():
-        return target
-    elif name and target.is_dir():
-        problem = f"holds no checkpoint (no config.json in {target})"
-    else:
-        problem = f"is missing from {out_dir}"
+        if name and not _is_inside(out_dir, target):
+            problem = f"is outside {out_dir} (only step folders inside it are read)"
+        elif name and (target / "config.json").is_file():
+            return target
+        elif name and target.is_dir():
+            problem = f"holds no checkpoint (no config.json in {target})"
+        else:
+            problem = f"is missing from {out_dir}"
+        found = f"{latest} points at checkpoint folder {name[:80]!r}, which {problem}"
     existing = sorted(
         entry.name
         for entry in out_dir.iterdir()
@@ -463,11 +462,7 @@ def _latest_dir(out_dir: Path) -> Path:
         if existing
         else "no step folder is left: train again with another --out"
     )
-    if problem is None:
-        raise SelfAttnError(f"{out_dir} holds step folders but no {LATEST} file naming one; {fix}")
-    raise SelfAttnError(
-        f"{latest} points at checkpoint folder {name[:80]!r}, which {problem}; {fix}"
-    )
+    raise SelfAttnError(f"{found}; {fix}")
 
 
 def _is_inside(out_dir: Path, folder: Path) -> bool:
