@@ -112,7 +112,7 @@ def test_from_torch_refuses_what_it_cannot_copy():
         # not supported between instances of 'float' and 'str'"
         (lambda: RMSNorm(0), "d_model must be a whole number >= 1, got 0"),
         (lambda: RMSNorm(-1), "d_model must be a whole number >= 1, got -1"),
-        (lambda: RMSNorm(8, eps=0.0), "eps must be a positive, finite number, got 0.0"),
+        (lambda: RMSNorm(8, eps=-1e-6), "eps must be a finite number >= 0, got -1e-06"),
         (lambda: MultiHeadAttention(8, 2, dropout="0.1"), r"dropout must be a number .*'0\.1'"),
     ],
 )

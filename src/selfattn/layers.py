@@ -740,8 +740,8 @@ class RMSNorm(nn.Module):
     def __init__(self, d_model: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
         super().__init__()
         _check_sizes(d_model=d_model)
-        if not is_real(eps) or not 0 < eps < math.inf:
-            raise ValueError(f"eps must be a positive, finite number, got {eps!r}")
+        if not is_real(eps) or not 0 <= eps < math.inf:
+            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
         self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.empty(d_model))
         self.reset_parameters()
