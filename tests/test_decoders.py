@@ -227,8 +227,11 @@ def test_a_first_word_of_a_decoder_is_said_to_have_no_content_word_in_reach(char
     _, e = explaining.explain_text(char_model, "bank is", word="bank")
     assert (e.layer, e.head) == (0, 0)
     assert e.choice.startswith("chosen: no head puts any weight on other content words")
-    _, later = explaining.explain_text(char_model, "is bank", word="bank")
+    _, later = explaining.explain_text(char_model, "river bank", word="bank")
     assert "puts the most weight here" in later.choice
+    # "is" is a stop word as a whole: its letters (an "s") were content tokens one by one
+    _, after_a_stop_word = explaining.explain_text(char_model, "is bank", word="bank")
+    assert after_a_stop_word.choice.startswith("chosen: no head puts any weight on other content")
 
 
 def test_generation_pages_of_mistral_carry_its_sliding_windows(mistral, tmp_path):  # noqa: F811
