@@ -58,8 +58,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from selfattn.errors import SelfAttnError, is_integer
 from selfattn.kernels.chunked import (
     at_least_2d,
-    chunked_attention,
     lowest_as_minus_inf,
+    tiled_attention,
     unexpanded,
 )
 
@@ -421,7 +421,7 @@ def _chunked(call: AttentionCall) -> Tensor:
     """The tiled kernel; masks are passed as given and sliced per tile, never expanded."""
     query, key = normalize_for_similarity(call)
     is_bool = call.mask is not None and call.mask.dtype == torch.bool
-    return chunked_attention(
+    return tiled_attention(
         query,
         key,
         call.value,

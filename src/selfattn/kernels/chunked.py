@@ -111,9 +111,30 @@ def chunked_attention(
             mask = checked_mask(mask, query, key, name)
             if not (mask.dtype == torch.bool if kind == "boolean" else mask.is_floating_point()):
                 raise ValueError(f"{name} must be a {kind} tensor, got {mask.dtype}")
-    lead, t, dv = query.shape[:-2], query.shape[-2], value.shape[-1]
     if not is_integer(block_k, least=1) or not (block_q is None or is_integer(block_q, least=1)):
         raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
+    return tiled_attention(
+        query, key, value, allowed=allowed, bias=bias, causal=causal, scale=scale,
+        block_q=block_q, block_k=block_k,
+    )  # fmt: skip
+
+
+def tiled_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    allowed: Tensor | None,
+    bias: Tensor | None,
+    causal: bool,
+    scale: float,
+    block_q: int | None = None,
+    block_k: int = BLOCK_K,
+) -> Tensor:
+    """:func:`chunked_attention` on inputs already checked, as ``attention()``'s
+    :func:`~selfattn.attention.make_call` checks them: its backend calls this, so that no call
+    is checked twice."""
+    lead, t, dv = query.shape[:-2], query.shape[-2], value.shape[-1]
     block_q = default_block_q(lead, block_k) if block_q is None else block_q
     compute = torch.float32 if query.dtype in REDUCED_PRECISION else query.dtype
     # (N, T, D), (N, S, D), (N, S, Dv) with N = prod(lead): one batched matmul per tile.
