@@ -710,6 +710,22 @@ def test_ddp_ranks_agree_to_refuse_a_save_when_one_rank_is_not_finite(tmp_path):
         assert (tmp_path / f"rank{rank}.txt").read_text() == f"[3] {kept}"
 
 
+def test_training_leaves_a_process_group_the_caller_set_up(corpus, tmp_path):
+    """A caller's own process group (gloo, one rank) is still there after training and after
+    a failed run: train_decoder leaves only a group it joined (it destroyed the caller's)."""
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        train_decoder(corpus, tmp_path / "out", preset="tiny", overrides={"max_iters": 2})
+        assert torch.distributed.is_initialized()
+        with pytest.raises(SelfAttnError, match="already holds a checkpoint"):
+            train_decoder(corpus, tmp_path / "out", preset="tiny", overrides={"max_iters": 2})
+        assert torch.distributed.is_initialized()
+    finally:
+        distributed.teardown()
+
+
 def _ddp_ctrl_c_in_an_evaluation_worker(rank: int, port: int, corpus: Path, out: Path) -> None:
     """Each rank trains EVERY_TEN straight; then again with Ctrl-C on rank 1 only, during the
     2nd batch of step 20's evaluation; then resumes that run. Each writes what it saw. The
@@ -720,8 +736,6 @@ def _ddp_ctrl_c_in_an_evaluation_worker(rank: int, port: int, corpus: Path, out:
     )  # fmt: skip
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-    leave = distributed.teardown
-    distributed.teardown = lambda: None  # (a spawned process of its own)
     settings = {"preset": "tiny", "overrides": EVERY_TEN, "device": "cpu"}
     drawn = []
     try:
@@ -731,7 +745,7 @@ def _ddp_ctrl_c_in_an_evaluation_worker(rank: int, port: int, corpus: Path, out:
         run_module.RandomBatches = RandomBatches
         resumed = train_decoder(corpus, out / "run", **settings, resume=True)
     finally:
-        leave()
+        distributed.teardown()  # the group is this worker's: train_decoder leaves it be
     weights = zip(straight.model.parameters(), resumed.model.parameters(), strict=True)
     seen = {
         "stopped": [stopped.result.interrupted, stopped.result.step, len(drawn)],

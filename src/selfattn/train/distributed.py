@@ -27,6 +27,7 @@ class Context:
     world_size: int
     local_rank: int
     device: torch.device
+    joined: bool = False  # setup() created the process group, so the run's end leaves it
 
     @property
     def is_main(self) -> bool:
@@ -61,9 +62,10 @@ def setup(device: str = "auto") -> Context:
         torch.cuda.set_device(chosen)
     else:
         chosen = torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():
+    joined = world_size > 1 and not dist.is_initialized()
+    if joined:
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
-    return Context(rank, world_size, local_rank, chosen)
+    return Context(rank, world_size, local_rank, chosen, joined)
 
 
 def teardown() -> None:

@@ -83,7 +83,8 @@ def train_decoder(
     key/value heads); resuming keeps the checkpoint's architecture and refuses another.
     Under torchrun each rank trains on its own batches; rank 0 writes and prints. ``out`` is
     locked while the run lasts: a second run into it is refused. The caller's torch random
-    state is as it was afterwards: the run seeds a fork of it.
+    state is as it was afterwards: the run seeds a fork of it; a process group the caller
+    set up is used and left in place.
     """
     context = distributed.setup(device)
     try:
@@ -107,7 +108,8 @@ def train_decoder(
             "(or a smaller model: --n-layer, --n-embd)"
         ) from None
     finally:
-        distributed.teardown()
+        if context.joined:  # a group the caller set up is the caller's to leave
+            distributed.teardown()
 
 
 @contextmanager
