@@ -795,6 +795,18 @@ def test_trace_holds_what_the_similarity_saw_in_the_compute_dtype():
     assert output.dtype == trace.output.dtype == torch.float16
 
 
+@pytest.mark.parametrize("backend", ["explicit", "sdpa", "chunked"])
+def test_an_expanded_mask_of_the_wrong_size_is_refused_as_its_copy_is(backend):
+    # A mask expanded to batch 3 for batch-2 scores was narrowed back to batch 1 before its
+    # shape was checked, so it was taken while its contiguous copy (and torch's sdpa) refused
+    # it: whether a wrong mask passed hung on its memory layout.
+    q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
+    expanded = torch.ones(1, 4, 6, dtype=torch.bool).expand(3, 4, 6)
+    for mask in (expanded, expanded.contiguous()):
+        with pytest.raises(ValueError, match=r"mask of shape \(3, 4, 6\) does not broadcast"):
+            attention(q, k, v, mask=mask, backend=backend)
+
+
 def test_an_expanded_mask_reaches_sdpa_at_its_own_size(monkeypatch):
     # A key-padding mask expanded to (B, H, T, S) by the caller (stride 0 on H and T) used to
     # be filled at its full size before torch's kernel (isneginf, zeros_like, where): 32x the

@@ -642,7 +642,6 @@ def checked_mask(mask: object, query: Tensor, key: Tensor, name: str = "mask") -
     index its (T, S) dims)."""
     if not isinstance(mask, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
-    mask = unexpanded(mask).to(query.device)
     target = (*query.shape[:-2], query.shape[-2], key.shape[-2])
     if mask.dim() > len(target):
         raise ValueError(f"{name} has more dims ({mask.dim()}) than the scores ({len(target)})")
@@ -652,7 +651,7 @@ def checked_mask(mask: object, query: Tensor, key: Tensor, name: str = "mask") -
             "give each axis, counted from the right, that size or 1 (a padding mask (B, S) "
             f"for (B, H, T, S) scores: {name}[:, None, None, :])"
         )
-    return at_least_2d(mask)
+    return at_least_2d(unexpanded(mask).to(query.device))
 
 
 def _broadcasts_to(shape: torch.Size, target: tuple[int, ...]) -> bool:
