@@ -1912,6 +1912,19 @@ def test_evaluations_show_their_batches_on_the_bar(corpus, monkeypatch):
     assert counts == [0, 1, 2]
 
 
+def test_an_evaluation_that_raises_puts_the_training_mode_back():
+    """A batch that raises mid-evaluation (an out-of-memory, say) leaves the model in training
+    mode for a caller that catches it: it stayed in eval mode, dropout silently off."""
+
+    def fail():
+        raise RuntimeError("out of memory")
+
+    model = _Bigram().train()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        loop_module.evaluate(model, _Cycle(at_val={2: fail}), 3)
+    assert model.training and model.table.training
+
+
 def test_an_interrupted_runs_bar_ends_at_the_step_it_stopped_at(monkeypatch):
     """Stopped at step 7 with --log-interval 5, the bar (in a log file, its only line) ended at
     "5/20" above "Interrupted at step 7"; now at 7/20 with step 7's loss."""

@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import Tensor, nn
 
 from selfattn.errors import SelfAttnError, is_real
+from selfattn.models.model import evaluating
 from selfattn.train import distributed
 
 
@@ -188,23 +189,21 @@ def evaluate(
     :class:`Rewindable` source is put back where the evaluation found it (so that a resumed
     run draws the same batches)."""
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     rewinds = stop is not None and isinstance(batches, Rewindable)
     start = batches.state_dict() if rewinds else None
     total = torch.zeros((), device=device)
     if done is not None:
         done(0)
     abandoned = False
-    for index in range(iters):
-        abandoned = stop is not None and stop()
-        if abandoned:
-            break
-        x, y = batches.batch(split)
-        total += model(x.to(device), y.to(device)).loss
-        if done is not None:
-            done(index + 1)
-    model.train(was_training)
+    with evaluating(model):
+        for index in range(iters):
+            abandoned = stop is not None and stop()
+            if abandoned:
+                break
+            x, y = batches.batch(split)
+            total += model(x.to(device), y.to(device)).loss
+            if done is not None:
+                done(index + 1)
     if not abandoned:
         return distributed.mean_across_ranks(total / iters).item()
     if start is not None:
