@@ -447,13 +447,15 @@ def test_generate_seeds_are_the_explorers_checked_before_the_model_loads(monkeyp
         (["generate", "ROMEO", "--html", "g.html"], ["--layer", "-1"], "--layer must be 0 or more"),
         (["explain", "the bank"], ["--head", "-2"], "heads are numbered from 0"),
         (["generate", "ROMEO", "--html", "g.html"], ["--head", "-1"], "heads are numbered from 0"),
+        (["explain", "the bank"], ["--index", "-1"], "--index must be 0 or more"),
     ],
 )
 def test_layers_and_heads_count_from_0_on_every_command(
     command, option, message, monkeypatch, tmp_path
 ):
     """explain refused --layer -1 (once the model had run), generate read it from the end:
-    both refuse it now, before the model loads, as the help's "(0 = first)" says."""
+    both refuse it now, before the model loads, as the help's "(0 = first)" says; so is
+    explain's --index -1 (it was status 1, after the model had loaded and run)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(cli, "_load", _never_loaded)
     result = CliRunner().invoke(app, [*command, "--model", "m", *option])

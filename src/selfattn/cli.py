@@ -783,6 +783,8 @@ def explain(
     _one_model(model, checkpoint)
     if word is not None and index is not None:
         raise _fail("give either --word or --index, not both", 2)
+    if index is not None and index < 0:
+        raise _fail(f"--index must be 0 or more (0 is the first token), got {index}", 2)
     if similarity is not None and similarity not in ("dot", "cosine"):
         raise _fail(f"--similarity must be 'dot' or 'cosine', got {similarity!r}", 2)
     if scale is not None and not math.isfinite(scale):
