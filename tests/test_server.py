@@ -3,6 +3,7 @@ error as one line of detail, the same JSON as the command line, and the bounded 
 """
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import os
@@ -490,6 +491,23 @@ def test_generate_is_the_generation_pages_payload_and_its_text(
     expected = generation_payload(generation, **view) | {"text": generation.text}
     assert response.json() == json.loads(json.dumps(expected))
     assert len(response.json()["queries"]) == sampling["max_new_tokens"]
+
+
+def test_generate_past_an_early_end_opens_on_the_last_token(decoder_client, decoder, monkeypatch):
+    """A step within max_new_tokens but past an end-of-text token that stopped the generation
+    early opens on the last new token; it was a 400, after the whole generation had run."""
+    full = decoder.generate_recorded
+
+    def ends_after_three(prompt, new_tokens, **sampling):
+        generation = full(prompt, new_tokens, **sampling)
+        return dataclasses.replace(generation, steps=generation.steps[:3])
+
+    monkeypatch.setattr(decoder, "generate_recorded", ends_after_three)
+    body = {"prompt": PROMPT, "max_new_tokens": 10, "temperature": 0, "step": 7}
+    response = decoder_client.post("/api/generate", json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["queries"]) == 3
+    assert response.json()["selection"]["step"] == 2
 
 
 def test_generate_with_a_seed_gives_the_same_text_again(decoder_client):

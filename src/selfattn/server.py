@@ -188,7 +188,11 @@ class GenerateRequest(StrictBody):
     )
     layer: int = Field(-1, description="The layer shown first (negative counts from the end).")
     head: int | Literal["mean"] = Field("mean", description="The head shown first, or 'mean'.")
-    step: int = Field(0, description="The new token shown first (0 = the first generated).")
+    step: int = Field(
+        0,
+        description="The new token shown first (0 = the first generated); past an end-of-text "
+        "token that ended the generation early, the last.",
+    )
 
     def texts(self) -> dict[str, str]:
         """The texts to run, by their name in a message."""
@@ -572,9 +576,10 @@ def _compare(model: Model, body: CompareRequest) -> Response:
 def _generate(model: Model, body: GenerateRequest) -> Response:
     sampling = body.model_dump(include={"temperature", "top_k", "seed"})
     generation = model.generate_recorded(body.prompt, body.max_new_tokens, **sampling)
+    step = min(body.step, len(generation.steps) - 1)  # checked against max_new_tokens before
     payload = generation_payload(
         generation, windows=model.config.sliding_windows, layer=body.layer, head=body.head,
-        step=body.step,
+        step=step,
     )  # fmt: skip
     return as_json(payload)
 
