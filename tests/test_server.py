@@ -642,6 +642,20 @@ def test_a_full_queue_answers_busy_and_frees_its_slots():
     asyncio.run(main())
 
 
+def test_a_run_refused_by_a_closed_pool_frees_its_slot():
+    """A run that a shut-down pool refuses (a request racing the server's stop) gives its slot
+    back: each such run used to keep one for ever, until every request was answered busy."""
+
+    async def main():
+        pool = server.Pool(workers=1, queue=0)
+        pool.close()
+        with pytest.raises(RuntimeError, match="shutdown"):
+            await pool.run(lambda: None)
+        return pool.admitted
+
+    assert asyncio.run(main()) == 0
+
+
 def test_busy_is_a_503_with_retry_after(model, monkeypatch):
     app = server.create_app(model, workers=1, queue=0)
     monkeypatch.setattr(server.Pool, "run", _always_busy)

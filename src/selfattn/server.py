@@ -247,7 +247,11 @@ class Pool:
             if self.admitted >= self.capacity:
                 raise Busy
             self.admitted += 1
-        future = self.executor.submit(_inference, function, *args)
+        try:
+            future = self.executor.submit(_inference, function, *args)
+        except BaseException:  # the pool is shut down: no run, so no slot held
+            self._release(None)
+            raise
         future.add_done_callback(self._release)  # when it ran, failed or was cancelled
         result = asyncio.wrap_future(future)
         if receive is None:
