@@ -81,6 +81,25 @@ def test_serve_start_line_and_warning_are_one_line_each_in_a_log(fake_model, ser
     ]
 
 
+def test_serve_closes_its_socket_when_the_model_fails_to_load(monkeypatch):
+    """The port is listened on before the model loads (so a taken port fails fast); a load
+    that fails closes it again (it stayed bound for as long as the process ran on)."""
+    opened, real_listen = [], server.listen
+
+    def listen(host, port):
+        opened.append(real_listen(host, port))
+        return opened[-1]
+
+    def fails(model, checkpoint):
+        raise SelfAttnError("no such model")
+
+    monkeypatch.setattr(server, "listen", listen)
+    monkeypatch.setattr(cli, "_load", fails)
+    result = CliRunner().invoke(app, ["serve", "--port", "0"])
+    assert result.exit_code == 1 and "no such model" in result.output
+    assert opened[0].fileno() == -1  # closed
+
+
 def _never_loaded(model, checkpoint):
     pytest.fail("loaded a model")
 

@@ -925,7 +925,11 @@ def serve(
                 "the network, by anyone who can reach this machine (it has no login)",
                 soft_wrap=True,  # one line in a log too (a console that is no terminal is 80 wide)
             )
-        network = _load(model, checkpoint)
+        try:
+            network = _load(model, checkpoint)
+        except BaseException:  # no server will take the socket over
+            sock.close()
+            raise
     console.print(  # one line: a URL cut in two in a log opens nothing
         f"selfattn explorer on {server.url(host, port)} ({network.name}; Ctrl+C stops it)",
         soft_wrap=True,
