@@ -274,6 +274,19 @@ def test_another_scale_keeps_mistrals_window(mistral):  # noqa: F811
     assert e.alternative.entropy == pytest.approx(torch.log2(torch.tensor(6.0)).item())
 
 
+def test_a_prompt_with_ids_past_the_models_table_is_one_line():
+    """A tokenizer larger than the model's table (a tokenizer.json not the checkpoint's) gave
+    a bare IndexError ("index out of range in self") from generate; run already said what."""
+    chars = CharTokenizer.from_text("abc ")
+    config = GPTConfig(vocab_size=chars.vocab_size - 2, block_size=8, n_layer=1, n_head=1, n_embd=8)
+    info = ModelConfig.for_decoder(config, "gpt")
+    model = Model(GPT(config), info, name="small", tokenizer=Tokenizer(chars.to_hf())).eval()
+    message = r"the prompt's token ids must lie in 0\.\.1, got values from 1 to 3; use the model"
+    for generate in (model.generate, model.generate_recorded, lambda p: model.generate([p])):
+        with pytest.raises(selfattn.errors.SelfAttnError, match=message):
+            generate("abc")
+
+
 def test_an_id_past_the_tokenizers_vocabulary_is_shown_by_its_number():
     """A model whose table is padded past its tokenizer's vocabulary (Phi-3's 32,064 rows for
     32,011 tokens, Qwen2's likewise) can sample an id the tokenizer lacks. Its token reads

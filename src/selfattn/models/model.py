@@ -811,6 +811,8 @@ class Model(nn.Module):
         if not encoding.ids:
             which = "the prompt" if count == 1 else f"prompt {index} (of {count}, from 0)"
             raise SelfAttnError(f"{which} is empty; pass some text to continue")
+        ids = torch.tensor([encoding.ids])  # a tokenizer larger than the embedding table
+        _check_ids("the prompt's token ids", ids, self.config.vocab_size, ids.device)
         return encoding
 
     def _continuation(self, prompt_ids: list[int], ids: list[int]) -> str:
