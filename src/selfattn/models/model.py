@@ -696,7 +696,9 @@ class Model(nn.Module):
         use_cache: bool = True,
     ) -> str | list[str]:
         """The text a decoder writes after ``prompt`` (the continuation only), or a list of
-        them for a list of prompts; temperature 0 is greedy, ``seed`` makes sampling
+        them for a list of prompts; temperature 0 is greedy, 1 samples the model's own
+        distribution (the command line and the explorer default to nanoGPT's 0.8, so pass
+        ``temperature=0.8`` to get their text for a seed); ``seed`` makes sampling
         repeatable. A text ends early at the model's end-of-text token
         (``config.eos_token_ids``), as Hugging Face's generate ends it.
 
