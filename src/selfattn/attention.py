@@ -57,6 +57,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from selfattn.errors import SelfAttnError, is_integer
 from selfattn.kernels.chunked import (
+    REDUCED_PRECISION,
     at_least_2d,
     lowest_as_minus_inf,
     tiled_attention,
@@ -64,7 +65,6 @@ from selfattn.kernels.chunked import (
 )
 
 SIMILARITIES = ("dot", "cosine")
-REDUCED_PRECISION = (torch.float16, torch.bfloat16)
 MEMORY_BUDGET = 2 * 2**30  # bytes of (..., T, S) weights above which auto avoids (T, S) tensors
 
 

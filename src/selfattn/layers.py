@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from selfattn.attention import SIMILARITIES, as_4d, attention
+from selfattn.attention import as_4d, attention, check_similarity
 from selfattn.errors import is_integer, is_real
 from selfattn.kernels.chunked import at_least_2d
 from selfattn.recording import active_recordings
@@ -106,10 +106,7 @@ class AttentionModule(nn.Module):
 
     def __init__(self, similarity: str = "dot", dropout: float = 0.0) -> None:
         super().__init__()
-        if similarity not in SIMILARITIES:
-            raise ValueError(
-                f"unknown similarity {similarity!r}; choose one of {list(SIMILARITIES)}"
-            )
+        check_similarity(similarity)
         if not is_real(dropout) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
         self.similarity = similarity

@@ -10,7 +10,6 @@ states, and attention weights and traces recomputed on demand for the layers and
 
 from __future__ import annotations
 
-import operator
 import reprlib
 import sys
 from collections.abc import Iterator, Sequence
@@ -26,7 +25,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from selfattn.attention import AttentionTrace, check_backend
-from selfattn.errors import SelfAttnError
+from selfattn.errors import SelfAttnError, is_integer
 from selfattn.layers import AttentionModule
 from selfattn.models.bert import Bert, EncoderOutput
 from selfattn.models.gpt import Decoder, DecoderOutput, GPTConfig
@@ -431,15 +430,6 @@ def left_padded(rows: list[Tensor]) -> Tensor:
     return pad_sequence([row.flip(0) for row in rows], batch_first=True).flip(1)
 
 
-def _whole(value: object) -> bool:
-    """Whether ``value`` is an integer (a NumPy one too)."""
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
-
-
 IDS_INSTEAD = {  # what to call with token ids instead of texts
     "encode": "call the model on them",
     "generate": "model.network.generate(input_ids, n)",
@@ -632,7 +622,7 @@ class Model(nn.Module):
                 f"{', '.join(self.sentence.not_computed)}, which encode does not compute "
                 "(its embeddings would differ); use sentence-transformers for them"
             )
-        if isinstance(batch_size, bool) or not _whole(batch_size) or batch_size < 1:
+        if not is_integer(batch_size, 1):
             raise SelfAttnError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
         texts = [texts] if isinstance(texts, str) else _texts(texts)
         tokenizer = self._require_tokenizer()

@@ -219,10 +219,10 @@ def _file_kind(mode: int) -> str:
 
 
 class RandomBatches:
-    """Random windows of one process's shard: its own seeded generator per split.
+    """Random windows of the whole split, drawn by this process's own seeded generators.
 
-    Each rank draws from generators seeded from ``(seed, rank, split)``, so ranks read different
-    batches and the batch stream is reproducible; drawing validation batches never moves the
+    There is no sharding, as in nanoGPT: each rank draws from generators seeded from ``(seed,
+    rank, split)``, so ranks read different batches (windows may overlap) and the batch stream is reproducible; drawing validation batches never moves the
     training stream. ``start_evaluation(step)`` reseeds the validation generator from ``(seed,
     rank, step)``: an evaluation's batches depend on its step only, not on the evaluations
     before it (a resumed run's equal a straight run's). ``state_dict`` holds the generator
