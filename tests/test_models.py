@@ -4,6 +4,7 @@ Tolerances (float32 throughout): hidden states 1e-4 absolute, attention weights 
 pooler output 1e-5, sentence embeddings cosine >= 0.99999 to sentence-transformers'.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -170,6 +171,37 @@ def test_encode_a_folder_saved_by_this_sentence_transformers(tmp_path):
     theirs = reference.encode(texts, convert_to_tensor=True)
     ours = selfattn.load(tmp_path).encode(texts)
     assert F.cosine_similarity(ours, theirs).min() >= 0.99999
+
+
+def test_encode_normalises_only_where_the_pipeline_does(tmp_path):
+    """A pipeline without a Normalize step (the dot-product models' kind) gives its pooled
+    vectors as they are: encode scaled them to unit length all the same (5.2 apart from
+    sentence-transformers' here, whose norms were 7.3); it now equals that library's (1e-5)."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.models import Pooling, Transformer
+
+    folder, _ = resolve("minilm")
+    modules = [Transformer(str(folder)), Pooling(384, "cls")]
+    reference = sentence_transformers.SentenceTransformer(modules=modules, device="cpu")
+    reference.save(str(tmp_path))
+    theirs = reference.encode(SENTENCES[:3], convert_to_tensor=True)
+    model = selfattn.load(tmp_path)
+    assert not model.sentence.normalize and selfattn.load("minilm").sentence.normalize
+    torch.testing.assert_close(model.encode(SENTENCES[:3]), theirs, atol=1e-5, rtol=0)
+    unit = model.encode(SENTENCES[:3], normalize=True)
+    torch.testing.assert_close(unit, F.normalize(theirs, dim=-1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("modules", [[1, 2], [{"path": ""}], [{"type": None}]])
+def test_a_modules_json_entry_without_a_type_is_one_line(tmp_path, modules):
+    """modules.json holding numbers, or a module without a type, was an AttributeError
+    traceback (or "pipeline has None")."""
+    folder, _ = resolve("minilm")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / name).symlink_to(folder / name)
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(SelfAttnError, match=r"modules\.json: each module must be an object wi"):
+        selfattn.load(tmp_path)
 
 
 def test_encode_refuses_a_pipeline_with_a_module_it_does_not_compute(tmp_path):

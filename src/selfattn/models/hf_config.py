@@ -441,10 +441,12 @@ def sliding_windows_of(raw: dict) -> tuple[int | None, ...]:
 def sentence_config(folder: Path, max_positions: int) -> SentenceConfig:
     """How sentence-transformers pools this checkpoint (mean if unsaid) and where it truncates."""
     pooling_file = folder / "1_Pooling" / "config.json"
+    modules = pipeline(folder)
     return SentenceConfig(
         pooling=pooling_of(pooling_file) if pooling_file.is_file() else "mean_tokens",
         max_seq_length=min(max_seq_length(folder) or max_positions, max_positions),
-        not_computed=modules_not_computed(folder),
+        not_computed=tuple(kind for kind in modules if kind not in COMPUTED_MODULES),
+        normalize="Normalize" in modules,
     )
 
 
@@ -480,15 +482,25 @@ def max_seq_length(folder: Path) -> int | None:
     return None
 
 
-def modules_not_computed(folder: Path) -> tuple[str, ...]:
-    """The modules in ``modules.json`` that encode does not compute (a Dense layer, say): all
-    but the transformer, its pooling and the unit-length normalisation."""
+def pipeline(folder: Path) -> tuple[str, ...]:
+    """The kinds of the modules ``modules.json`` lists, in order ("Transformer", "Pooling",
+    "Normalize"); () without the file, which sentence-transformers reads as a transformer and
+    mean pooling, unnormalised."""
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return ()
     modules = read_json(modules_file, "sentence-transformers modules", holds=list)
-    kinds = [str(module.get("type", "")).rsplit(".", 1)[-1] for module in modules]
-    return tuple(kind for kind in kinds if kind not in COMPUTED_MODULES)
+    kinds = []
+    for module in modules:
+        kind = module.get("type") if isinstance(module, dict) else None
+        if not isinstance(kind, str) or not kind:
+            raise SelfAttnError(
+                f"{modules_file}: each module must be an object with a \"type\" such as "
+                f"\"sentence_transformers.models.Pooling\", got {json.dumps(module)[:60]}; "
+                "restore the original"
+            )
+        kinds.append(kind.rsplit(".", 1)[-1])
+    return tuple(kinds)
 
 
 def eos_token_ids(raw: dict, folder: Path, vocab_size: int) -> tuple[int, ...]:

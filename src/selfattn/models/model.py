@@ -83,6 +83,7 @@ class SentenceConfig:
     pooling: str = "mean_tokens"  # one of POOLINGS (names as in 1_Pooling/config.json)
     max_seq_length: int = 512  # longer texts are cut to this many tokens
     not_computed: tuple[str, ...] = ()  # modules of its pipeline that encode lacks (Dense)
+    normalize: bool = False  # its pipeline ends with a Normalize step (unit length)
 
 
 def set_backend(model: nn.Module, backend: str) -> None:
@@ -601,15 +602,17 @@ class Model(nn.Module):
         self,
         texts: Sequence[str],
         batch_size: int = 32,
-        normalize: bool = True,
+        normalize: bool | None = None,
         progress: bool | None = None,
     ) -> Tensor:
         """Sentence embeddings ``(N, D)``, as sentence-transformers computes them.
 
         Pooling and the truncation length come from the checkpoint's sentence-transformers
-        files (mean pooling, 256 tokens for MiniLM); ``normalize`` scales each to unit length
-        (MiniLM's own pipeline ends with that Normalize step). Texts are sorted by length and
-        each batch is padded only to its longest. A single string counts as one text.
+        files (mean pooling, 256 tokens for MiniLM); ``normalize`` scales each to unit length,
+        by default where the pipeline in ``modules.json`` ends with a Normalize step (MiniLM's
+        does; a dot-product model's and a folder without ``modules.json`` do not). Texts are
+        sorted by length and each batch is padded only to its longest. A single string counts
+        as one text.
         """
         if self.config.kind != "encoder" or self.sentence is None:
             raise SelfAttnError(
@@ -641,6 +644,7 @@ class Model(nn.Module):
             for batch in batches:
                 embeddings[batch] = self._embed([ids[i] for i in batch]).cpu()
                 bar.advance(task, len(batch))
+        normalize = self.sentence.normalize if normalize is None else normalize
         return F.normalize(embeddings, dim=-1) if normalize else embeddings
 
     def _embed(self, batch_ids: list[list[int]]) -> Tensor:
