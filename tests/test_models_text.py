@@ -200,6 +200,19 @@ def test_folding_keeps_offsets_exact_where_nfd_changes_lengths(wordpiece):
         encoding.find("한")  # a syllable is not a word's first jamo
 
 
+def test_a_letter_with_two_marks_matches_in_any_canonical_spelling(wordpiece):
+    """ệ typed precomposed, as ê + U+0323, or as e + U+0323 + U+0302 is one letter (NFC
+    equal): each was decomposed alone, leaving its marks in another order, and "Việt" was
+    "not in the text; the words are: ..., Việt, ..." beside a word that looked the same."""
+    spellings = ["Vi\u1ec7t", "Vi\u00ea\u0323t", "Vie\u0323\u0302t", "Vie\u0302\u0323t"]
+    for text_spelling in spellings:
+        text = f"Tôi yêu {text_spelling} Nam"
+        encoding = wordpiece.encode(text)
+        for query in spellings:
+            start, end = encoding.find(query)
+            assert text[start:end] == text_spelling, (text_spelling, query)
+
+
 def test_accent_folding_counts_the_same_occurrences_past_truncation(wordpiece):
     encoding = wordpiece.encode("Café one cafe two three CAFÉ", max_length=5)
     assert encoding.tokens == ["[CLS]", "cafe", "one", "cafe", "[SEP]"]

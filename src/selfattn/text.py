@@ -399,20 +399,31 @@ def join_pieces(pieces: list[str]) -> str:
 
 
 def decomposed(text: str, strip_marks: bool = False) -> tuple[str, list[int]]:
-    """``text`` in NFD, character by character, without nonspacing marks if ``strip_marks``
-    (``Café`` -> ``Cafe``), and for each character of the result the index of the character
-    of ``text`` it comes from (a precomposed ``é`` gives two, ``한`` three, a mark alone none)."""
+    """``text`` in NFD, without nonspacing marks if ``strip_marks`` (``Café`` -> ``Cafe``),
+    and for each character of the result the index of the character of ``text`` it comes
+    from (a precomposed ``é`` gives two, ``한`` three, a mark alone none).
+
+    Each character is decomposed alone, to know its owner; then, as NFD of the whole text
+    does, each run of marks is put in canonical order (``ệ`` and ``ê`` + U+0323 both end
+    U+0323 U+0302)."""
     if text.isascii():
         return text, list(range(len(text)))
-    parts: list[str] = []
-    owner: list[int] = []
-    for i, ch in enumerate(text):
-        part = unicodedata.normalize("NFD", ch)
-        if strip_marks:
-            part = "".join(c for c in part if unicodedata.category(c) != "Mn")
-        parts.append(part)
-        owner.extend([i] * len(part))
-    return "".join(parts), owner
+    pieces = [
+        (c, i)
+        for i, ch in enumerate(text)
+        for c in unicodedata.normalize("NFD", ch)
+        if not (strip_marks and unicodedata.category(c) == "Mn")
+    ]
+    ordered: list[tuple[str, int]] = []
+    marks: list[tuple[str, int]] = []  # the run of marks since the last base character
+    for piece in [*pieces, ("", -1)]:  # the end flushes the last run
+        if piece[0] and unicodedata.combining(piece[0]):
+            marks.append(piece)
+            continue
+        ordered += sorted(marks, key=lambda mark: unicodedata.combining(mark[0]))  # stable
+        marks = []
+        ordered.append(piece)
+    return "".join(c for c, _ in ordered), [i for _, i in ordered[:-1]]
 
 
 def is_mark(ch: str) -> bool:
