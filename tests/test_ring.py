@@ -696,6 +696,30 @@ def test_one_rank_is_plain_attention(one_rank_group):
         torch.testing.assert_close(actual.detach(), expected, atol=1e-10, rtol=0)
 
 
+def test_large_scores_in_float32_keep_the_block_kernels_gradients(one_rank_group):
+    """Scores up to ~7e3 (q, k scaled by 30, scale 1), causal, float32: the merged lse went
+    from base 2 to e and back in float32, moving it by ~5e-4 and dV's error from 5.7e-6 to
+    7.9e-4 (140x chunked's). It is float64 now: each gradient within 1.5x plus 1e-6 of what
+    chunked attention alone gives against float64 explicit attention."""
+    generator = torch.Generator().manual_seed(7)
+    q, k, v, grad_output = (
+        torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64) for _ in range(4)
+    )
+    q, k = q * 30, k * 30
+
+    def errors(function, dtype):
+        leaves = [x.to(dtype, copy=True).requires_grad_() for x in (q, k, v)]
+        function(*leaves, causal=True, scale=1.0).backward(grad_output.to(dtype))
+        return [x.grad.double() for x in leaves]
+
+    want = errors(functools.partial(attention, backend="explicit"), torch.float64)
+    ring = errors(ring_attention, torch.float32)
+    chunked = errors(functools.partial(attention, backend="chunked"), torch.float32)
+    for name, ours, theirs, exact in zip("qkv", ring, chunked, want, strict=True):
+        ours_error, their_error = ((x - exact).abs().max().item() for x in (ours, theirs))
+        assert ours_error <= 1.5 * their_error + 1e-6, (name, ours_error, their_error)
+
+
 def test_keys_and_values_expanded_over_heads_are_taken(one_rank_group):
     """Grouped-query attention's keys and values, one head expanded (stride 0) to the query's
     four, with a key mask: output and gradients (the key's and value's summed over the

@@ -637,10 +637,13 @@ def _key_blocks(
 def _ring_forward(
     query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None, blocks: _Blocks
 ) -> tuple[Tensor, Tensor]:
-    """Output (N, n, Dv) and natural log-sum-exp (N, n, 1), in the compute dtype; +inf where
-    a query sees no key (both kernels' backward convention: its weights are all 0)."""
+    """Output (N, n, Dv) in the compute dtype and natural log-sum-exp (N, n, 1) in float64;
+    +inf where a query sees no key (both kernels' backward convention: its weights are all 0).
+
+    The lse is float64 because it goes from each block's base to e and back: in float32 the
+    round trip moves an lse of 10⁴ by 5e-4, and with it every weight by that share."""
     output = query.new_zeros(*query.shape[:-1], value.shape[-1], dtype=_compute_dtype(query.dtype))
-    lse = output.new_full((*query.shape[:-1], 1), -math.inf)
+    lse = output.new_full((*query.shape[:-1], 1), -math.inf, dtype=torch.float64)
     for source, key_block, value_block, mask_block in _key_blocks(
         key, value, key_mask, blocks.ring
     ):
@@ -662,11 +665,11 @@ def _merge(
     output: Tensor, lse: Tensor, block_output: Tensor, block_lse: Tensor, unit: float
 ) -> None:
     """Merge a block's partial softmax output over other keys into ``output`` and ``lse``
-    (natural, -inf while no key is visible), in place; ``block_lse`` is in the base whose log
+    (natural, float64, -inf while no key is visible), in place; ``block_lse`` is in the base whose log
     of e is ``unit``, +inf where the block has no visible key."""
-    block_lse = (block_lse / unit).masked_fill_(block_lse == math.inf, -math.inf)
+    block_lse = (block_lse.double() / unit).masked_fill_(block_lse == math.inf, -math.inf)
     block_share = torch.sigmoid(block_lse - lse).masked_fill_(block_lse == -math.inf, 0.0)
-    output.add_((block_output - output).mul_(block_share))
+    output.add_((block_output - output).mul_(block_share.to(output.dtype)))
     lse.copy_(torch.logaddexp(lse, block_lse))
 
 
@@ -707,7 +710,7 @@ def _ring_backward(
                     key_block[:, cols],
                     value_block[:, cols],
                     output[:, rows],
-                    lse[:, rows] * block.unit,  # in the block's base
+                    (lse[:, rows] * block.unit).to(compute),  # in the block's base
                 ),
             )
         sums_in_flight = blocks.ring.shift(sums)
