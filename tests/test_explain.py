@@ -504,6 +504,18 @@ def test_choose_head_does_not_count_an_unknown_token_as_a_content_word():
     assert "chosen: '🙂' ([UNK]) puts the most weight" in explaining.choose_head(run, 2)[2]
 
 
+def test_a_special_token_typed_in_the_text_is_no_content_word(model):
+    """A typed "[SEP]" or "[MASK]" is the model's special token (id 102, 103, as Hugging Face
+    reads it), not a word: the head choice counted weight on it as weight on content words
+    (0.12 of a chosen head's 0.71 on a typed [SEP]). It can still be explained by its text."""
+    run = model.run("I went to the bank [SEP] to deposit money.")
+    separator = run.tokens.index("[SEP]")
+    assert run.word_ids[separator] is None
+    assert separator not in explaining.content_tokens(run.tokens, run.word_ids)
+    masked, explained = explaining.explain_text(model, "Paris is the [MASK] of France.", word="[MASK]")
+    assert masked.tokens[explained.query] == "[MASK]"
+
+
 def test_function_words_are_not_content_words():
     """'because' and 'too' glue a sentence together; a head that weighs them is not one that
     links meanings ("it was too tired because ..." once chose a head for 'because')."""

@@ -199,6 +199,12 @@ class Tokenizer:
         self.byte_level = isinstance(backend.decoder, decoders.ByteLevel)
         # Sentencepiece-style: "▁" stands for a space, "<0xE6>" for a byte (Llama 2, Mistral).
         self.metaspace = backend.decoder is not None and METASPACE in decoder_json(backend)
+        # special tokens but the unknown one, which stands for text ("[UNK]" for "🙂")
+        unknown = getattr(backend.model, "unk_token", None)
+        added = backend.get_added_tokens_decoder().items()
+        self.special_ids = frozenset(
+            token_id for token_id, token in added if token.special and token.content != unknown
+        )
 
     def __getstate__(self) -> dict:
         """Everything but the lock (a lock cannot be pickled): copy.deepcopy and pickle of
@@ -242,6 +248,9 @@ class Tokenizer:
         else:
             pieces = list(encoded.tokens)
         words, word_ids = align_words(text, offsets)
+        # a special token typed in the text ("[MASK]") is the model's, as the ones it adds:
+        # found by its characters, but no word's token
+        word_ids = [None if i in self.special_ids else w for i, w in zip(encoded.ids, word_ids)]
         cut = cut_end(text, offsets, encoded.overflowing) if encoded.overflowing else None
         return Encoding(text, list(encoded.ids), pieces, offsets, words, word_ids, cut)
 
