@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,6 +154,75 @@ def test_invalid_config(tmp_path):
 def test_missing_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(BERT))
     refused(tmp_path, "model.safetensors is missing; the folder needs model.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("found", "advice"),
+    [
+        ("pytorch_model.bin", "has pytorch_model.bin, which selfattn does not read .* convert it"),
+        ("flax_model.msgpack", "has flax_model.msgpack, .* save_pretrained"),
+        ("model.fp16.safetensors", "has model.fp16.safetensors: rename it to model.safetensors"),
+    ],
+)
+def test_weights_in_another_file_are_named(tmp_path, found, advice):
+    """A folder with weights in another format or name got only "model.safetensors is
+    missing": the message now names what is there and what to do with it."""
+    (tmp_path / "config.json").write_text(json.dumps(BERT))
+    (tmp_path / found).write_bytes(b"")
+    refused(tmp_path, f"model.safetensors is missing; the folder {advice}")
+
+
+def test_a_git_lfs_pointer_is_named(tmp_path):
+    """A clone without git-lfs leaves a pointer where the weights should be: it was "not a
+    readable safetensors file (header too large)"."""
+    write(tmp_path, BERT, bert_tensors())
+    pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 90868376\n"
+    (tmp_path / "model.safetensors").write_text(pointer)
+    refused(tmp_path, "model.safetensors is a Git LFS pointer, not the weights; run `git lfs pull`")
+
+
+@pytest.mark.parametrize("shard", [3, None, "../elsewhere.safetensors", ""])
+def test_a_shard_index_naming_no_file_of_the_folder_is_one_line(tmp_path, shard):
+    """A weight_map value that is no file name (a number: a TypeError traceback), or one
+    that leaves the folder, is refused naming it."""
+    (tmp_path / "config.json").write_text(json.dumps(BERT))
+    index = {"weight_map": {"embeddings.word_embeddings.weight": shard}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    refused(tmp_path, re.escape(f"weight_map names the shard {shard!r}, not a file name in"))
+
+
+def test_a_peft_adapter_is_named(tmp_path):
+    """An adapter folder (adapter_config.json, adapter_model.safetensors) said only that
+    config.json is missing."""
+    config = {"peft_type": "LORA", "base_model_name_or_path": "bert-base-uncased"}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    save_file({"lora_A": torch.zeros(2, 2)}, tmp_path / "adapter_model.safetensors")
+    refused(tmp_path, "holds a PEFT adapter .of bert-base-uncased., not a model; merge it into")
+
+
+@pytest.mark.parametrize("method", ["fp8", "bitsandbytes"])
+def test_a_quantized_checkpoint_is_refused(tmp_path, method):
+    """quantization_config was never read: float8 weights without their scales loaded and
+    computed wrong logits (6.2 off); with their scale tensors, the message blamed config.json
+    for tensors with "no place"."""
+    write(tmp_path, {**BERT, "quantization_config": {"quant_method": method}}, bert_tensors())
+    refused(tmp_path, f"the checkpoint is quantized .{method}.; selfattn computes in float32")
+
+
+def test_an_unreadable_file_is_one_line(tmp_path, monkeypatch):
+    """A config.json (or folder, or weights) this user may not read was a PermissionError
+    traceback (tests run as root, whom chmod does not stop: the read is made to fail)."""
+    write(tmp_path, BERT, bert_tensors())
+    real_read = Path.read_text
+
+    def read_text(path, *args, **kwargs):
+        if path.name == "config.json":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_read(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    config = tmp_path / "config.json"
+    refused(tmp_path, re.escape(f"cannot read {config} (permission denied); give this user"))
 
 
 def test_unsupported_model_type(tmp_path):

