@@ -512,7 +512,8 @@ def test_a_special_token_typed_in_the_text_is_no_content_word(model):
     separator = run.tokens.index("[SEP]")
     assert run.word_ids[separator] is None
     assert separator not in explaining.content_tokens(run.tokens, run.word_ids)
-    masked, explained = explaining.explain_text(model, "Paris is the [MASK] of France.", word="[MASK]")
+    paris = "Paris is the [MASK] of France."
+    masked, explained = explaining.explain_text(model, paris, word="[MASK]")
     assert masked.tokens[explained.query] == "[MASK]"
 
 

@@ -250,7 +250,10 @@ class Tokenizer:
         words, word_ids = align_words(text, offsets)
         # a special token typed in the text ("[MASK]") is the model's, as the ones it adds:
         # found by its characters, but no word's token
-        word_ids = [None if i in self.special_ids else w for i, w in zip(encoded.ids, word_ids)]
+        word_ids = [
+            None if i in self.special_ids else word
+            for i, word in zip(encoded.ids, word_ids, strict=True)
+        ]
         cut = cut_end(text, offsets, encoded.overflowing) if encoded.overflowing else None
         return Encoding(text, list(encoded.ids), pieces, offsets, words, word_ids, cut)
 

@@ -665,8 +665,8 @@ def _merge(
     output: Tensor, lse: Tensor, block_output: Tensor, block_lse: Tensor, unit: float
 ) -> None:
     """Merge a block's partial softmax output over other keys into ``output`` and ``lse``
-    (natural, float64, -inf while no key is visible), in place; ``block_lse`` is in the base whose log
-    of e is ``unit``, +inf where the block has no visible key."""
+    (natural, float64, -inf while no key is visible), in place; ``block_lse`` is in the base
+    whose log of e is ``unit``, +inf where the block has no visible key."""
     block_lse = (block_lse.double() / unit).masked_fill_(block_lse == math.inf, -math.inf)
     block_share = torch.sigmoid(block_lse - lse).masked_fill_(block_lse == -math.inf, 0.0)
     output.add_((block_output - output).mul_(block_share.to(output.dtype)))

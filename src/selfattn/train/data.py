@@ -222,11 +222,12 @@ class RandomBatches:
     """Random windows of the whole split, drawn by this process's own seeded generators.
 
     There is no sharding, as in nanoGPT: each rank draws from generators seeded from ``(seed,
-    rank, split)``, so ranks read different batches (windows may overlap) and the batch stream is reproducible; drawing validation batches never moves the
-    training stream. ``start_evaluation(step)`` reseeds the validation generator from ``(seed,
-    rank, step)``: an evaluation's batches depend on its step only, not on the evaluations
-    before it (a resumed run's equal a straight run's). ``state_dict`` holds the generator
-    states for an exact resume.
+    rank, split)``, so ranks read different batches (windows may overlap) and the batch
+    stream is reproducible; drawing validation batches never moves the training stream.
+    ``start_evaluation(step)`` reseeds the validation generator from ``(seed, rank, step)``:
+    an evaluation's batches depend on its step only, not on the evaluations before it (a
+    resumed run's equal a straight run's). ``state_dict`` holds the generator states for an
+    exact resume.
     """
 
     def __init__(
