@@ -192,6 +192,39 @@ def test_encode_normalises_only_where_the_pipeline_does(tmp_path):
     torch.testing.assert_close(unit, F.normalize(theirs, dim=-1), atol=1e-5, rtol=0)
 
 
+def test_the_older_layout_with_its_transformer_in_a_subfolder(tmp_path):
+    """Older sentence-transformers folders keep the transformer in 0_Transformer/ beside
+    1_Pooling/: the folder was refused ("config.json is missing"), and its subfolder loaded
+    with mean pooling whatever 1_Pooling said (cosine 0.41 to sentence-transformers' CLS
+    embeddings). Both now follow modules.json: equal to that library's encode (1e-5)."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    folder, _ = resolve("minilm")
+    body = tmp_path / "0_Transformer"
+    body.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (body / name).symlink_to(folder / name)
+    (body / "sentence_bert_config.json").write_text('{"max_seq_length": 128}')
+    (tmp_path / "1_Pooling").mkdir()
+    pooling = {"word_embedding_dimension": 384, "pooling_mode_cls_token": True}
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    kinds = [
+        ("0_Transformer", "Transformer"),
+        ("1_Pooling", "Pooling"),
+        ("2_Normalize", "Normalize"),
+    ]
+    modules = [
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (path, kind) in enumerate(kinds)
+    ]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    reference = sentence_transformers.SentenceTransformer(str(tmp_path), device="cpu")
+    theirs = reference.encode(SENTENCES[:3], convert_to_tensor=True)
+    for path in (tmp_path, body):
+        model = selfattn.load(path)
+        assert model.sentence.pooling == "cls_token" and model.sentence.max_seq_length == 128
+        torch.testing.assert_close(model.encode(SENTENCES[:3]), theirs, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("modules", [[1, 2], [{"path": ""}], [{"type": None}]])
 def test_a_modules_json_entry_without_a_type_is_one_line(tmp_path, modules):
     """modules.json holding numbers, or a module without a type, was an AttributeError

@@ -439,15 +439,40 @@ def sliding_windows_of(raw: dict) -> tuple[int | None, ...]:
 
 
 def sentence_config(folder: Path, max_positions: int) -> SentenceConfig:
-    """How sentence-transformers pools this checkpoint (mean if unsaid) and where it truncates."""
-    pooling_file = folder / "1_Pooling" / "config.json"
-    modules = pipeline(folder)
+    """How sentence-transformers pools this checkpoint (mean if unsaid) and where it truncates.
+
+    ``folder`` is the transformer's; its pipeline is described by its own ``modules.json``,
+    or, in the older layout whose transformer sits in a subfolder (``0_Transformer``), by
+    the parent's."""
+    root = pipeline_root(folder)
+    modules = pipeline(root)
+    pooling_path = dict(modules).get("Pooling", "1_Pooling")
+    pooling_file = root / pooling_path / "config.json"
+    kinds = [kind for kind, _ in modules]
     return SentenceConfig(
         pooling=pooling_of(pooling_file) if pooling_file.is_file() else "mean_tokens",
         max_seq_length=min(max_seq_length(folder) or max_positions, max_positions),
-        not_computed=tuple(kind for kind in modules if kind not in COMPUTED_MODULES),
-        normalize="Normalize" in modules,
+        not_computed=tuple(kind for kind in kinds if kind not in COMPUTED_MODULES),
+        normalize="Normalize" in kinds,
     )
+
+
+def transformer_folder(folder: Path) -> Path:
+    """Where the transformer of a sentence-transformers folder is: ``folder`` itself, or in
+    the older layout (no config.json beside ``modules.json``) the subfolder it names."""
+    if (folder / "config.json").exists() or not (folder / "modules.json").is_file():
+        return folder
+    path = dict(pipeline(folder)).get("Transformer", "")
+    return folder / path if path and (folder / path / "config.json").is_file() else folder
+
+
+def pipeline_root(folder: Path) -> Path:
+    """The folder whose ``modules.json`` describes the pipeline of the transformer in
+    ``folder``: ``folder``, or its parent where that lists ``folder`` as its Transformer."""
+    if (folder / "modules.json").is_file() or not (folder.parent / "modules.json").is_file():
+        return folder
+    named = dict(pipeline(folder.parent)).get("Transformer")
+    return folder.parent if named == folder.name else folder
 
 
 def pooling_of(pooling_file: Path) -> str:
@@ -482,25 +507,26 @@ def max_seq_length(folder: Path) -> int | None:
     return None
 
 
-def pipeline(folder: Path) -> tuple[str, ...]:
-    """The kinds of the modules ``modules.json`` lists, in order ("Transformer", "Pooling",
-    "Normalize"); () without the file, which sentence-transformers reads as a transformer and
-    mean pooling, unnormalised."""
+def pipeline(folder: Path) -> list[tuple[str, str]]:
+    """The kind and subfolder of each module ``modules.json`` lists, in order
+    (("Transformer", ""), ("Pooling", "1_Pooling"), ...); none without the file, which
+    sentence-transformers reads as a transformer and mean pooling, unnormalised."""
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
-        return ()
+        return []
     modules = read_json(modules_file, "sentence-transformers modules", holds=list)
-    kinds = []
+    listed = []
     for module in modules:
         kind = module.get("type") if isinstance(module, dict) else None
-        if not isinstance(kind, str) or not kind:
+        path = module.get("path", "") if isinstance(module, dict) else None
+        if not isinstance(kind, str) or not kind or not isinstance(path, str):
             raise SelfAttnError(
-                f"{modules_file}: each module must be an object with a \"type\" such as "
-                f"\"sentence_transformers.models.Pooling\", got {json.dumps(module)[:60]}; "
+                f'{modules_file}: each module must be an object with a "type" such as '
+                f'"sentence_transformers.models.Pooling", got {json.dumps(module)[:60]}; '
                 "restore the original"
             )
-        kinds.append(kind.rsplit(".", 1)[-1])
-    return tuple(kinds)
+        listed.append((kind.rsplit(".", 1)[-1], path))
+    return listed
 
 
 def eos_token_ids(raw: dict, folder: Path, vocab_size: int) -> tuple[int, ...]:

@@ -45,6 +45,7 @@ from selfattn.models.hf_config import (
     roberta_config,
     sentence_config,
     shown,
+    transformer_folder,
 )
 from selfattn.models.llama import Llama, LlamaConfig
 from selfattn.models.model import Model, ModelConfig, SentenceConfig, set_backend
@@ -484,6 +485,7 @@ def _load(
     saved = isinstance(dtype, str) and dtype == "auto"
     dtype, device = placement(torch.float32 if saved else dtype, device)
     folder, name = resolve(name_or_path)
+    folder = transformer_folder(folder)
     trained_here = (
         f"{folder} holds a `selfattn train` checkpoint, not a Hugging Face model; load it with "
         f"selfattn.train.load_model({str(folder)!r}) (on the command line: --checkpoint {folder})"
