@@ -225,6 +225,40 @@ def test_an_unreadable_file_is_one_line(tmp_path, monkeypatch):
     refused(tmp_path, re.escape(f"cannot read {config} (permission denied); give this user"))
 
 
+@pytest.mark.parametrize(
+    ("pooling", "message"),
+    [
+        ({"pooling_mode": 5}, r'pooling_mode must name a pooling such as "mean", got 5'),
+        ({"pooling_mode": "lasttoken"}, "pools by lasttoken; encode computes one of mean, cls"),
+        ({"pooling_mode_weightedmean_tokens": True}, "pools by weightedmean_tokens; encode"),
+        ({"pooling_mode_cls_token": True, "pooling_mode_max_tokens": True}, "cls_token and max"),
+        ({}, "pools by nothing; encode computes one of mean, cls or max pooling"),
+    ],
+)
+def test_a_pooling_encode_does_not_compute_is_named_as_the_file_names_it(
+    tmp_path, pooling, message
+):
+    """ "pooling_mode": 5 was a TypeError traceback; a weighted-mean or last-token pooling
+    was "enables pooling modes []", or listed under our names, not the file's."""
+    write(tmp_path, BERT, bert_tensors())
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    refused(tmp_path, message)
+
+
+@pytest.mark.parametrize("length", [-5, 0, "abc", 2.5, True])
+def test_a_max_seq_length_that_is_no_token_count_is_one_line(tmp_path, length):
+    """-5 loaded, then encode raised an OverflowError; "abc" was blamed on config.json."""
+    write(tmp_path, BERT, bert_tensors())
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": length}))
+    refused(
+        tmp_path,
+        re.escape(
+            f"max_seq_length must be a whole number of tokens >= 1, got {json.dumps(length)}"
+        ),
+    )
+
+
 def test_unsupported_model_type(tmp_path):
     write(tmp_path, {**BERT, "model_type": "t5"}, bert_tensors())
     message = refused(tmp_path, "unsupported model_type 't5' .*; supported: .*bert")

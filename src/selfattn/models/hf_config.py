@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from selfattn.errors import SelfAttnError
+from selfattn.errors import SelfAttnError, is_integer
 from selfattn.layers import RopeScaling
 from selfattn.models.bert import RELATIVE_BUCKETS, BertConfig
 from selfattn.models.fields import problem
@@ -481,14 +481,20 @@ def pooling_of(pooling_file: Path) -> str:
     raw = read_json(pooling_file, "pooling config")
     if "pooling_mode" in raw:
         named = raw["pooling_mode"]  # one name, or a list of them to concatenate
-        named = [named] if isinstance(named, str) else list(named)
-        modes = [POOLING_NAMES.get(mode, mode) for mode in named]
+        named = [named] if isinstance(named, str) else named
+        if not isinstance(named, list) or not all(isinstance(mode, str) for mode in named):
+            raise SelfAttnError(
+                f'{pooling_file}: pooling_mode must name a pooling such as "mean", got '
+                f"{json.dumps(named)}; restore the original"
+            )
     else:
-        modes = [mode for mode in SentenceConfig.POOLINGS if raw.get(f"pooling_mode_{mode}")]
+        flags = [key for key, on in raw.items() if key.startswith("pooling_mode_") and on is True]
+        named = [flag.removeprefix("pooling_mode_") for flag in flags]
+    modes = [POOLING_NAMES.get(mode, mode) for mode in named]
     if len(modes) != 1 or modes[0] not in SentenceConfig.POOLINGS:
         raise SelfAttnError(
-            f"{pooling_file} enables pooling modes {modes}; exactly one of "
-            f"{', '.join(SentenceConfig.POOLINGS)} is supported"
+            f"{pooling_file} pools by {' and '.join(named) or 'nothing'}; encode computes one "
+            "of mean, cls or max pooling (sentence-transformers computes the others)"
         )
     return modes[0]
 
@@ -502,8 +508,14 @@ def max_seq_length(folder: Path) -> int | None:
     ):
         path = folder / name
         length = read_json(path, "sentence settings").get(key) if path.is_file() else None
-        if length:
-            return int(length)
+        if length is None:
+            continue
+        if not is_integer(length, 1):
+            raise SelfAttnError(
+                f"{path}: {key} must be a whole number of tokens >= 1, got {json.dumps(length)}; "
+                "restore the original"
+            )
+        return length
     return None
 
 
