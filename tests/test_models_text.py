@@ -213,6 +213,49 @@ def test_a_letter_with_two_marks_matches_in_any_canonical_spelling(wordpiece):
             assert text[start:end] == text_spelling, (text_spelling, query)
 
 
+@pytest.mark.parametrize(
+    ("text", "word", "typed"),
+    [
+        ("کتاب\u200cها را دیدم", "کتاب\u200cها", "کتابها"),  # Persian's non-joiner
+        ("a soft\u00adhyphen here", "soft\u00adhyphen", "softhyphen"),
+        ("zero\u200bwidth space", "zero\u200bwidth", "zerowidth"),
+    ],
+)
+def test_an_invisible_character_inside_a_word_keeps_it_one_word(wordpiece, text, word, typed):
+    """The model's normaliser drops these characters and reads one word, as Hugging Face's
+    word_ids say; selfattn made two ("soft", "##hyphen"), so --words averaged half a word
+    and "softhyphen", as the terminal shows it, was not in the text."""
+    encoding = wordpiece.encode(text)
+    start = text.index(word)
+    assert [w.text for w in encoding.words][0 if start == 0 else 1] == word
+    assert encoding.find(word) == encoding.find(typed) == (start, start + len(word))
+    word_ids = {encoding.word_ids[i] for i in encoding.select(typed)}
+    assert len(word_ids) == 1
+    with pytest.raises(SelfAttnError, match="only invisible characters"):
+        encoding.find("\u200b")
+
+
+@pytest.mark.parametrize(
+    ("text", "word"),
+    [
+        ("It weighs 3.5kg today", "3.5kg"),
+        ("family 👩\u200d👩\u200d👧 here", "👩\u200d👩\u200d👧"),
+        ("tag #\ufe0f\u20e3 here", "#\ufe0f\u20e3"),
+    ],
+)
+def test_the_words_a_missing_word_error_lists_are_those_find_takes(wordpiece, text, word):
+    """A number with its unit, an emoji sequence and a keycap are one word each: the error
+    listed "3.5" and "kg" (and --word kg was refused), a bare zero-width joiner, a lone
+    keycap mark."""
+    encoding = wordpiece.encode(text)
+    with pytest.raises(SelfAttnError, match="not in the text") as error:
+        encoding.find("x")
+    listed = str(error.value).split("the words are: ")[1].split(", ")
+    assert word in listed
+    for each in listed:
+        assert text[slice(*encoding.find(each))] == each
+
+
 def test_accent_folding_counts_the_same_occurrences_past_truncation(wordpiece):
     encoding = wordpiece.encode("Café one cafe two three CAFÉ", max_length=5)
     assert encoding.tokens == ["[CLS]", "cafe", "one", "cafe", "[SEP]"]

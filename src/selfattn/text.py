@@ -47,6 +47,9 @@ METASPACE = "\u2581"  # "▁": a space, in sentencepiece-style vocabularies
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte fallback
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # no UTF-8 text decodes to one
 JOINERS = "\u200c\u200d"  # zero-width non-joiner and joiner: part of the character before
+# Invisible format characters that may sit inside a word (BERT's normaliser drops them): the
+# soft hyphen, zero-width space, non-joiner and joiner, direction marks, word joiner, BOM.
+INVISIBLE = "\u00ad\u200b\u200c\u200d\u200e\u200f\u2060\ufeff"
 
 Span = tuple[int, int]  # (start, end) character positions, end excluded
 
@@ -129,6 +132,11 @@ class Encoding:
         query = word.strip()
         strip = not any(unicodedata.category(ch) == "Mn" for ch in decomposed(query)[0])
         folded_query = decomposed(query, strip)[0].translate(APOSTROPHE)
+        if not folded_query.strip():
+            raise SelfAttnError(
+                f"the word {word!r} is only invisible characters (a zero-width space, a soft "
+                "hyphen); choose a visible word of the text"
+            )
         folded, owner = decomposed(self.text, strip)
         folded = folded.translate(APOSTROPHE)  # the same length: owner still holds
         # Not a part of a word, nor of a number (the 1 of 1,000); any spaces between words.
@@ -411,9 +419,10 @@ def join_pieces(pieces: list[str]) -> str:
 
 
 def decomposed(text: str, strip_marks: bool = False) -> tuple[str, list[int]]:
-    """``text`` in NFD, without nonspacing marks if ``strip_marks`` (``Café`` -> ``Cafe``),
-    and for each character of the result the index of the character of ``text`` it comes
-    from (a precomposed ``é`` gives two, ``한`` three, a mark alone none).
+    """``text`` in NFD, without nonspacing marks if ``strip_marks`` (``Café`` -> ``Cafe``)
+    nor :data:`INVISIBLE` characters, and for each character of the result the index of the
+    character of ``text`` it comes from (a precomposed ``é`` gives two, ``한`` three, a mark
+    alone none).
 
     Each character is decomposed alone, to know its owner; then, as NFD of the whole text
     does, each run of marks is put in canonical order (``ệ`` and ``ê`` + U+0323 both end
@@ -424,7 +433,7 @@ def decomposed(text: str, strip_marks: bool = False) -> tuple[str, list[int]]:
         (c, i)
         for i, ch in enumerate(text)
         for c in unicodedata.normalize("NFD", ch)
-        if not (strip_marks and unicodedata.category(c) == "Mn")
+        if not (strip_marks and unicodedata.category(c) == "Mn") and c not in INVISIBLE
     ]
     ordered: list[tuple[str, int]] = []
     marks: list[tuple[str, int]] = []  # the run of marks since the last base character
@@ -453,11 +462,15 @@ def quoted_characters(chars: Iterable[str], shown: int = 20) -> str:
 @functools.cache
 def word_pattern() -> re.Pattern[str]:
     """Runs of letters and digits with their combining marks (the accent of a decomposed
-    ``e`` + U+0301, Devanagari's vowel signs: not ``\\w`` to ``re``), numbers, one CJK
-    character, one punctuation mark. Built on first use: listing the marks takes 50 ms."""
+    ``e`` + U+0301, Devanagari's vowel signs: not ``\\w`` to ``re``) and the invisible
+    characters between them (Persian's zero-width non-joiner, a soft hyphen), numbers with
+    what follows them ("3.5kg"), one CJK character, one symbol with its marks and the symbols
+    joined to it (an emoji sequence). Built on first use: listing the marks takes 50 ms."""
     marks = "".join(f"{chr(first)}-{chr(last)}" for first, last in _mark_ranges())
-    letters = rf"{LETTERS}(?:{LETTERS}|[{marks}])*"
-    return re.compile(rf"\d+(?:[.,]\d+)+|[{CJK}]|{letters}(?:['’]{letters})*|[^\w\s]")
+    letters = rf"{LETTERS}(?:[{INVISIBLE}]*(?:{LETTERS}|[{marks}]))*"
+    number = rf"\d+(?:[.,]\d+)+(?:{LETTERS}|[{marks}])*"
+    symbol = rf"[^\w\s][{marks}]*(?:\u200d[^\w\s][{marks}]*)*"
+    return re.compile(rf"{number}|[{CJK}]|{letters}(?:['’]{letters})*|{symbol}")
 
 
 def _mark_ranges() -> list[tuple[int, int]]:
