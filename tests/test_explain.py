@@ -683,6 +683,18 @@ def test_the_top_lists_name_an_unknown_key_by_the_text_it_stands_for(model):
     assert f"'🙂' ([UNK]) {unknown[0]['weight']:.2f}" in shown
 
 
+def test_a_long_unknown_word_is_named_by_its_first_characters():
+    """A word past the vocabulary's 100 characters per word is one [UNK]: the lists named it
+    by all 160 characters, widening the steps' key column to ~72 cells."""
+    long_word = "supercalifragilistic" * 8
+    text = f"the {long_word} bank"
+    data = explain_json(text, "--word", "bank", "--layer", "0", "--head", "0")
+    assert data["tokens"][2] == "[UNK]"
+    shown = invoke("explain", text, "--word", "bank", "--layer", "0", "--head", "0").stdout
+    assert f"'{long_word[:23]}…' ([UNK])" in shown and long_word[:30] not in shown
+    assert max(map(len, shown.splitlines())) <= 120
+
+
 def test_a_word_whose_marks_the_tokenizer_drops_is_named_by_its_text():
     # MiniLM drops the vowel sign ै and the nasal sign ं (marks of category Mn) of बैंक and
     # reads ब ##क, "बक" (another word): prose names the word and its pieces by the text, as it

@@ -67,6 +67,7 @@ STOPWORDS = frozenset(
 UNKNOWN_TOKENS = frozenset({"[UNK]", "<unk>"})  # what a tokenizer reads text it has no piece for
 HEAD_MEAN = "mean"
 AS_ASKED = "as asked"  # Explanation.choice when the layer and head were both given
+SHOWN_STANDS_FOR = 24  # characters of the text an unknown token stands for, in lists
 SHOWN_SENTENCE = 60  # characters of a compared sentence that an error about it quotes
 
 
@@ -500,8 +501,13 @@ def _by_text(
     not show theirs; None where they all do."""
     if not any(i in hidden for i in members):
         return None
-    stands_for = "".join(hidden.get(i, tokens[i].removeprefix("##")) for i in members)
-    return f"'{stands_for.strip()}' ({name})"
+    stands_for = "".join(hidden.get(i, tokens[i].removeprefix("##")) for i in members).strip()
+    if len(stands_for) > SHOWN_STANDS_FOR:  # a word too long for the vocabulary: [UNK]
+        end = SHOWN_STANDS_FOR - 1
+        while end < len(stands_for) and is_mark(stands_for[end]):
+            end += 1  # a character keeps its marks
+        stands_for = stands_for[:end] + "…"
+    return f"'{stands_for}' ({name})"
 
 
 def adds_bias(capture: Capture) -> bool:
