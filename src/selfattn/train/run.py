@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from torch import Tensor
 
@@ -101,6 +102,12 @@ def train_decoder(
                 locks,
             )
     except RuntimeError as error:
+        if context.world_size > 1 and _lost_a_process(error):
+            reason = str(error).strip().splitlines()[0]
+            raise SelfAttnError(
+                f"this {context.world_size}-process run lost another process ({reason}); the "
+                f"checkpoints in {out} are kept: run every process again with --resume"
+            ) from None
         if not _out_of_memory(error):
             raise
         raise SelfAttnError(
@@ -124,6 +131,14 @@ def _own_global_state(device: torch.device) -> Iterator[None]:
             yield
     finally:
         torch.set_float32_matmul_precision(precision)
+
+
+def _lost_a_process(error: RuntimeError) -> bool:
+    """Whether a collective failed as another process went away (killed, or crashed): gloo
+    reads "Connection reset by peer", NCCL reports its own error."""
+    return isinstance(error, dist.DistError) or any(
+        name in str(error) for name in ("gloo", "NCCL")
+    )
 
 
 def _out_of_memory(error: RuntimeError) -> bool:
