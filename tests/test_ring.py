@@ -951,6 +951,21 @@ def test_local_errors_name_the_rank(one_rank_group, change, message):
     assert str(error.value) == "ring_attention, rank 0: " + message
 
 
+def test_a_float_mask_that_requires_grad_is_taken_under_no_grad(one_rank_group):
+    """No gradient is recorded under torch.no_grad, so none would travel: such a mask was
+    refused there too. It now gives what its detached copy gives (float64, exactly)."""
+    query, key, value, _ = Case().inputs(1)
+    mask = torch.zeros(2, 1, 1, 5, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        output = ring_attention(query, key, value, mask=mask)
+    assert torch.equal(output, ring_attention(query, key, value, mask=mask.detach()))
+
+
+def test_a_shard_of_no_ranks_says_so():
+    with pytest.raises(ValueError, match=r"size \(the number of ranks\) must be 1 or more, got 0"):
+        ring.shard(torch.zeros(4, 2), 0, 0)
+
+
 def test_auto_runs_chunked_on_cpu_tensors(one_rank_group, monkeypatch):
     """backend="auto" on CPU tensors, without the interpreter: chunked's tiles attend (float32,
     which the Triton blocks would take)."""

@@ -209,6 +209,8 @@ def _chunks(rank: int, size: int, length: int, layout: str) -> tuple[int, list[i
     """How many equal chunks ``layout`` cuts a sequence of ``length`` into, and which of them,
     in order, rank ``rank`` of ``size`` holds."""
     _check_layout(layout)
+    if size < 1:
+        raise ValueError(f"size (the number of ranks) must be 1 or more, got {size}")
     if not 0 <= rank < size:
         raise ValueError(f"rank must be in [0, {size}), got {rank}")
     count = size if layout == "contiguous" else 2 * size
@@ -280,7 +282,7 @@ def _check_key_mask(mask: Tensor | None) -> None:
             f"rank's n keys, got {tuple(mask.shape)}; use causal=True for causal masking, or "
             "run selfattn.attention(..., mask=...) in one process"
         )
-    if mask.requires_grad:
+    if mask.requires_grad and torch.is_grad_enabled():  # under no_grad, none is recorded
         raise ValueError(
             "ring_attention takes no gradient for a float mask; pass mask.detach(), or run "
             "selfattn.attention(..., mask=...) in one process"
