@@ -259,6 +259,22 @@ def test_a_max_seq_length_that_is_no_token_count_is_one_line(tmp_path, length):
     )
 
 
+def test_a_decoder_fine_tuned_for_another_task_is_named(tmp_path):
+    """GPT-2 with a classification head (score.weight) and a Llama without its LM head (a
+    bare LlamaModel, or one fine-tuned to classify) were blamed on config.json ("the weights
+    do not match")."""
+    gpt2 = {
+        **checkpoint_tensors(gpt2_rules(2), GPT(gpt2_config(GPT2))),
+        "score.weight": torch.zeros(2, 12),
+    }
+    refused(write(tmp_path / "gpt2", GPT2, gpt2), "e.g. score.weight; score is a task head")
+    untied = {**LLAMA, "tie_word_embeddings": False}
+    llama = {
+        name: t for name, t in family_tensors(untied).items() if not name.startswith("lm_head.")
+    }
+    refused(write(tmp_path / "llama", untied, llama), "has no language-model head .lm_head.")
+
+
 def test_unsupported_model_type(tmp_path):
     write(tmp_path, {**BERT, "model_type": "t5"}, bert_tensors())
     message = refused(tmp_path, "unsupported model_type 't5' .*; supported: .*bert")

@@ -52,6 +52,7 @@ from selfattn.models.model import Model, ModelConfig, SentenceConfig, set_backen
 from selfattn.models.name_maps import (
     ARCHITECTURES,
     CONVERSIONS,
+    DECODER_TASK_HEADS,
     NOT_BUILT,
     TASK_HEADS,
     Architecture,
@@ -254,16 +255,30 @@ def check_weights(
     sources = {rule.source for rule in rules}
     missing = [rule.source for rule in rules if rule.source not in tensors]
     if missing:
+        why = "config.json and the weights do not match"
+        if any(name.startswith("lm_head.") for name in missing):
+            why = (
+                "the checkpoint has no language-model head (lm_head): a bare body (LlamaModel) "
+                "or a model fine-tuned for another task; load its ...ForCausalLM release"
+            )
         raise SelfAttnError(
-            f"{path} lacks {len(missing)} tensor(s) the model needs, e.g. {_few(missing)}; "
-            "config.json and the weights do not match"
+            f"{path} lacks {len(missing)} tensor(s) the model needs, e.g. {_few(missing)}; {why}"
         )
     no_place = [rule.source for rule in rules if not set(rule.targets) <= parameters.keys()]
     unexpected = [name for name in tensors if name not in sources] + no_place
     if unexpected:
+        heads = sorted(
+            {name.split(".")[0] for name in unexpected if name.startswith(DECODER_TASK_HEADS)}
+        )
+        why = (
+            f"{', '.join(heads)} is a task head: the model was fine-tuned for another task (a "
+            "...ForSequenceClassification); load its language-model or base release"
+            if heads
+            else "config.json and the weights do not match"
+        )
         raise SelfAttnError(
             f"{path} holds {len(unexpected)} tensor(s) the model has no place for, e.g. "
-            f"{_few(unexpected)}; config.json and the weights do not match"
+            f"{_few(unexpected)}; {why}"
         )
     for rule in rules:
         tensor = tensors[rule.source]

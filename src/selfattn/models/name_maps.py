@@ -315,6 +315,9 @@ TASK_HEADS = {  # the encoders' heads, skipped: checkpoint prefix -> what the he
     "classifier.": "classification head",  # sequence, token or multiple-choice classification
     "qa_outputs.": "question-answering head",
 }
+# The decoders' task heads, refused by name (a decoder is loaded to generate, with its LM head):
+# GPT-2's and Llama's sequence/token classification, GPT-2's multiple choice, question answering.
+DECODER_TASK_HEADS = ("score.", "multiple_choice_head.", "qa_outputs.", "classifier.")
 ENCODER_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
 ROBERTA = Architecture(  # XLM-RoBERTa saves the same network under the same names
     prefix="roberta.",

@@ -136,9 +136,7 @@ def _own_global_state(device: torch.device) -> Iterator[None]:
 def _lost_a_process(error: RuntimeError) -> bool:
     """Whether a collective failed as another process went away (killed, or crashed): gloo
     reads "Connection reset by peer", NCCL reports its own error."""
-    return isinstance(error, dist.DistError) or any(
-        name in str(error) for name in ("gloo", "NCCL")
-    )
+    return isinstance(error, dist.DistError) or any(name in str(error) for name in ("gloo", "NCCL"))
 
 
 def _out_of_memory(error: RuntimeError) -> bool:
