@@ -225,6 +225,28 @@ def test_the_older_layout_with_its_transformer_in_a_subfolder(tmp_path):
         torch.testing.assert_close(model.encode(SENTENCES[:3]), theirs, atol=1e-5, rtol=0)
 
 
+def test_encode_lowercases_where_sentence_transformers_does(tmp_path):
+    """A cased tokenizer with sentence_bert_config.json's do_lower_case: sentence-transformers
+    lowercases the texts first; encode did not ("I" and "Bank" became [UNK] here, 0.17 off)."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    folder, _ = resolve("minilm")
+    for name in ("config.json", "model.safetensors", "modules.json"):
+        (tmp_path / name).symlink_to(folder / name)
+    (tmp_path / "1_Pooling").symlink_to(folder / "1_Pooling")
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["normalizer"]["lowercase"] = False  # a cased vocabulary's reading
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    settings = {"max_seq_length": 256, "do_lower_case": True}
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps(settings))
+    texts = ["I went to the Bank", "BANK OF THE RIVER"]
+    theirs = sentence_transformers.SentenceTransformer(str(tmp_path), device="cpu").encode(
+        texts, convert_to_tensor=True
+    )
+    model = selfattn.load(tmp_path)
+    assert model.sentence.lowercase and model.tokenizer.encode("Bank").tokens[1] == "[UNK]"
+    torch.testing.assert_close(model.encode(texts), theirs, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("modules", [[1, 2], [{"path": ""}], [{"type": None}]])
 def test_a_modules_json_entry_without_a_type_is_one_line(tmp_path, modules):
     """modules.json holding numbers, or a module without a type, was an AttributeError

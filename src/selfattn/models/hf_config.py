@@ -454,7 +454,21 @@ def sentence_config(folder: Path, max_positions: int) -> SentenceConfig:
         max_seq_length=min(max_seq_length(folder) or max_positions, max_positions),
         not_computed=tuple(kind for kind in kinds if kind not in COMPUTED_MODULES),
         normalize="Normalize" in kinds,
+        lowercase=lowercases(folder),
     )
+
+
+def lowercases(folder: Path) -> bool:
+    """Whether sentence-transformers lowercases texts before its tokenizer (the Transformer
+    module's ``do_lower_case`` in ``sentence_bert_config.json``)."""
+    path = folder / "sentence_bert_config.json"
+    setting = read_json(path, "sentence settings").get("do_lower_case") if path.is_file() else None
+    if setting is not None and not isinstance(setting, bool):
+        raise SelfAttnError(
+            f"{path}: do_lower_case must be true or false, got {json.dumps(setting)}; restore "
+            "the original"
+        )
+    return bool(setting)
 
 
 def transformer_folder(folder: Path) -> Path:

@@ -84,6 +84,7 @@ class SentenceConfig:
     max_seq_length: int = 512  # longer texts are cut to this many tokens
     not_computed: tuple[str, ...] = ()  # modules of its pipeline that encode lacks (Dense)
     normalize: bool = False  # its pipeline ends with a Normalize step (unit length)
+    lowercase: bool = False  # sentence_bert_config.json's do_lower_case: texts lowercased first
 
 
 def set_backend(model: nn.Module, backend: str) -> None:
@@ -628,6 +629,8 @@ class Model(nn.Module):
         if not is_integer(batch_size, 1):
             raise SelfAttnError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
         texts = [texts] if isinstance(texts, str) else _texts(texts)
+        if self.sentence.lowercase:
+            texts = [text.lower() for text in texts]
         tokenizer = self._require_tokenizer()
         ids = tokenizer.encode_ids(texts, max_length=self.sentence.max_seq_length)
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]), reverse=True)
