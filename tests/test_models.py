@@ -90,6 +90,22 @@ def test_aliases_resolve_to_the_installed_checkpoint():
     assert (folders.pop() / "model.safetensors").is_file()
 
 
+def test_a_hugging_face_cache_entry_loads_under_its_repository_name(tmp_path):
+    """The hub's cache keeps a model in models--org--name/snapshots/<commit>/: the entry was
+    refused (config.json missing) and its snapshot was named by the commit hash."""
+    folder, _ = resolve("minilm")
+    entry = tmp_path / "models--sentence-transformers--all-MiniLM-L6-v2"
+    snapshot = entry / "snapshots" / "c9745ed1d9f207416be6d2e6f8de32d1f16199bf"
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (snapshot / name).symlink_to(folder / name)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text(snapshot.name)
+    for path in (entry, snapshot):
+        assert resolve(path) == (snapshot, "sentence-transformers/all-MiniLM-L6-v2")
+    assert selfattn.load(entry).name == "sentence-transformers/all-MiniLM-L6-v2"
+
+
 def test_config_describes_the_model(minilm):
     assert minilm.name == "all-MiniLM-L6-v2"
     assert (minilm.config.n_layers, minilm.config.n_heads, minilm.config.d_model) == (6, 12, 384)

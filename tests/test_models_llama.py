@@ -805,3 +805,11 @@ def test_dtype_auto_keeps_the_checkpoints_own(llama_folder, tmp_path):
         folder = rewritten(llama_folder, tmp_path, {"dtype": None, key: "bfloat16"}, in_bfloat16)
         assert selfattn.load(folder, dtype="auto").dtype == torch.bfloat16
     assert selfattn.load(llama_folder, dtype="auto").dtype == torch.float32
+    # Unsaid in config.json: the weights' own, as transformers 5 reads it (it was float32).
+    unsaid = {"dtype": None, "torch_dtype": None}
+    folder = rewritten(llama_folder, tmp_path, unsaid, lambda weights: {
+        name: tensor.half() for name, tensor in weights.items()
+    })  # fmt: skip
+    ours = selfattn.load(folder, dtype="auto")
+    theirs = transformers.LlamaForCausalLM.from_pretrained(folder, dtype="auto")
+    assert ours.dtype == theirs.dtype == torch.float16

@@ -77,6 +77,7 @@ OTHER_WEIGHTS = (  # formats of the same weights that transformers converts to s
     "tf_model.h5",
     "flax_model.msgpack",
 )
+STORED = (torch.float32, torch.float16, torch.bfloat16)  # weights dtype="auto" keeps
 LFS_POINTER = b"version https://git-lfs"  # a file cloned without git-lfs begins so
 MINILM_NAMES = ("minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2")
 
@@ -94,7 +95,7 @@ def resolve(name_or_path: str | Path) -> tuple[Path, str]:
         )
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        return path, path.resolve().name
+        return _snapshot(path), _display_name(path)
     if str(name_or_path).lower() in MINILM_NAMES:
         spec = importlib.util.find_spec(MINILM_MODULE)  # locate only: importing it is slow
         if spec is None or not spec.submodule_search_locations:
@@ -107,6 +108,26 @@ def resolve(name_or_path: str | Path) -> tuple[Path, str]:
     raise SelfAttnError(
         f"no folder {path}; pass a checkpoint folder (config.json, model.safetensors) or 'minilm'"
     )
+
+
+def _snapshot(folder: Path) -> Path:
+    """The folder, or for a Hugging Face cache entry (``models--org--name``, its files under
+    ``snapshots/<commit>``) the snapshot its ``refs/main`` names."""
+    ref = folder / "refs" / "main"
+    if (folder / "config.json").exists() or not ref.is_file():
+        return folder
+    snapshot = folder / "snapshots" / ref.read_text().strip()
+    return snapshot if snapshot.is_dir() else folder
+
+
+def _display_name(folder: Path) -> str:
+    """The folder's name; in a Hugging Face cache the repository's, ``org/name`` (a snapshot's
+    own name is a commit hash)."""
+    absolute = folder.resolve()
+    entry = absolute.parent.parent if absolute.parent.name == "snapshots" else absolute
+    if entry.name.startswith("models--"):
+        return entry.name.removeprefix("models--").replace("--", "/")
+    return absolute.name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,7 +502,7 @@ def load(
             its task head, which ``model.config.skipped`` names.
         dtype, device: where the weights live; ``dtype="auto"`` keeps the checkpoint's own
             (config.json's ``dtype`` or ``torch_dtype``: bfloat16 for most rotary decoders;
-            float32 where unsaid), as Hugging Face's ``dtype="auto"`` does.
+            where unsaid the weights' own), as Hugging Face's ``dtype="auto"`` does.
         backend: the attention backend of every attention module (``"auto"``, ``"sdpa"``,
             ``"explicit"``, ...).
     """
@@ -527,8 +548,6 @@ def _load(
             "release"
         )
     check_entries(raw, config_path, only=("model_type", "dtype", "torch_dtype"))
-    if saved:
-        dtype = placement(raw.get("dtype") or raw.get("torch_dtype") or "float32", device)[0]
     model_type = raw.get("model_type")
     if model_type not in ARCHITECTURES:
         why = NOT_BUILT.get(model_type, f"supported: {', '.join(ARCHITECTURES)}")
@@ -536,6 +555,9 @@ def _load(
     check_entries(raw, config_path)  # a family read here (another's may hold other kinds)
     weights_path, files = weight_files(folder)
     tensors, skipped = read_checkpoint(files, ARCHITECTURES[model_type])
+    if saved:  # config.json's dtype; where unsaid, as transformers 5, the weights' own
+        stored = next((t.dtype for t in tensors.values() if t.dtype in STORED), torch.float32)
+        dtype = placement(raw.get("dtype") or raw.get("torch_dtype") or stored, device)[0]
     for key in LAYER_ENTRIES:  # before a family's config makes anything per layer
         if is_integer(raw.get(key)):
             check_layers(raw[key], tensors, folder)
