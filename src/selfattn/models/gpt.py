@@ -217,13 +217,21 @@ def check_position_ids(position_ids: Tensor, input_ids: Tensor, limit: int | Non
                          f"got {got!r}")  # fmt: skip
     if position_ids.is_floating_point() or position_ids.dtype == torch.bool:
         raise ValueError(f"position_ids must hold integers, got {position_ids.dtype}")
-    if limit is None or position_ids.numel() == 0 or torch.compiler.is_compiling():
-        return
-    low, high = (int(value) for value in torch.aminmax(position_ids))
-    if low < 0 or high >= limit:
+    if limit is not None and (outside := out_of_range(position_ids, limit)):
+        low, high = outside
         raise ValueError(
             f"position_ids must lie in 0..{limit - 1} (the model's positions), got {low}..{high}"
         )
+
+
+def out_of_range(values: Tensor, limit: int) -> tuple[int, int] | None:
+    """The lowest and highest of integer ``values`` where some lie outside [0, limit); None
+    where all lie inside, there are none, or a compiled graph is being traced (a check that
+    reads the values would break it, and ``fullgraph=True`` refuses that)."""
+    if values.numel() == 0 or torch.compiler.is_compiling():
+        return None
+    low, high = (int(value) for value in torch.aminmax(values))  # one pass, one device sync
+    return (low, high) if low < 0 or high >= limit else None
 
 
 def left_padding(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:

@@ -28,7 +28,7 @@ from selfattn.attention import AttentionTrace, check_backend
 from selfattn.errors import SelfAttnError, is_integer
 from selfattn.layers import AttentionModule
 from selfattn.models.bert import Bert, EncoderOutput
-from selfattn.models.gpt import Decoder, DecoderOutput, GPTConfig
+from selfattn.models.gpt import Decoder, DecoderOutput, GPTConfig, out_of_range
 from selfattn.models.llama import LlamaConfig
 from selfattn.recording import Capture, Recording, in_range, record
 from selfattn.text import Encoding, Span, Tokenizer, Word
@@ -107,8 +107,7 @@ def pool(hidden: Tensor, mask: Tensor, pooling: str) -> Tensor:
 
 def _check_ids(name: str, ids: Tensor, limit: int, device: torch.device) -> None:
     """A one-line error unless ``ids`` is an integer tensor (batch, length) of values < limit,
-    on the model's ``device``. The values are not read inside a ``torch.compile`` graph (a
-    data-dependent check would break it, and ``fullgraph=True`` refuses that)."""
+    on the model's ``device`` (the values unread inside a ``torch.compile`` graph)."""
     if not isinstance(ids, Tensor):
         raise SelfAttnError(f"{name} must be a torch.Tensor, got {type(ids).__name__}")
     if ids.dim() != 2:
@@ -124,10 +123,8 @@ def _check_ids(name: str, ids: Tensor, limit: int, device: torch.device) -> None
             f"{name} is on {ids.device} but the model is on {device}; move it: "
             f"{name}.to(model.device)"
         )
-    if ids.numel() == 0 or torch.compiler.is_compiling():
-        return
-    low, high = (int(value) for value in torch.aminmax(ids))  # one pass, one device sync
-    if not 0 <= low <= high < limit:
+    if outside := out_of_range(ids, limit):
+        low, high = outside
         raise SelfAttnError(
             f"{name} must lie in 0..{limit - 1}, got values from {low} to {high}; "
             "use the model's own tokenizer"
