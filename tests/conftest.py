@@ -175,3 +175,20 @@ def spawn_ranks(worker, ranks: int, *args, seconds: float = 60) -> None:
             for process in context.processes:
                 process.kill()
             pytest.fail(f"{ranks} spawned ranks did not finish within {seconds:.0f} s")
+
+
+class Bound:
+    """What `server.listen` returns in tests of `selfattn serve`, without binding anything:
+    the address asked for, equal to it."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.address = (host, port)
+
+    def getsockname(self) -> tuple[str, int]:
+        return self.address
+
+    def close(self) -> None:
+        pass
+
+    def __eq__(self, other: object) -> bool:
+        return other == self.address

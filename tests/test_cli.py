@@ -12,6 +12,7 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
+from conftest import Bound
 from selfattn import cli, server
 from selfattn.cli import app
 from selfattn.errors import SelfAttnError
@@ -40,19 +41,6 @@ def served(monkeypatch):
 
     monkeypatch.setattr(server, "serve", serve)
     return calls
-
-
-class Bound:
-    """What `server.listen` returns, without binding anything: the address asked for."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.address = (host, port)
-
-    def getsockname(self) -> tuple[str, int]:
-        return self.address
-
-    def close(self) -> None:
-        pass
 
 
 def test_serve_on_port_0_prints_the_port_the_system_chose(fake_model, served):

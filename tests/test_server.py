@@ -24,6 +24,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
+from conftest import Bound
 from selfattn import server
 from selfattn.cli import app as cli_app
 from selfattn.errors import SelfAttnError
@@ -840,19 +841,6 @@ def test_json_text_is_json_dumps(value):
 
 # ---------------------------------------------------------------------------------------------
 # the command
-
-
-class Bound:
-    """What `server.listen` returns, without binding: the address asked for."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.address = (host, port)
-
-    def getsockname(self) -> tuple[str, int]:
-        return self.address
-
-    def __eq__(self, other: object) -> bool:
-        return other == self.address
 
 
 def test_serve_warns_when_listening_beyond_this_machine(cli, monkeypatch):
