@@ -16,13 +16,13 @@ from urllib.parse import parse_qs, quote, urlencode, urlsplit
 import httpx
 import pytest
 
-from conftest import WatchedPage, needs_chromium
+from conftest import WatchedPage, char_gpt, needs_chromium
 from selfattn import server
 from selfattn.explain import compare_texts, explain_text
 from selfattn.models.loading import load
 from selfattn.models.model import Model
 from test_browser import LOW_CONTRAST, contrast, emulate, luminance
-from test_decoders import char_gpt, gpt2_folder  # noqa: F401 (a fixture)
+from test_decoders import gpt2_folder  # noqa: F401 (a fixture)
 
 pytestmark = needs_chromium
 
@@ -932,6 +932,29 @@ def test_a_run_that_takes_a_while_says_so_on_screen_in_its_own_view(browser, bas
     watched.explore(RIVER)  # a quick run: its result, no line flashing by
     watched.wait("#app")
     assert not page.is_visible("#progress")
+    watched.check_clean()
+
+
+def test_the_old_result_takes_no_clicks_while_a_new_run_is_in_flight(browser, base_url):
+    """A click on the old, dimmed result during a run wrote its layer, head and token into
+    the new run's address (and emptied the Word field): a reload then showed another error.
+    The old result is inert until the answer comes."""
+    watched = Watched(browser, base_url)
+    page = watched.page
+    watched.explore(BANK, "bank")
+    watched.wait("#app")
+    held = []
+    page.route("**/api/view", lambda route: held.append(route))
+    watched.explore(RIVER, "river")
+    page.wait_for_function("() => document.getElementById('app').inert")
+    address = page.url
+    page.click(".token[data-index='7']", force=True)  # as a user's click: it reaches nothing
+    assert page.url == address and page.input_value("#explore-word") == "river"
+    page.wait_for_function("() => document.querySelectorAll('.token').length > 0")
+    held[0].continue_()
+    watched.wait("#app")
+    assert not page.evaluate("document.getElementById('app').inert")
+    page.unroute("**/api/view")
     watched.check_clean()
 
 

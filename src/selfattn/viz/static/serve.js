@@ -71,6 +71,7 @@
     shown[view] = params();
     target.dataset.ready = "false";
     target.setAttribute("aria-busy", "true");
+    target.inert = true; // the old result, dimmed, takes no clicks: one would write its view into the new run's address and form
     delete failures[view];
     showError("");
     $("status").textContent = `${TITLES[view]}: running the model…`; // for screen readers
@@ -93,6 +94,7 @@
     } finally {
       if (ticket === tickets[view]) {
         target.removeAttribute("aria-busy");
+        target.inert = false;
         delete running[view];
         showProgress();
       }
@@ -108,6 +110,7 @@
     if (view === openView) showError("");
     (view === "generate" ? window.selfattn.generation : window.selfattn).clear(target);
     target.removeAttribute("aria-busy");
+    target.inert = false;
     delete target.dataset.ready;
     delete running[view];
     if (view === openView) showProgress();
