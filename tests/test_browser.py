@@ -386,6 +386,8 @@ def test_a_tiny_scale_reads_as_itself_not_as_zero(browser, tmp_path):
     assert "scale 1.000e-30" in watched.page.text_content(".meta")
     assert "score × 1.000e-30" in watched.page.text_content("#step-note")
     assert "came as float16" not in watched.page.text_content("#step-note")
+    # the list of steps too (it said "score × 0.000", and 0.1768 where the rest say 0.17678)
+    assert "score × 1.000e-30 so no single score swamps" in watched.page.text_content("body")
     watched.check_clean()
 
 

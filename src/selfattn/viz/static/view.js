@@ -742,7 +742,7 @@
     const similarity = model.similarity === "cosine" ? "cosine similarity" : "dot product";
     const stepText = [
       ["score", model.similarity === "cosine" ? "cos(q, k): how alike query and key are" : "q · k: how alike query and key are"],
-      ["scaled", `score × ${fmt(model.scale)} so no single score swamps the rest`],
+      ["scaled", `score × ${fmtScale(model.scale)} so no single score swamps the rest`],
       ...(model.bias ? [["+ bias", "the model's position bias, learned per head and bucket of distances, added to scaled"]] : []),
       ["weight", `softmax${model.bias ? " of scaled + bias" : ""} over the row: between 0 and 1, each row sums to 1`],
       ["output", "Σ weight × v: the weight-averaged values, this head's part of the token in context (the layer projects every head's and adds them to the token's own vector)"],
