@@ -192,3 +192,22 @@ class Bound:
 
     def __eq__(self, other: object) -> bool:
         return other == self.address
+
+
+def char_gpt(alphabet: str, block_size: int):
+    """A character-level GPT as `selfattn train` builds it, untrained (seed 0): 2 layers of 2
+    heads, 16 wide, as a ``selfattn.Model``."""
+    import torch
+
+    from selfattn.models.gpt import GPT, GPTConfig
+    from selfattn.models.model import Model, ModelConfig
+    from selfattn.text import Tokenizer
+    from selfattn.train.data import CharTokenizer
+
+    torch.manual_seed(0)
+    chars = CharTokenizer.from_text(alphabet)
+    config = GPTConfig(
+        vocab_size=chars.vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=16
+    )
+    info = ModelConfig.for_decoder(config, "gpt")
+    return Model(GPT(config), info, name="char", tokenizer=Tokenizer(chars.to_hf())).eval()

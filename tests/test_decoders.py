@@ -16,6 +16,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import selfattn
+from conftest import char_gpt
 from selfattn import explain as explaining
 from selfattn import server
 from selfattn.cli import app
@@ -49,18 +50,6 @@ def gpt2_folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gpt2(gpt2_folder):
     return selfattn.load(gpt2_folder)
-
-
-def char_gpt(alphabet: str, block_size: int) -> Model:
-    """A character-level GPT as `selfattn train` builds it, untrained (seed 0): 2 layers of 2
-    heads, 16 wide."""
-    torch.manual_seed(0)
-    chars = CharTokenizer.from_text(alphabet)
-    config = GPTConfig(
-        vocab_size=chars.vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=16
-    )
-    info = ModelConfig.for_decoder(config, "gpt")
-    return Model(GPT(config), info, name="char", tokenizer=Tokenizer(chars.to_hf())).eval()
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import torch
 from rich.cells import cell_len
 from typer.testing import CliRunner
 
+from conftest import char_gpt
 from selfattn import explain as explaining
 from selfattn.attention import choose_backend, make_call
 from selfattn.cli import app
@@ -1449,6 +1450,25 @@ def test_the_terminal_report_does_not_import_matplotlib():
     assert result.stdout.strip() == "False", result.stderr
 
 
+def test_options_the_files_do_not_show_are_said(tmp_path, monkeypatch):
+    """--similarity, --scale and --words changed the printed steps while the page (and for
+    the first two the PNG) showed the model's own dot products, token by token, with only
+    "wrote bank.html" said."""
+    monkeypatch.chdir(tmp_path)
+    args = ("explain", MONEY, "--word", "bank", "--similarity", "cosine", "--scale", "1")
+    result = invoke(*args, "--html", "bank.html", "--png", "bank.png")
+    assert result.exit_code == 0, result.output
+    assert (
+        "note: --similarity and --scale recompute the steps printed here, not bank.html, "
+        "bank.png: they show the model's own weights" in " ".join(result.stderr.split())
+    )
+    result = invoke("explain", MONEY, "--word", "bank", "--words", "--html", "bank.html")
+    assert "note: --words merges word pieces here and in pictures, not in bank.html" in (
+        " ".join(result.stderr.split())
+    )
+    assert "note:" not in invoke("explain", MONEY, "--word", "bank", "--html", "b.html").stderr
+
+
 def test_an_offline_page_says_why_it_opened_where_it_did(model, tmp_path):
     """explain --html and view chose a layer and head without saying why (only the live
     explorer did), and view opened on query 0, [CLS]; now the page carries explain's reason,
@@ -1464,3 +1484,13 @@ def test_an_offline_page_says_why_it_opened_where_it_did(model, tmp_path):
     data = page_data(run, explaining.explain(run, model_name=model.name))
     assert data["selection"]["query"] == run.tokens.index("went")  # "i" is a stop word
     assert data["choice"].startswith("chosen: the words, on average, put the most weight")
+
+
+def test_a_decoders_page_opens_on_its_last_content_word():
+    """A causal model's first word can attend only to itself (a row of 1.0 beside masked
+    keys): the page opened there; it opens on the last content word, which sees the text."""
+    text = "the river bank"
+    model = char_gpt("abcdefghijklmnopqrstuvwxyz ", block_size=32)
+    run = model.run(text)
+    data = page_data(run, explaining.explain(run, model_name=model.name))
+    assert data["selection"]["query"] == len(text) - 1  # the "k" of "bank"

@@ -820,6 +820,39 @@ def explain(
                 _write(path, partial(report.save_heatmap, explanation))
         if html is not None:
             _write(html, partial(_save_text, report.page(run, explanation)))
+        _note_what_files_leave_out(similarity, scale, words, html, (png, svg))
+
+
+def _note_what_files_leave_out(
+    similarity: str | None,
+    scale: float | None,
+    words: bool,
+    html: Path | None,
+    pictures: tuple[Path | None, ...],
+) -> None:
+    """Say on stderr which options shaped the printed steps but not a file written: the
+    files show the model's own weights; the page, token by token."""
+    recomputed = [
+        flag
+        for flag, given in (
+            ("--similarity", similarity is not None),
+            ("--scale", scale is not None),
+        )
+        if given
+    ]
+    written = [str(path) for path in (html, *pictures) if path is not None]
+    lines = []
+    if recomputed and written:
+        lines.append(
+            f"{' and '.join(recomputed)} recompute the steps printed here, not "
+            f"{', '.join(written)}: they show the model's own weights (selfattn serve "
+            "recomputes a head in its Similarity & scale view)"
+        )
+    if words and html is not None:
+        lines.append(f"--words merges word pieces here and in pictures, not in {html}: its map is "
+                     "token by token")  # fmt: skip
+    for line in lines:
+        Console(stderr=True).print(f"note: {line}", soft_wrap=True)
 
 
 @app.command(epilog='Example: selfattn compare "I went to the bank to deposit money." '

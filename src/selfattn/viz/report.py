@@ -313,11 +313,14 @@ def page_data(run: RecordedRun, e: Explanation) -> dict:
     scale = capture.scale or default_scale(capture.similarity, query.shape[-1])
     head = "mean" if e.head is None else e.head
     calls = [run.captures.layer(index)[0] for index in range(run.captures.n_layers)]
-    first_content = content_tokens(e.tokens, run.word_ids)[:1] or [0]  # not [CLS]
+    # Without a query: the first content word of an encoder (not [CLS]); a causal model's last,
+    # which sees the whole text (its first sees only itself).
+    content = content_tokens(e.tokens, run.word_ids)
+    opening = (content[-1:] or [len(e.tokens) - 1]) if capture.causal else (content[:1] or [0])
     payload = page_payload(
         tokens=e.tokens, query=query, key=key, value=value, scale=scale,
         similarity=capture.similarity, model_name=e.model, text=e.text, layer=e.layer,
-        head=head, query_index=first_content[0] if e.query is None else e.query,
+        head=head, query_index=opening[0] if e.query is None else e.query,
         words=run.word_ids, causal=capture.causal, windows=run.sliding_windows,
         names=e.key_names, note=e.query_note, bias=page_bias(calls),
     )  # fmt: skip
