@@ -500,7 +500,23 @@ def rewritten(source, target, config=None, tensors=None):
         (
             {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
             None,
-            "unsupported RoPE type 'dynamic'",
+            "unsupported RoPE type 'dynamic' (rope_scaling in config.json)",  # the key it is in
+        ),
+        (  # transformers 5 takes yarn from rope_scaling: default RoPE ran, 2.8e-4 off
+            {
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+                "rope_scaling": {"rope_type": "yarn", "factor": 2.0},
+            },
+            None,
+            "config.json's rope_parameters and rope_scaling disagree (type 'default' and 'yarn')",
+        ),
+        (
+            {
+                "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+                "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+            },
+            None,
+            "config.json's rope_parameters and rope_scaling disagree (factor)",
         ),
         (
             {"partial_rotary_factor": 0.5},

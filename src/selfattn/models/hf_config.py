@@ -152,8 +152,7 @@ def check_entries(raw: dict, path: Path, only: tuple[str, ...] | None = None) ->
     its kind in :data:`CONFIG_ENTRIES`: a string where a size belongs, a fraction of a layer,
     true for a number, null for a size; entries of RoPE's settings by :data:`ROPE_ENTRIES`.
     ``only``: just these entries (those read before the family is known)."""
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling")
-    rope_key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    rope, rope_key = rope_settings(raw)
     entries = [
         (key, raw[key], kind)
         for key, kind in CONFIG_ENTRIES.items()
@@ -289,8 +288,8 @@ def llama_config(raw: dict) -> LlamaConfig:
     theta, scaling, rotary_dim = rope_of(raw, head_dim, partial=model_type == "phi3")
     if model_type == "phi3" and scaling is not None:  # transformers refuses it: no reference
         raise SelfAttnError(
-            f"unsupported RoPE type {scaling.kind!r} for phi3 (rope_parameters in config.json); "
-            "Phi-3 scales RoPE only by its own longrope, which is not built here"
+            f"unsupported RoPE type {scaling.kind!r} for phi3 ({rope_settings(raw)[1]} in "
+            "config.json); Phi-3 scales RoPE only by its own longrope, which is not built here"
         )
     biased = model_type in ("llama", "qwen3", "gemma")
     attention_bias = raw.get("attention_bias", False) if biased else False
@@ -346,8 +345,10 @@ def neox_config(raw: dict) -> LlamaConfig:
     head_dim = raw["hidden_size"] // n_heads
     older = {"rope_theta": raw.get("rotary_emb_base", 10000.0)}  # before rope_parameters
     older["partial_rotary_factor"] = raw.get("rotary_pct", 0.25)
-    rope = older | (raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta, scaling, rotary_dim = rope_of(raw | {"rope_parameters": rope}, head_dim, partial=True)
+    rope = older | (rope_settings(raw)[0] or {})
+    theta, scaling, rotary_dim = rope_of(
+        raw | {"rope_parameters": rope, "rope_scaling": None}, head_dim, partial=True
+    )
     attention_bias = raw.get("attention_bias", True)
     return LlamaConfig(
         vocab_size=raw["vocab_size"],
@@ -373,16 +374,37 @@ def neox_config(raw: dict) -> LlamaConfig:
     )
 
 
+def rope_settings(raw: dict) -> tuple[Any, str]:
+    """RoPE's settings and the config.json entry that holds them: transformers 5's
+    ``rope_parameters``, else the older ``rope_scaling``; one line where both give a setting
+    with different values (transformers 5 takes rope_scaling's: the two would differ)."""
+    parameters, scaling = raw.get("rope_parameters"), raw.get("rope_scaling")
+    if parameters and isinstance(parameters, dict) and scaling and isinstance(scaling, dict):
+        kinds = [settings.get("rope_type", settings.get("type", "default")) for settings in
+                 (parameters, scaling)]  # fmt: skip
+        differ = [
+            key for key in parameters.keys() & scaling.keys() if parameters[key] != scaling[key]
+        ]
+        if kinds[0] != kinds[1] or differ:
+            what = f"type {kinds[0]!r} and {kinds[1]!r}" if kinds[0] != kinds[1] else differ[0]
+            raise SelfAttnError(
+                f"config.json's rope_parameters and rope_scaling disagree ({what}); keep the "
+                "checkpoint's own RoPE settings in one of them"
+            )
+    return (parameters, "rope_parameters") if parameters else (scaling, "rope_scaling")
+
+
 def rope_of(raw: dict, head_dim: int, partial: bool) -> tuple[float, RopeScaling | None, int]:
     """RoPE's theta, scaling and the dims of a head that turn (``partial_rotary_factor`` of
     ``head_dim``, rounded down as transformers does, for the families whose transformers code
     reads it: ``partial``): transformers 5's ``rope_parameters``, or the older top-level
     ``rope_theta``, ``rope_scaling`` and ``partial_rotary_factor``."""
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope, rope_key = rope_settings(raw)
+    rope = rope or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_TYPES or any(isinstance(value, dict) for value in rope.values()):
         raise SelfAttnError(
-            f"unsupported RoPE type {kind!r} (rope_parameters in config.json); supported: "
+            f"unsupported RoPE type {kind!r} ({rope_key} in config.json); supported: "
             f"{', '.join(ROPE_TYPES)}, one for every layer"
         )
     factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
