@@ -1467,6 +1467,10 @@ def test_options_the_files_do_not_show_are_said(tmp_path, monkeypatch):
         " ".join(result.stderr.split())
     )
     assert "note:" not in invoke("explain", MONEY, "--word", "bank", "--html", "b.html").stderr
+    result = invoke("explain", MONEY, "--word", "bank", "--scale", "1", "--png", "bank.png")
+    assert "note: --scale recomputes the steps printed here, not bank.png" in (
+        " ".join(result.stderr.split())
+    )
 
 
 def test_an_offline_page_says_why_it_opened_where_it_did(model, tmp_path):

@@ -844,9 +844,9 @@ def _note_what_files_leave_out(
     lines = []
     if recomputed and written:
         lines.append(
-            f"{' and '.join(recomputed)} recompute the steps printed here, not "
-            f"{', '.join(written)}: they show the model's own weights (selfattn serve "
-            "recomputes a head in its Similarity & scale view)"
+            f"{' and '.join(recomputed)} recompute{'' if len(recomputed) > 1 else 's'} the "
+            f"steps printed here, not {', '.join(written)}: they show the model's own weights "
+            "(selfattn serve recomputes a head in its Similarity & scale view)"
         )
     if words and html is not None:
         lines.append(f"--words merges word pieces here and in pictures, not in {html}: its map is "
