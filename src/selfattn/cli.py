@@ -832,14 +832,8 @@ def _note_what_files_leave_out(
 ) -> None:
     """Say on stderr which options shaped the printed steps but not a file written: the
     files show the model's own weights; the page, token by token."""
-    recomputed = [
-        flag
-        for flag, given in (
-            ("--similarity", similarity is not None),
-            ("--scale", scale is not None),
-        )
-        if given
-    ]
+    options = (("--similarity", similarity), ("--scale", scale))
+    recomputed = [flag for flag, value in options if value is not None]
     written = [str(path) for path in (html, *pictures) if path is not None]
     lines = []
     if recomputed and written:

@@ -173,15 +173,15 @@ def read_checkpoint(
         raise SelfAttnError(f"{shown(files[0])} is missing; {_weights_advice(files[0].parent)}")
     raw: dict[str, Tensor] = {}
     for path in files:
-        with path.open("rb") as file:  # unreadable: a PermissionError, said by load
-            if file.read(len(LFS_POINTER)) == LFS_POINTER:
-                raise SelfAttnError(
-                    f"{path} is a Git LFS pointer, not the weights; run `git lfs pull` in "
-                    f"{path.parent} (or download the file itself)"
-                )
         try:
             raw.update(load_file(path))
         except (SafetensorError, OSError) as error:
+            with path.open("rb") as file:  # unreadable: a PermissionError, said by load
+                if file.read(len(LFS_POINTER)) == LFS_POINTER:
+                    raise SelfAttnError(
+                        f"{path} is a Git LFS pointer, not the weights; run `git lfs pull` in "
+                        f"{path.parent} (or download the file itself)"
+                    ) from None
             raise SelfAttnError(
                 f"{path} is not a readable safetensors file ({error}); download or export it again"
             ) from None
