@@ -22,7 +22,7 @@ from conftest import char_gpt
 from selfattn import explain as explaining
 from selfattn.attention import choose_backend, make_call
 from selfattn.cli import app
-from selfattn.errors import Message, Options, SelfAttnError, message_of, worded
+from selfattn.errors import Message, Options, OutOfRange, SelfAttnError, message_of, worded
 from selfattn.models.loading import load
 from selfattn.text import is_mark
 from selfattn.viz import figures, report
@@ -1159,21 +1159,25 @@ def test_the_exit_status_says_whether_the_command_line_or_the_work_went_wrong(
 
 
 @pytest.mark.parametrize(
-    ("options", "error", "message"),
+    ("options", "message"),
     [
-        ({"query": 99}, IndexError, r"^token index 99 is out of range: tokens 0\.\.10$"),
-        ({"query": -1, "layer": 0, "head": 0}, IndexError, "token index -1 is out of range"),
-        ({"query": True}, IndexError, "token index True is out of range"),
-        ({"layer": 0, "head": True}, ValueError, r"head True is out of range.*0\.\.11, or 'mean'"),
+        ({"query": 99}, r"^token index 99 is out of range: tokens 0\.\.10$"),
+        ({"query": -1, "layer": 0, "head": 0}, "token index -1 is out of range"),
+        ({"query": True}, "token index True is out of range"),
+        ({"layer": 0, "head": True}, r"head True is out of range.*0\.\.11, or 'mean'"),
+        ({"layer": 6}, r"^layer 6 is out of range: this model has layers 0\.\.5$"),
     ],
 )
-def test_explain_refuses_a_query_or_head_that_is_no_token_or_head(
-    money_run, options, error, message
+def test_explain_refuses_a_query_layer_or_head_that_is_no_token_or_head(
+    money_run, options, message
 ):
     """explain() itself, as explain_text() did: an empty StopIteration or torch's IndexError
-    for a query past the tokens, and True taken as token or head 1."""
-    with pytest.raises(error, match=message):
+    for a query past the tokens, and True taken as token or head 1. Each is one OutOfRange,
+    which ``except ValueError`` and ``except IndexError`` both catch (a layer was a
+    ValueError, a token an IndexError)."""
+    with pytest.raises(OutOfRange, match=message) as raised:
         explaining.explain(money_run, model_name="minilm", **options)
+    assert isinstance(raised.value, IndexError) and isinstance(raised.value, SelfAttnError)
 
 
 @pytest.mark.parametrize(

@@ -516,7 +516,7 @@ def generate(
 
 
 def _check_view(network, view: dict) -> None:
-    """An IndexError, before generating, for a --layer or --head the model has not (the
+    """An OutOfRange error, before generating, for a --layer or --head the model has not (the
     flags take no negative index, so the error names none)."""
     from selfattn.viz.generation import opening_view
 
@@ -602,7 +602,7 @@ def _user_errors() -> Iterator[None]:
     """Turn a user's mistake (bad text, word, layer, file) into one 'Error: ...' line."""
     try:
         yield
-    except (SelfAttnError, ValueError, IndexError) as error:
+    except ValueError as error:  # SelfAttnError and OutOfRange among them
         message = str(error).strip().splitlines()
         raise _fail(message[0] if message else type(error).__name__, _status(error)) from None
 

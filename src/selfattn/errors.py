@@ -3,6 +3,7 @@ that name options.
 
 :class:`SelfAttnError` is a ValueError, as are the attention core's and the layers' refusals
 of wrong arguments (shapes, dtypes, options), so ``except ValueError`` catches every one;
+:class:`OutOfRange`, one of them, is also the IndexError of an index a model or run lacks;
 :class:`SettingsError`, one of them, marks a setting wrong in itself (the command line's exit
 status 2).
 Every message is one line: what is wrong, then what to do about it. A message that names the
@@ -35,6 +36,11 @@ def is_real(value: object) -> bool:
 
 class SelfAttnError(ValueError):
     """A problem with the user's input or files (checkpoint, text, options), and its fix."""
+
+
+class OutOfRange(SelfAttnError, IndexError):
+    """An index (layer, head, token, step, call) outside what a model or run has: a
+    SelfAttnError, and an IndexError as Python's own sequences raise."""
 
 
 class SettingsError(SelfAttnError):

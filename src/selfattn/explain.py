@@ -48,6 +48,7 @@ from selfattn.attention import AttentionTrace
 from selfattn.errors import (
     Message,
     Options,
+    OutOfRange,
     SelfAttnError,
     SettingsError,
     is_integer,
@@ -311,16 +312,16 @@ def explain(
     captures = run.captures
     n_layers = captures.n_layers
     if layer is not None and not 0 <= layer < n_layers:
-        raise ValueError(f"layer {layer} is out of range: this model has layers 0..{n_layers - 1}")
+        raise OutOfRange(f"layer {layer} is out of range: this model has layers 0..{n_layers - 1}")
     head_index = None if head == HEAD_MEAN else head
     if head_index is not None:
         n_heads = captures[0].n_heads
         if not is_integer(head_index) or not 0 <= head_index < n_heads:
-            raise ValueError(
+            raise OutOfRange(
                 f"head {head!r} is out of range: this model has heads 0..{n_heads - 1}, or 'mean'"
             )
     if query is not None and not (is_integer(query) and 0 <= query < len(run.tokens)):
-        raise IndexError(f"token index {query!r} is out of range: tokens 0..{len(run.tokens) - 1}")
+        raise OutOfRange(f"token index {query!r} is out of range: tokens 0..{len(run.tokens) - 1}")
     if similarity is not None or scale is not None:
         _check_experiment(query is not None, head, "the query's token index (query=)")
     choice = AS_ASKED

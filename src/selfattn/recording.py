@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from selfattn.attention import AttentionTrace, attention
-from selfattn.errors import SelfAttnError
+from selfattn.errors import OutOfRange, SelfAttnError
 
 
 @dataclass(frozen=True, repr=False, eq=False)  # tensors: compared by identity
@@ -113,7 +113,7 @@ def in_range(
     counts_back: bool = True,
     empty: str = "",
 ) -> int:
-    """``index`` as a non-negative index below ``size``; an IndexError naming the range (and
+    """``index`` as a non-negative index below ``size``; an OutOfRange error naming the range (and
     the negative indices that count back from the end, unless ``counts_back`` is False: a
     command line that refuses them), or with ``size`` 0 saying so (``empty``: why, if known),
     a TypeError for what is no integer (saying what to pass ``instead``, if anything)."""
@@ -123,10 +123,10 @@ def in_range(
         alternative = f", {instead}" if instead else ""
         raise TypeError(f"{name} must be an integer{alternative}; got {index!r}") from None
     if size == 0:
-        raise IndexError(f"{name} {index} out of range: {empty or 'there is none'}")
+        raise OutOfRange(f"{name} {index} out of range: {empty or 'there is none'}")
     if not -size <= index < size:
         back = f" (or -{size}..-1)" if counts_back else ""
-        raise IndexError(f"{name} {index} out of range: {what} 0..{size - 1}{back}")
+        raise OutOfRange(f"{name} {index} out of range: {what} 0..{size - 1}{back}")
     return index % size
 
 

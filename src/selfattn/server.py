@@ -29,9 +29,9 @@ Safety, because a browser tab is an untrusted client:
   tokenizes) happens on the workers, and so does making the answer's JSON, in pieces (one
   ``json.dumps`` of megabytes holds the GIL, which the loop needs). A request whose client
   leaves before its run starts is dropped and frees its place in the queue.
-- Every error is one line of ``detail``: user mistakes (``SelfAttnError``, ``ValueError``,
-  ``IndexError``) are 400 with their message (options named as the page names them), anything
-  else is a generic 500 whose traceback goes to the server's log only.
+- Every error is one line of ``detail``: user mistakes (``ValueError``, among them
+  ``SelfAttnError`` and its ``OutOfRange``) are 400 with their message (options named as the
+  page names them), anything else is a generic 500 whose traceback goes to the server's log only.
 - The page is served from the package with a strict Content-Security-Policy: scripts and
   styles from this server only, requests to this server only, nothing from the network.
   FastAPI's ``/docs`` page loads its assets from a CDN, so it is switched off;
@@ -684,8 +684,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def user_error(request: Request, error: Exception) -> JSONResponse:
         return error_reply(400, _one_line(worded(message_of(error), naming_for(request))))
 
-    for kind in (SelfAttnError, ValueError, IndexError):
-        app.add_exception_handler(kind, user_error)
+    app.add_exception_handler(ValueError, user_error)
 
     @app.exception_handler(Exception)
     async def internal(_request: Request, _error: Exception) -> JSONResponse:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from selfattn.attention import AttentionTrace, check_backend
-from selfattn.errors import SelfAttnError, is_integer
+from selfattn.errors import OutOfRange, SelfAttnError, is_integer
 from selfattn.layers import AttentionModule
 from selfattn.models.bert import Bert, EncoderOutput
 from selfattn.models.gpt import Decoder, DecoderOutput, GPTConfig, out_of_range
@@ -234,7 +234,7 @@ class Run:
     def word_vector(self, word_or_span: str | Span, layer: int = -1, occurrence: int = 0) -> Tensor:
         """Mean hidden state ``(D,)`` of the word's tokens at ``layer`` (default: the last)."""
         if not -self.n_layers - 1 <= layer <= self.n_layers:
-            raise IndexError(
+            raise OutOfRange(
                 f"layer {layer} out of range: hidden states are 0 (embeddings)..{self.n_layers}"
             )
         tokens = self.word_tokens(word_or_span, occurrence)

@@ -30,7 +30,7 @@ from matplotlib import font_manager
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from selfattn.errors import is_integer
+from selfattn.errors import OutOfRange, is_integer
 from selfattn.text import is_mark
 from selfattn.viz.terminal import CAPTION, ArrayLike, as_numpy
 
@@ -85,7 +85,7 @@ def heatmap_figure(
             f"got {matrix.shape}"
         )
     if query_row is not None and not (is_integer(query_row) and 0 <= query_row < len(row_labels)):
-        raise ValueError(
+        raise OutOfRange(
             f"query_row {query_row!r} is out of range: rows 0..{len(row_labels) - 1}, or None"
         )
     missing: set[str] = set()

@@ -87,7 +87,7 @@ def opening_view(
     n_layers: int, n_heads: int, layer: int = -1, head: int | str = "mean", counts_back: bool = True
 ) -> tuple[int, int | str]:
     """``layer`` (negative counts from the end) and ``head`` (or ``"mean"``) as the page opens
-    on them; an IndexError naming the range where a model of that size has no such one (and
+    on them; an OutOfRange error naming the range where a model of that size has no such one (and
     the negative indices too, unless ``counts_back`` is False)."""
     layer = in_range(layer, n_layers, "layer", "the model has layers", counts_back=counts_back)
     if head != "mean":

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from selfattn.attention import SIMILARITIES, attention
+from selfattn.errors import OutOfRange
 from selfattn.models.bert import RELATIVE_BUCKETS, RELATIVE_MAX_DISTANCE, relative_buckets
 from selfattn.models.llama import window_mask
 
@@ -258,13 +259,13 @@ def _check(tokens, q, k, v, similarity, layer, head, query_index, words, names, 
         raise ValueError(f"names must give one name per token ({length}), got {len(names)}")
     check_windows(windows, n_layers)
     if not 0 <= layer < n_layers:
-        raise ValueError(f"layer {layer} out of range: the run has layers 0..{n_layers - 1}")
+        raise OutOfRange(f"layer {layer} out of range: the run has layers 0..{n_layers - 1}")
     if head != "mean" and not (isinstance(head, int) and 0 <= head < n_heads):
-        raise ValueError(
+        raise OutOfRange(
             f"head {head!r} out of range: the run has heads 0..{n_heads - 1}, or 'mean'"
         )
     if query_index is not None and not 0 <= query_index < length:
-        raise ValueError(f"query_index {query_index} out of range: tokens are 0..{length - 1}")
+        raise OutOfRange(f"query_index {query_index} out of range: tokens are 0..{length - 1}")
 
 
 def check_windows(windows: Sequence[int | None], n_layers: int) -> None:
