@@ -962,6 +962,21 @@ def test_atomic_backward_plan(monkeypatch, case):
         assert (dq[..., 4, :] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("plan", ["split", "atomic"])
+def test_rows_of_low_scores_beside_a_partial_key_block(monkeypatch, plan, dtype):
+    """Every score far below 0 (about -144, or -16 in float16, where exp2(-lse) overflows),
+    40 keys: the last key block is partial, and its keys past S, read as 0, scored 0 in the
+    unmasked middle tiles; the atomic plan added their inf weights times zero keys, NaN, to
+    dQ. The interpreter's autotuner never picks that plan, a GPU's may. Twice SDPA's error."""
+    from selfattn.kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "backward_plan", plan)
+    q, k, v, grad = _inputs(40, 40, 16, lead=(1, 2))
+    shift = 6.0 if dtype == torch.float32 else 2.0
+    assert_matches_reference(0.1 * q - shift, 0.1 * k + shift, v, grad, dtype=dtype)
+
+
 @pytest.mark.parametrize("plan", ["split", "atomic"])
 @pytest.mark.parametrize("from_registers", [False, True])
 def test_backward_kernels_with_either_operand_placement(monkeypatch, plan, from_registers):

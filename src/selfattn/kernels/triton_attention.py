@@ -605,6 +605,10 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, 
         ds_t = _narrow(p_t * (dp_t - delta[None, :]), q_t.dtype)
         dk = _dot(ds_t, tl.trans(q_t), dk, PRECISION)
         if ATOMIC_DQ:
+            # A partial block's keys past S read as 0, so their scores are 0 and, unmasked in
+            # the middle tiles, their weight exp2(-lse) overflows for a row of low scores;
+            # their dS rows would add inf · 0 = NaN to dQ (dK and dV never store them).
+            ds_t = tl.where((cols < S)[:, None], ds_t, 0.0)
             dq = _dot(tl.trans(ds_t), k, None, PRECISION) * scale  # (M, D)
             dq_ptrs = dq_base + rows[:, None] * BLOCK_D + offs_d[None, :]
             if CHECK:
