@@ -281,8 +281,9 @@ def _backward_kernel(
         gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout),
         gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout),
     )
+    # DQ's offset in int64: N·T·D passes 2³¹ within an H200's memory (B 16, H 32, T 32,768).
     operands = (k_smem, v_smem, q_smem, do_smem, ds_smem, bars, q_desc, do_desc, Lse + head * T,
-                Delta + head * T, DQ + head * T * HEAD_DIM, q_row, col)  # fmt: skip
+                Delta + head * T, DQ + head.to(gl.int64) * T * HEAD_DIM, q_row, col)  # fmt: skip
     unmasked = gl.maximum(free, first)
     state = _query_tiles(state, operands, first, unmasked, n_tiles, first, diagonal, qk_scale,
                          scale, NUM_STAGES, True)  # fmt: skip
