@@ -157,34 +157,46 @@ def ours(q, k, v, causal: bool):
     return attention(q, k, v, causal=causal, backend="triton")
 
 
+def correctness_cases(setting: Setting) -> list[tuple[int, int, int, int, int, bool, bool]]:
+    """(B, H, T, S, D, causal, key-padding mask) for ``check_correctness``: lengths that are
+    no multiple of 16, so that the kernels' checks at ragged edges run as compiled for them."""
+    if setting.smoke:
+        return [(1, 2, 33, 33, 16, False, False), (1, 2, 7, 40, 16, True, True)]
+    return [
+        (2, 4, 1000, 1000, 128, False, False),
+        (2, 4, 1000, 1000, 128, True, False),
+        (2, 4, 300, 1000, 64, True, True),
+    ]
+
+
+def correctness_inputs(case: tuple, device: torch.device) -> tuple:
+    """A correctness case's float64 q, k, v, output gradient and mask (or None), on the CPU;
+    ``device`` only names where the mask will go."""
+    batch, heads, t, s, d, causal, padded = case
+    generator = torch.Generator(device="cpu").manual_seed(t * s + d)
+    q, k, v = (
+        torch.randn(batch, heads, n, d, generator=generator, dtype=torch.float64) for n in (t, s, s)
+    )
+    grad = torch.randn(batch, heads, t, d, generator=generator, dtype=torch.float64)
+    mask = None
+    if padded:
+        lengths = torch.tensor([s, s * 2 // 3])[:batch]
+        mask = (torch.arange(s) < lengths[:, None])[:, None, None, :]
+    return q, k, v, grad, mask, causal, device
+
+
 def check_correctness(setting: Setting) -> bool:
     """Ours within twice SDPA's error (same dtype) of the float64 explicit path, with grads,
     under each backward plan (split dQ kernel, or dQ added with atomics)."""
     from selfattn.kernels import triton_attention
 
-    cases = [  # (B, H, T, S, D, causal, key-padding mask)
-        (2, 4, 1000, 1000, 128, False, False),
-        (2, 4, 1000, 1000, 128, True, False),
-        (2, 4, 300, 1000, 64, True, True),
-    ]
-    if setting.smoke:
-        cases = [(1, 2, 33, 33, 16, False, False), (1, 2, 7, 40, 16, True, True)]
     print("## Correctness (max abs error against float64; ours / torch SDPA, same dtype)\n")
     print("| B | H | T | S | D | causal | mask | backward | output | dQ | dK | dV | ok |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     all_ok = True
-    for batch, heads, t, s, d, causal, padded in cases:
-        generator = torch.Generator(device="cpu").manual_seed(t * s + d)
-        q, k, v = (
-            torch.randn(batch, heads, n, d, generator=generator, dtype=torch.float64)
-            for n in (t, s, s)
-        )
-        grad = torch.randn(batch, heads, t, d, generator=generator, dtype=torch.float64)
-        mask = None
-        if padded:
-            lengths = torch.tensor([s, s * 2 // 3])[:batch]
-            mask = (torch.arange(s) < lengths[:, None])[:, None, None, :]
-        inputs = (q, k, v, grad, mask, causal, setting.device)
+    for case in correctness_cases(setting):
+        batch, heads, t, s, d, causal, padded = case
+        inputs = correctness_inputs(case, setting.device)
         want = output_and_grads("explicit", torch.float64, *inputs)
         base = output_and_grads("sdpa", setting.dtype, *inputs)
         for plan in triton_attention.BACKWARD_PLANS:
@@ -328,6 +340,8 @@ def check_every_config(setting: Setting, kernel: str) -> bool:
             print(f"| {triton_attention.describe_config(config)} | {plan} | " + " | ".join(cells)
                   + f" | {'yes' if ok else '**NO**'} |", flush=True)  # fmt: skip
     autotuned.configs = [config for config in all_configs if config not in failed]
+    autotuned.cache.clear()  # what it tuned meanwhile (a backward for a forward's check) may
+    triton_attention.plan_timings.clear()  # be a dropped configuration, or timed with one
     print()
     if failed:
         print(f"Dropped from the autotuner for this run: {len(failed)} failing configuration(s).\n")
@@ -679,7 +693,8 @@ def record_launches(setting: Setting, head_dims: list[int]) -> list[tuple[str, t
 
     The timed lengths and the configuration checks' are multiples of 16, so one length stands
     for all of them: Triton compiles one specialisation per head dim, causality and
-    configuration.
+    configuration. The correctness cases' lengths are not (nor is their mask), so each of
+    them is replayed as it is.
     """
     from selfattn.kernels import triton_attention as kernels
 
@@ -705,6 +720,10 @@ def record_launches(setting: Setting, head_dims: list[int]) -> list[tuple[str, t
                 kernels.backward_plan = plan
                 out = attention(q, k, v, causal=causal, backend="triton")
                 torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        for case in correctness_cases(setting):
+            for plan in kernels.BACKWARD_PLANS:
+                kernels.backward_plan = plan
+                output_and_grads("triton", setting.dtype, *correctness_inputs(case, setting.device))
     finally:
         kernels.backward_plan = "auto"
         for autotuned in kernels.AUTOTUNED.values():
