@@ -13,10 +13,14 @@ forward is written for). A row marked "pruned" is one the kernel's autotune prun
 that head dim.
 
 This is how a session without a GPU checks that a kernel change still compiles for the H200,
-does not spill, and still uses wgmma, before it spends device time:
+does not spill, and still uses wgmma, before it spends device time. ``--capability`` compiles
+the Triton kernels for another GPU instead (8.0: A100; 8.6, 8.9: RTX 30 and 40, A10, L4, with
+99 KiB of shared memory per block), with that GPU's shared-memory budget in the pruner, so
+that what the pruner keeps there can be seen to fit (``--kept-only``: compile just that):
 
     python benchmarks/triton_sm90.py                     # all kernels, D 64 and 128
     python benchmarks/triton_sm90.py --kernels forward dq --head-dims 128
+    python benchmarks/triton_sm90.py --capability 86 --head-dims 256 --kept-only
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ from triton.compiler import ASTSource
 from selfattn.kernels import hopper_backward, hopper_forward
 from selfattn.kernels import triton_attention as kernels
 
-HOPPER = GPUTarget("cuda", 90, 32)
+HOPPER = 90
+# Shared memory a block may take (the opt-in maximum), in bytes, by compute capability.
+SHARED_MEMORY = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
 GLUON = "gluon forward"
 GLUON_BACKWARD = "gluon backward"
 GLUON_HEAD_DIMS = hopper_forward.HEAD_DIMS  # both Gluon kernels' scope (``in_scope``)
@@ -50,8 +56,11 @@ INTS = {"inner", "T", "S", "t_bucket", "s_bucket"}
 FLOATS = {"qk_scale", "scale"}
 
 
-def compile_config(jit_fn, config: triton.Config, head_dim: int, causal: bool, **variant):
-    """Compile one kernel and configuration for sm_90: bf16, contiguous, no mask, aligned.
+def compile_config(
+    jit_fn, config: triton.Config, head_dim: int, causal: bool, capability: int, **variant
+):
+    """Compile one kernel and configuration for ``capability`` (90: sm_90): bf16, contiguous,
+    no mask, aligned; TMA loads from Hopper on.
 
     ``variant`` holds the kernel's other compile-time switches (ATOMIC_DQ for dK/dV)."""
     constants = dict(
@@ -66,7 +75,7 @@ def compile_config(jit_fn, config: triton.Config, head_dim: int, causal: bool, *
         **config.kwargs,
     )
     if "TMA_OK" in jit_fn.arg_names:
-        constants["TMA_OK"] = True
+        constants["TMA_OK"] = capability >= HOPPER
     signature, attributes = {}, {}
     for index, name in enumerate(jit_fn.arg_names):
         aligned = [["tt.divisibility", 16]]
@@ -89,7 +98,7 @@ def compile_config(jit_fn, config: triton.Config, head_dim: int, causal: bool, *
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     if config.maxnreg:
         options["maxnreg"] = config.maxnreg
-    return triton.compile(source, target=HOPPER, options=options)
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
 
 
 def compile_gluon(
@@ -141,7 +150,8 @@ def compile_gluon_kernel(jit_fn, head_dim: int, rows: dict, constants: dict, num
             signature[name] = "*fp32" if name in POINTERS_FP32 else "i32"
             attributes[(index,)] = [["tt.divisibility", 16]]
     source = GluonASTSource(jit_fn, signature, constants, attributes)
-    return triton.compile(source, target=HOPPER, options={"num_warps": num_warps})
+    target = GPUTarget("cuda", HOPPER, 32)
+    return triton.compile(source, target=target, options={"num_warps": num_warps})
 
 
 def read_cubin(cubin: bytes) -> dict[str, int]:
@@ -231,11 +241,14 @@ def variants(name: str) -> dict[str, dict]:
     return {name: {}}
 
 
-def kept(autotuned, head_dim: int) -> list[triton.Config]:
-    """What the kernel's own autotune pruner keeps for bf16 inputs that suit TMA."""
+def kept(autotuned, head_dim: int, capability: int) -> list[triton.Config]:
+    """What the kernel's own autotune pruner keeps for bf16 inputs that suit TMA, with the
+    shared memory of a GPU of that capability."""
     bf16 = {"Q": torch.empty(0, dtype=torch.bfloat16)}
+    budget = min(kernels.SHARED_MEMORY_BUDGET, SHARED_MEMORY[capability])
+    tma = capability >= HOPPER
     return autotuned.early_config_prune(
-        autotuned.configs, bf16, BLOCK_D=head_dim, BLOCK_DV=head_dim, TMA_OK=True
+        autotuned.configs, bf16, budget, BLOCK_D=head_dim, BLOCK_DV=head_dim, TMA_OK=tma
     )
 
 
@@ -255,12 +268,24 @@ def main() -> None:
     parser.add_argument(
         "--causal", choices=["no", "yes", "both"], default="both", help="causal masking or not"
     )
+    parser.add_argument(
+        "--capability",
+        type=int,
+        choices=sorted(SHARED_MEMORY),
+        default=HOPPER,
+        help="the GPU's compute capability, 86 for 8.6 (default 90: Hopper)",
+    )
+    parser.add_argument(
+        "--kept-only", action="store_true", help="only the tilings the pruner keeps"
+    )
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: this compiles real kernels")
+    if args.capability != HOPPER and {GLUON, GLUON_BACKWARD} & set(args.kernels):
+        parser.error("the Gluon kernels are for Hopper only: leave out --capability")
     causal_values = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
 
-    print(f"# Triton {triton.__version__} kernels compiled for sm_90 (bf16)\n")
+    print(f"# Triton {triton.__version__} kernels compiled for sm_{args.capability} (bf16)\n")
     outside = ", ".join(str(d) for d in args.head_dims if d not in GLUON_HEAD_DIMS)
     if outside and {GLUON, GLUON_BACKWARD} & set(args.kernels):
         print(f"The Gluon kernels skip D = {outside}: they take only {GLUON_SCOPE}.\n")
@@ -293,12 +318,19 @@ def main() -> None:
         for variant, switches in variants(name).items():
             for head_dim in args.head_dims:
                 for causal in causal_values:
-                    survivors = kept(autotuned, head_dim)
-                    for config in autotuned.configs:
+                    survivors = kept(autotuned, head_dim, args.capability)
+                    offered = [*autotuned.configs, *kernels.small_configs(name)]
+                    for config in survivors if args.kept_only else offered:
                         label = kernels.describe_config(config)
                         label += "" if config in survivors else " (pruned)"
                         compile_one = partial(
-                            compile_config, autotuned.fn, config, head_dim, causal, **switches
+                            compile_config,
+                            autotuned.fn,
+                            config,
+                            head_dim,
+                            causal,
+                            args.capability,
+                            **switches,
                         )
                         report(variant, compile_one, label, head_dim, causal)
 

@@ -15,6 +15,7 @@ import importlib
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -322,6 +323,31 @@ def test_more_heads_than_a_grid_axis_takes_go_in_several_launches(monkeypatch, l
     assert sum(launched) == 2 * torch.Size(lead).numel()  # every head, forward and backward
 
 
+def test_kernels_launch_with_the_inputs_gpu_as_the_current_one(monkeypatch):
+    """Triton launches on the current GPU: tensors on cuda:1 while cuda:0 was current sent a
+    kernel to read another GPU's memory. Every launch now runs under the inputs' device
+    (seen through a stand-in for torch.cuda.device: this machine has no GPU)."""
+    from selfattn.kernels import triton_attention
+
+    current = []
+
+    @contextmanager
+    def device(which):
+        current.append(which)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+
+    class OnSecondGpu:  # what _in_launches reads of a tensor
+        shape, is_cuda, device = (2, 3), True, torch.device("cuda", 1)
+
+    launch = lambda *tensors: list(current)  # noqa: E731
+    assert triton_attention._in_launches(launch, 3, OnSecondGpu()) == [torch.device("cuda", 1)]
+    assert current == []
+    assert triton_attention._in_launches(launch, 3, torch.zeros(2, 3)) == []  # CPU: no guard
+
+
 def test_non_contiguous_inputs():
     # (B, T, H, D) transposed to (B, H, T, D), as a layer that splits heads produces.
     generator = torch.Generator().manual_seed(4)
@@ -529,6 +555,54 @@ def test_why_not_explains_each_refusal(monkeypatch):
     assert "pip install" in _why_not()
 
 
+SM_86, SM_80 = 101_376, 166_912  # bytes of shared memory a block may take on those GPUs
+
+
+@pytest.mark.parametrize("budget", [SM_86, SM_80, 200 * 1024])
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"),
+    [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.bfloat16, 256), (torch.float32, 128)],
+)
+def test_the_pruner_keeps_tilings_within_the_gpus_shared_memory(budget, dtype, head_dim):
+    """With no tiling of its own that fit (head dim 256, or float32 at 128 on an A100), a
+    kernel kept its smallest anyway, and the launch failed for want of shared memory. Now
+    every kernel keeps at least one tiling, each within the GPU's budget by the estimate
+    (compiled, benchmarks/triton_sm90.py --capability 86 --head-dims 256 --kept-only shows
+    them within it), its own tilings if any fits, else the smaller ones, never a mix: at
+    head dims up to 128 in bfloat16 on Hopper, the tilings timed on the H200 are kept."""
+    from selfattn.kernels import triton_attention as kernels
+
+    offered = {
+        "forward": kernels._forward_configs(False),
+        "dk/dv": kernels._dkdv_configs(False),
+        "dq": kernels._dq_configs(False),
+    }
+    q = torch.empty(0, dtype=dtype)
+    for name, configs in offered.items():
+        prune = kernels.AUTOTUNED[name].early_config_prune
+        kept = prune(configs, {"Q": q}, budget, BLOCK_D=head_dim, BLOCK_DV=head_dim, TMA_OK=True)
+        sizes = [kernels.shared_bytes(name, c, dtype.itemsize, 2 * head_dim) for c in kept]
+        assert kept and max(sizes) <= budget, (name, sizes)
+        own = [config for config in kept if any(config is mine for mine in configs)]
+        assert own in ([], kept), name
+        if budget == 200 * 1024 and dtype == torch.bfloat16 and head_dim <= 128:
+            assert own, name
+
+
+def test_inputs_too_wide_for_the_gpus_shared_memory_are_refused(monkeypatch):
+    """Float32 at head dim 256 on a GPU with 99 KiB per block: even the smallest tiling
+    would not fit, so Triton is refused (auto takes another backend) in one line."""
+    from selfattn.kernels import triton_attention as kernels
+
+    monkeypatch.setattr(kernels, "shared_memory_budget", lambda tensor: SM_86)
+    wide = torch.randn(7, 256)
+    reason = _why_not(wide, wide, wide)
+    assert reason.startswith("backend 'triton': the Triton kernels need 128 KiB of shared")
+    assert "256 (value) in float32, and this GPU offers 99 KiB; use float16 or bfloat16" in reason
+    assert _why_not(*(wide.bfloat16() for _ in range(3))) is None
+    assert _why_not(*(wide[:, :128] for _ in range(3))) is None
+
+
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
 def test_a_float_mask_that_requires_grad_is_served_where_no_gradient_is_asked(grad_mode):
     """A learned float mask (a parameter) evaluated under no_grad or inference_mode needs no
@@ -586,6 +660,24 @@ def test_kernels_compile_for_hopper_with_wgmma_and_no_spills():
         assert "failed" not in row[3], row
         stack, hgmma = int(row[6]), int(row[8])
         assert stack == 0 and hgmma > 0, row
+
+
+@pytest.mark.slow
+def test_tilings_kept_at_head_dim_256_fit_a_gpu_with_99_kib_per_block():
+    """benchmarks/triton_sm90.py --capability 86: what the pruner keeps at head dim 256 for
+    an RTX 30-class GPU (sm_86, 99 KiB of shared memory per block), compiled by Triton for
+    it, fits: the smallest forward it had kept took 104 KiB, and its launch failed."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_sm90.py"
+    command = [sys.executable, str(script), "--kernels", "forward", "dk/dv", "dq"]
+    command += ["--capability", "86", "--head-dims", "256", "--causal", "no", "--kept-only"]
+    report = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert report.returncode == 0, report.stderr[-2000:]
+    rows = [line.split(" | ") for line in report.stdout.splitlines() if line.startswith("| ")]
+    kernels = {row[0].removeprefix("| ") for row in rows[1:]}
+    assert kernels == {"forward", "dk/dv", "dk/dv + atomic dq", "dq"}, report.stdout
+    for row in rows[1:]:
+        assert "failed" not in row[3] and int(row[7]) <= SM_86 // 1024, row
 
 
 def test_gluon_forward_compiles_for_hopper_with_the_softmax_under_pv():

@@ -56,6 +56,7 @@ import importlib
 import math
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from types import ModuleType
 from typing import NamedTuple
@@ -108,9 +109,11 @@ def _config(
     )
 
 
-def _forward_configs() -> list[triton.Config]:
+def _forward_configs(interpreting: bool = INTERPRETING) -> list[triton.Config]:
     """Query blocks (BLOCK_M) of 64/128 against key tiles (BLOCK_N) of 64, with or without TMA
-    loads (Hopper-class GPUs); the pruner drops what a GPU or a layout cannot do.
+    loads (Hopper-class GPUs); the pruner drops what a GPU or a layout cannot do. Under the
+    interpreter (``interpreting``, which tests may set either way), one small tiling: so too
+    in the two backward kernels.
 
     What an H200 measured (docs/benchmarks.md) decided the tilings: 64 x 64 on 4 warps leads
     at head dim 128, 128 x 64 with TMA at 64. Key tiles of 128, warp specialisation (wrong
@@ -119,7 +122,7 @@ def _forward_configs() -> list[triton.Config]:
     (LAZY, A_FROM_REGISTERS), which are yet to be timed on a GPU; so is the last one, which
     caps registers so that three programs share an SM at head dim 128.
     """
-    if INTERPRETING:
+    if interpreting:
         return [_config(16, 32, 4, 1, USE_TMA=False, LAZY=True, A_FROM_REGISTERS=True)]
     tilings = ((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3))
     loads = [(*tiling, tma) for tiling in tilings for tma in (False, True)]
@@ -133,7 +136,7 @@ def _forward_configs() -> list[triton.Config]:
     ] + [_config(*tiling, USE_TMA=True, LAZY=True, A_FROM_REGISTERS=True) for tiling in capped]
 
 
-def _dkdv_configs() -> list[triton.Config]:
+def _dkdv_configs(interpreting: bool = INTERPRETING) -> list[triton.Config]:
     """Key blocks (BLOCK_N) of 64/128 against narrower query tiles (BLOCK_M) of 32/64.
 
     64 x 128 on 8 warps won on an H200 at both head dims, but at 128 causal it spills
@@ -141,7 +144,7 @@ def _dkdv_configs() -> list[triton.Config]:
     (keys and values as wgmma A operands from registers) are yet to be timed on a GPU. With
     its operands in registers, 64 x 128 spills hundreds of bytes, so it is not offered so.
     """
-    if INTERPRETING:
+    if interpreting:
         return [_config(16, 32, 4, 1, A_FROM_REGISTERS=True)]
     tilings = ((64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 8, 3), (64, 64, 8, 3), (32, 64, 4, 3))
     return [_config(*tiling, A_FROM_REGISTERS=False) for tiling in tilings] + [
@@ -150,10 +153,10 @@ def _dkdv_configs() -> list[triton.Config]:
     ]
 
 
-def _dq_configs() -> list[triton.Config]:
+def _dq_configs(interpreting: bool = INTERPRETING) -> list[triton.Config]:
     """Query blocks (BLOCK_M) of 64/128 against narrower key tiles (BLOCK_N) of 32/64; the
     last two with queries and output gradients as wgmma A operands from registers (untimed)."""
-    if INTERPRETING:
+    if interpreting:
         return [_config(16, 32, 4, 1, A_FROM_REGISTERS=True)]
     tilings = ((128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3))
     return [_config(*tiling, A_FROM_REGISTERS=False) for tiling in tilings] + [
@@ -161,31 +164,81 @@ def _dq_configs() -> list[triton.Config]:
     ]
 
 
-def _config_pruner(stationary: str, streamed: str) -> dict:
+# Smaller tilings, for when none of a kernel's own fits a GPU's shared memory: head dims past
+# 128 (Gemma's 256), float32 at 128, GPUs with 99 KiB per block (sm_86, sm_89, sm_120).
+# (BLOCK_M, BLOCK_N, warps, stages); no TMA, no other switch.
+SMALL_TILINGS = {
+    "forward": ((64, 32, 4, 2), (64, 32, 4, 1), (32, 32, 4, 1)),
+    "dk/dv": ((32, 64, 4, 2), (32, 64, 4, 1), (32, 32, 4, 1)),
+    "dq": ((64, 32, 4, 2), (64, 32, 4, 1), (32, 32, 4, 1)),
+}
+SWITCHES_OFF = {
+    "forward": {"USE_TMA": False, "LAZY": False, "A_FROM_REGISTERS": False},
+    "dk/dv": {"A_FROM_REGISTERS": False},
+    "dq": {"A_FROM_REGISTERS": False},
+}
+# The layout each kernel's shared-memory estimate assumes: (rows it keeps, rows it streams)
+ROWS = {
+    "forward": ("BLOCK_M", "BLOCK_N"),
+    "dk/dv": ("BLOCK_N", "BLOCK_M"),
+    "dq": ("BLOCK_M", "BLOCK_N"),
+}
+
+
+def small_configs(kernel: str) -> list[triton.Config]:
+    """The kernel's smaller tilings (``SMALL_TILINGS``), as autotuning configurations."""
+    return [_config(*tiling, **SWITCHES_OFF[kernel]) for tiling in SMALL_TILINGS[kernel]]
+
+
+def shared_bytes(kernel: str, config: triton.Config, itemsize: int, width: int) -> int:
+    """An estimate of the shared memory one program of ``kernel`` needs: the block it keeps
+    (BLOCK_M queries or BLOCK_N keys) plus ``num_stages`` copies of the tile it streams, each
+    ``width`` elements wide (the query and value head dims together). The compiled kernels'
+    own figures (benchmarks/triton_sm90.py --capability) stay within the GPU's limit for
+    every tiling it keeps, as compiled for sm_80, sm_86 and sm_90 in bfloat16."""
+    stationary, streamed = ROWS[kernel]
+    rows = config.kwargs[stationary] + config.num_stages * config.kwargs[streamed]
+    return rows * width * itemsize
+
+
+def shared_memory_budget(tensor: Tensor) -> int:
+    """Bytes of shared memory a program may take on the tensor's GPU: the device's limit per
+    block (99 KiB on sm_86, 163 KiB on sm_80, 227 KiB on Hopper), at most
+    SHARED_MEMORY_BUDGET; that budget itself under the interpreter."""
+    if not tensor.is_cuda:
+        return SHARED_MEMORY_BUDGET
+    properties = triton.runtime.driver.active.utils.get_device_properties(tensor.device.index)
+    return min(SHARED_MEMORY_BUDGET, properties["max_shared_mem"])
+
+
+def _config_pruner(kernel: str) -> dict:
     """Autotune pruning: drops configurations these inputs, or this GPU, cannot run well.
 
     Gone are TMA where the layout or GPU does not allow it, 4-warp 128-row blocks for head
-    dims of 128 and more (they spill registers), and tiles that cannot fit in shared memory.
-    The shared-memory estimate: the block a program keeps (``stationary``: BLOCK_M queries or
-    BLOCK_N keys) plus ``num_stages`` copies of the tile it streams, both as wide as the query
-    and value head dims together, in the input's element size. If nothing fits, the smallest
-    is kept.
+    dims of 128 and more (they spill registers), and tiles whose estimate (``shared_bytes``)
+    passes the GPU's budget (``shared_memory_budget``, or ``budget`` where given: a GPU
+    compiled for ahead of time). If none fits, the kernel's smaller tilings that do take
+    their place, and if none of those does either, the smallest of them stays, for the launch
+    to refuse (``unsupported_reason`` refuses such inputs first).
     """
 
-    def tile_bytes(config: triton.Config, itemsize: int, width: int) -> int:
-        rows = config.kwargs[stationary] + config.num_stages * config.kwargs[streamed]
-        return rows * width * itemsize
-
-    def prune(configs: list[triton.Config], named_args: dict, **constexprs) -> list:
+    def prune(
+        configs: list[triton.Config], named_args: dict, budget: int | None = None, **constexprs
+    ) -> list:
         itemsize = named_args["Q"].element_size()
         width = constexprs["BLOCK_D"] + constexprs["BLOCK_DV"]
+        budget = budget or shared_memory_budget(named_args["Q"])
         if not constexprs.get("TMA_OK", False):
             configs = [config for config in configs if not config.kwargs.get("USE_TMA")]
         if constexprs["BLOCK_DV"] >= 128:  # 4 warps can't hold 128 x 128 float32 and spill
             configs = [config for config in configs if not _spills(config)]
-        size = {config: tile_bytes(config, itemsize, width) for config in configs}
-        kept = [config for config in configs if size[config] <= SHARED_MEMORY_BUDGET]
-        return kept or [min(configs, key=size.get)]
+        size = partial(shared_bytes, kernel, itemsize=itemsize, width=width)
+        small = small_configs(kernel)
+        for candidates in (configs, small):
+            kept = [config for config in candidates if size(config) <= budget]
+            if kept:
+                return kept
+        return [min(small, key=size)]
 
     return {"early_config_prune": prune}
 
@@ -467,7 +520,7 @@ def _forward_tiles(acc, row_max, row_sum, q, k_src, v_src, mask_base, rows, lo, 
 
 # TMA_OK keys the tuning too: a TMA tiling tuned for one layout must not serve one without.
 @triton.autotune(configs=_forward_configs(), key=[*TUNE_KEY, "TMA_OK"],
-                 prune_configs_by=_config_pruner("BLOCK_M", "BLOCK_N"),
+                 prune_configs_by=_config_pruner("forward"),
                  do_bench=_quick_bench)
 @triton.jit(do_not_specialize=KEY_ONLY_INTS)
 def _forward_kernel(Q, K, V, Mask, Out, Lse,
@@ -619,7 +672,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, 
 
 
 @triton.autotune(configs=_dkdv_configs(), key=[*TUNE_KEY, "ATOMIC_DQ"],
-                 prune_configs_by=_config_pruner("BLOCK_N", "BLOCK_M"),
+                 prune_configs_by=_config_pruner("dk/dv"),
                  reset_to_zero=["DQAcc"], do_bench=_quick_bench)
 @triton.jit(do_not_specialize=KEY_ONLY_INTS)
 def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV, DQAcc,
@@ -723,7 +776,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, mask_base, rows, lo, hi,
 
 
 @triton.autotune(configs=_dq_configs(), key=TUNE_KEY,
-                 prune_configs_by=_config_pruner("BLOCK_M", "BLOCK_N"),
+                 prune_configs_by=_config_pruner("dq"),
                  do_bench=_quick_bench)
 @triton.jit(do_not_specialize=KEY_ONLY_INTS)
 def _dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
@@ -1208,6 +1261,9 @@ def unsupported_reason(
             f"the Triton kernels support head dims up to {MAX_HEAD_DIM}, got "
             f"{query.shape[-1]} (query/key) and {value.shape[-1]} (value); use {instead}"
         )
+    shortfall = _shared_memory_shortfall(query, value)
+    if shortfall:
+        return f"{shortfall}; use float16 or bfloat16, or {instead}"
     if _needs_mask_gradient(mask):
         return (
             "the Triton kernels do not compute gradients for a float mask; detach the mask, "
@@ -1225,6 +1281,26 @@ def unsupported_reason(
             f"{farthest:,} elements (more than 2³¹); use {instead}"
         )
     return None
+
+
+def _shared_memory_shortfall(query: Tensor, value: Tensor) -> str | None:
+    """What the smallest tilings of some kernel lack in this GPU's shared memory, or None."""
+    width = _block_dim(query.shape[-1]) + _block_dim(value.shape[-1])
+    need = max(
+        min(
+            shared_bytes(kernel, config, query.element_size(), width)
+            for config in small_configs(kernel)
+        )
+        for kernel in SMALL_TILINGS
+    )
+    budget = shared_memory_budget(query)
+    if need <= budget:
+        return None
+    return (
+        f"the Triton kernels need {need // 1024} KiB of shared memory per program for head "
+        f"dims {query.shape[-1]} (query/key) and {value.shape[-1]} (value) in "
+        f"{str(query.dtype).removeprefix('torch.')}, and this GPU offers {budget // 1024} KiB"
+    )
 
 
 def triton_attention(
@@ -1282,15 +1358,22 @@ def _in_launches(
     would hand back contiguous gradients)."""
     step = MAX_GRID_HEADS // inner  # outer rows per launch
     outer = tensors[0].shape[0]
-    if outer <= step:
-        return launch(*tensors)
-    parts = [
-        launch(*(None if x is None else x[start : start + step] for x in tensors))
-        for start in range(0, outer, step)
-    ]
+    with _on_device(tensors[0]):
+        if outer <= step:
+            return launch(*tensors)
+        parts = [
+            launch(*(None if x is None else x[start : start + step] for x in tensors))
+            for start in range(0, outer, step)
+        ]
     if isinstance(parts[0], Tensor):
         return torch.cat(parts)
     return tuple(torch.cat(pieces) for pieces in zip(*parts, strict=True))
+
+
+def _on_device(tensor: Tensor) -> AbstractContextManager:
+    """The tensor's GPU as the current one while kernels launch: Triton launches on the
+    current device (and allocates its scratch there), wherever the tensors are."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else nullcontext()
 
 
 def block_forward(
