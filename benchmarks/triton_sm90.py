@@ -319,7 +319,9 @@ def main() -> None:
             for head_dim in args.head_dims:
                 for causal in causal_values:
                     survivors = kept(autotuned, head_dim, args.capability)
-                    offered = [*autotuned.configs, *kernels.small_configs(name)]
+                    # the kernel's own tilings, and the smaller ones kept in their place
+                    offered = [*autotuned.configs]
+                    offered += [config for config in survivors if config not in offered]
                     for config in survivors if args.kept_only else offered:
                         label = kernels.describe_config(config)
                         label += "" if config in survivors else " (pruned)"

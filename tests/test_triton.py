@@ -1156,7 +1156,8 @@ def test_gpu_benchmark_script_dry_run():
     report = subprocess.run([sys.executable, str(script), "--interpret-smoke"],
                             capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     assert report.returncode == 0, report.stdout[-2000:] + report.stderr[-2000:]
-    assert "Precompiled 10 kernel launches" in report.stdout  # 2 cases: 2+2 fwd, 2+2 dk/dv, 2 dq
+    # 2 timed and 2 correctness cases, each under 2 plans: 2 forwards, 2 dK/dV, 1 dQ
+    assert "Precompiled 20 kernel launches" in report.stdout
     for table in ("forward", "dk/dv", "dq"):
         assert f"## Every {table} configuration" in report.stdout
     checks = [
