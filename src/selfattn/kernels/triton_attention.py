@@ -57,7 +57,7 @@ import math
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from functools import partial
+from functools import cache, partial
 from types import ModuleType
 from typing import NamedTuple
 
@@ -207,8 +207,14 @@ def shared_memory_budget(tensor: Tensor) -> int:
     SHARED_MEMORY_BUDGET; that budget itself under the interpreter."""
     if not tensor.is_cuda:
         return SHARED_MEMORY_BUDGET
-    properties = triton.runtime.driver.active.utils.get_device_properties(tensor.device.index)
-    return min(SHARED_MEMORY_BUDGET, properties["max_shared_mem"])
+    return min(SHARED_MEMORY_BUDGET, _device_shared_memory(tensor.device.index))
+
+
+@cache
+def _device_shared_memory(index: int) -> int:
+    """The opt-in maximum of shared memory per block on CUDA device ``index``, in bytes (asked
+    once: every call's ``unsupported_reason`` needs it)."""
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 def _config_pruner(kernel: str) -> dict:
