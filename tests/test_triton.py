@@ -348,6 +348,29 @@ def test_kernels_launch_with_the_inputs_gpu_as_the_current_one(monkeypatch):
     assert triton_attention._in_launches(launch, 3, torch.zeros(2, 3)) == []  # CPU: no guard
 
 
+@pytest.mark.parametrize("in_context_var", [True, False])
+@pytest.mark.parametrize("users", [False, True])
+def test_an_allocator_is_set_for_tensor_descriptors_unless_the_user_set_one(
+    monkeypatch, in_context_var, users
+):
+    """TMA loads need an allocator at launch. Triton keeps it in a ContextVar, earlier
+    releases in a plain variable, where reading it with .get() raised AttributeError."""
+    from contextvars import ContextVar
+
+    from triton.runtime import _allocation
+
+    from selfattn.kernels import triton_attention
+
+    held = (lambda size, alignment, stream: None) if users else _allocation.NullAllocator()
+    if in_context_var:
+        held = ContextVar("allocator", default=held)
+    monkeypatch.setattr(_allocation, "_allocator", held)
+    chosen = []
+    monkeypatch.setattr(triton_attention.triton, "set_allocator", chosen.append)
+    triton_attention._ensure_allocator()
+    assert chosen == ([] if users else [triton_attention._device_scratch])
+
+
 def test_non_contiguous_inputs():
     # (B, T, H, D) transposed to (B, H, T, D), as a layer that splits heads produces.
     generator = torch.Generator().manual_seed(4)

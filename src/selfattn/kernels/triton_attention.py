@@ -57,6 +57,7 @@ import math
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from contextvars import ContextVar
 from functools import cache, partial
 from types import ModuleType
 from typing import NamedTuple
@@ -1000,11 +1001,14 @@ def _device_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
 
 
 def _ensure_allocator() -> None:
-    """Give Triton an allocator for in-kernel tensor descriptors, unless the user set one."""
+    """Give Triton an allocator for in-kernel tensor descriptors, unless the user set one.
+    Triton holds it in a ContextVar, or in earlier releases a plain module variable."""
     from triton.runtime import _allocation
 
     current = getattr(_allocation, "_allocator", None)
-    if current is None or isinstance(current.get(), _allocation.NullAllocator):
+    if isinstance(current, ContextVar):
+        current = current.get()
+    if current is None or isinstance(current, _allocation.NullAllocator):
         triton.set_allocator(_device_scratch)
 
 
