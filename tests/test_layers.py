@@ -949,6 +949,24 @@ def test_rms_norm_of_another_width_is_one_line():
         RMSNorm(8)(torch.randn(2, 6))
 
 
+def test_rms_norm_in_bfloat16_equals_hugging_faces_llama_rms_norm_bit_for_bit():
+    """In bfloat16 the weight multiplies the normalised rows after their cast to bfloat16, as
+    Hugging Face's ``LlamaRMSNorm`` does (a cast after a float32 multiply rounds differently).
+    Oracle: transformers' LlamaRMSNorm with the same weight (~N(1, 0.3)); equal exactly."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    generator = torch.Generator().manual_seed(3)
+    weight = (1 + 0.3 * torch.randn(64, generator=generator)).to(torch.bfloat16)
+    x = torch.randn(4, 64, generator=generator).to(torch.bfloat16)
+    ours, theirs = RMSNorm(64, eps=1e-6).to(torch.bfloat16), LlamaRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.copy_(weight)
+        theirs.to(torch.bfloat16).weight.copy_(weight)
+    got, want = ours(x), theirs(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+
+
 def test_partial_rope_passes_the_unturned_dims_and_scores_by_position_difference():
     """GPT-NeoX's partial RoPE (rotary_dim 4 of head_dim 10): dims 4.. pass through unchanged
     at every position; the turned dims keep their pairs' lengths and score q·k by the
