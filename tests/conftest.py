@@ -211,3 +211,18 @@ def char_gpt(alphabet: str, block_size: int):
     )
     info = ModelConfig.for_decoder(config, "gpt")
     return Model(GPT(config), info, name="char", tokenizer=Tokenizer(chars.to_hf())).eval()
+
+
+def randomise_norms(model, seed: int = 0) -> None:
+    """Add seeded N(0, 0.2) noise to every norm's 1-D parameters (names with "norm" or an
+    ``ln`` part) of a Hugging Face model before it is saved: its classes make them all 1
+    (0 for Gemma's 1 + weight, and for biases), which hides a swapped or misplaced norm."""
+    import re
+
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1 and re.search(r"norm|(^|[._])ln", name, re.IGNORECASE):
+                param.add_(0.2 * torch.randn(param.shape, generator=generator))

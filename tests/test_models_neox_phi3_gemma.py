@@ -143,3 +143,18 @@ def test_older_neox_configs_read_rotary_pct_and_rotary_emb_base(neox, tmp_path):
     ids = torch.tensor([[5, 9, 2, 77]])
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+
+
+def test_neox_config_without_rotary_pct_turns_a_quarter_as_hugging_face_does(neox, tmp_path):
+    """A GPT-NeoX config.json with neither rope_parameters nor rotary_pct turns a quarter of
+    each head (GPTNeoXConfig's default): rotary dim 16 // 4, and the logits within 1e-4 of
+    Hugging Face's model loaded from the same stripped folder (its defaults the oracle)."""
+    folder, _, _ = neox
+    stripped = {"rope_parameters": None, "rotary_pct": None, "partial_rotary_factor": None}
+    reloaded = selfattn.load(rewritten(folder, tmp_path, stripped))
+    assert "rotary_pct" not in (tmp_path / "config.json").read_text()
+    assert reloaded.network.blocks[0].attention.rotary.rotary_dim == 16 // 4
+    hf = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    ids = torch.tensor([[5, 9, 2, 77, 31, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, atol=1e-4, rtol=0)
