@@ -16,14 +16,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from torch import nn
 from typer.testing import CliRunner
 
 import selfattn
+from conftest import randomise_norms
 from selfattn.cli import app
 from selfattn.errors import SelfAttnError
 from selfattn.models.bert import Bert
 from selfattn.models.hf_config import distilbert_config, roberta_config
 from selfattn.models.loading import resolve, skipped_note
+from selfattn.models.model import pool
 from selfattn.models.name_maps import ARCHITECTURES, bert_rules, distilbert_rules
 from selfattn.recording import record
 from test_models_random import CORPUS, assert_map_fits
@@ -145,6 +148,7 @@ def saved(tmp_path_factory, bpe_tokenizer):
             make_config, tokenizer = FAMILIES[family]
             torch.manual_seed(0)
             hf = getattr(transformers, class_name)(make_config()).eval()
+            randomise_norms(hf)  # not all 1: a misplaced or swapped LayerNorm shows
             folder = tmp_path_factory.mktemp(class_name)
             hf.save_pretrained(folder)
             add_tokenizer(folder, tokenizer, bpe_tokenizer)
@@ -269,6 +273,56 @@ def test_roberta_reads_its_positions_less_the_padding_offset(saved, family, clas
         hf(torch.tensor([model.tokenizer.encode(too_long).ids]))
     with pytest.raises(ValueError, match=f"longer than the model's {usable} positions"):
         model(torch.full((1, usable + 1), 5))
+
+
+def test_roberta_numbers_the_positions_of_a_left_padded_row_from_its_first_real_token(saved):
+    """RoBERTa's position ids come from where the padding is (transformers'
+    create_position_ids_from_input_ids), not from the column: in a row padded on the left the
+    first real token is at padding_idx + 1. Every layer's hidden states of the real tokens
+    within 1e-5 of Hugging Face's RobertaModel given the same ids and mask."""
+    folder, hf = saved("roberta", "RobertaModel")
+    model = selfattn.load(folder)
+    input_ids, mask = padded_batch(hf.config)
+    input_ids[1], mask[1] = input_ids[1].roll(6), mask[1].roll(6)  # 6 pads first
+    assert mask[1, :6].eq(0).all() and mask[1, 6:].eq(1).all()
+    with torch.no_grad():
+        ours = model(input_ids, mask)
+        theirs = hf(input_ids, attention_mask=mask, output_hidden_states=True)
+    real = mask.bool()
+    for mine, hf_state in zip(ours.hidden_states, theirs.hidden_states, strict=True):
+        torch.testing.assert_close(mine[real], hf_state[real], atol=1e-5, rtol=0)
+
+
+def test_bert_config_without_layer_norm_eps_takes_hugging_faces_default(saved, tmp_path):
+    """A BERT config.json without layer_norm_eps means BertConfig's default, 1e-12: every
+    LayerNorm's eps equal to it, and every layer's hidden states within 1e-4 of Hugging Face's
+    model loaded from the same stripped folder (its defaults the oracle)."""
+    folder, _ = saved("bert", "BertForMaskedLM")
+    for path in folder.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    config = json.loads((folder / "config.json").read_text())
+    del config["layer_norm_eps"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = selfattn.load(tmp_path)
+    hf = transformers.BertForMaskedLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert hf.config.layer_norm_eps == 1e-12
+    eps = {module.eps for module in model.network.modules() if isinstance(module, nn.LayerNorm)}
+    assert eps == {1e-12}
+    input_ids, mask = padded_batch(hf.config)
+    with torch.no_grad():
+        ours = model(input_ids, mask)
+        theirs = hf.base_model(input_ids, attention_mask=mask, output_hidden_states=True)
+    for mine, hf_state in zip(ours.hidden_states, theirs.hidden_states, strict=True):
+        torch.testing.assert_close(mine, hf_state, atol=1e-4, rtol=0)
+
+
+def test_max_pooling_fills_padding_with_the_lowest_value_not_zero():
+    """sentence-transformers' max pooling: padding takes the dtype's lowest value, so rows of
+    negative numbers keep their own maximum (a fill of 0 gave 0). Exact, by hand."""
+    hidden = torch.full((1, 3, 2), -1.0)
+    hidden[0, 2] = 5.0  # the padding token's vector, larger than the real ones
+    pooled = pool(hidden, torch.tensor([[1, 1, 0]]), "max_tokens")
+    assert torch.equal(pooled, torch.tensor([[-1.0, -1.0]]))
 
 
 @pytest.mark.parametrize(("family", "class_name"), [
