@@ -139,6 +139,23 @@ def test_align_words_without_tokens_for_a_word():
     assert word_ids == [0]
 
 
+def test_a_token_over_two_words_belongs_to_the_first():
+    """A word-level vocabulary with the token "日本", over two words (each CJK character is a
+    word): that token's word id is the first word's, 0, not the second's, and both words
+    list it; "語" after the space is word 2. Exact, by hand."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    backend = tokenizers.Tokenizer(models.WordLevel({"日本": 0, "語": 1, "<unk>": 2}, "<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    encoding = Tokenizer(backend).encode("日本 語")
+    assert encoding.tokens == ["日本", "語"]
+    assert [(w.text, w.tokens) for w in encoding.words] == [
+        ("日", range(0, 1)), ("本", range(0, 1)), ("語", range(1, 2)),
+    ]  # fmt: skip
+    assert encoding.word_ids == [0, 2]
+
+
 def test_chinese_characters_are_words_as_bert_splits_them(wordpiece):
     text = "我爱银行 and the bank"
     encoding = wordpiece.encode(text)
