@@ -543,6 +543,16 @@ def test_positional_heads_by_hand():
     assert flags.tolist() == [True, True, True, False, False]
 
 
+def test_exactly_half_the_voters_on_the_token_before_is_no_positional_head():
+    """Five words' tokens: of the 4 with a token before them, queries 1 and 2 put their
+    largest weight on it and 3, 4 on themselves; none on the token after. Half is not more
+    than half: no previous-token head (a count of at least half flagged it). Exact."""
+    weights = torch.eye(5)
+    weights[1], weights[2] = torch.eye(5)[0], torch.eye(5)[1]
+    flags = explaining.positional_heads(weights[None], [0, 1, 2, 3, 4])
+    assert flags.tolist() == [False]
+
+
 def test_weight_parked_on_cls_or_sep_is_no_neighbour_habit():
     """In "money." a head where "money" weighs [CLS] most and "." itself is no previous-token
     head: it was counted as one (1 of 1 content words), and "money." passed over 71 of
