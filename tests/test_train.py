@@ -153,6 +153,40 @@ def test_loop_is_model_agnostic_and_decays_only_matrices():
     assert result.history[-1]["val"] < 0.2 < result.history[0]["val"]
 
 
+def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_its_floor():
+    """nanoGPT's schedule, by hand: warm-up (step + 1) / (warmup + 1) of the peak, the peak at
+    the end of the warm-up, half-way down the cosine at the middle of the decay (min_lr + half
+    the range), (2 + sqrt 2) / 4 of the range at a quarter of it (a straight line gave 3/4),
+    min_lr from lr_decay_iters on. Relative 1e-12."""
+    config = _cycle_config(
+        max_iters=200, learning_rate=1e-3, min_lr=1e-4, warmup_iters=10, lr_decay_iters=110
+    )
+    expected = {
+        0: 1e-3 / 11, 9: 1e-3 * 10 / 11, 10: 1e-3, 35: 1e-4 + 9e-4 * (2 + 2**0.5) / 4,
+        60: 5.5e-4, 110: 1e-4, 111: 1e-4, 200: 1e-4,
+    }  # fmt: skip
+    for step, lr in expected.items():
+        assert loop_module.learning_rate(step, config) == pytest.approx(lr, rel=1e-12), step
+
+
+@pytest.mark.parametrize(("grad_clip", "expected"), [(1.0, [0.6, 0.8]), (0.0, [3.0, 4.0])])
+def test_gradients_are_clipped_by_their_norm_before_the_step(grad_clip, expected):
+    """A loss 3 a + 4 b has gradient (3, 4), of norm 5: grad_clip 1 scales it to (0.6, 0.8)
+    (clipping each value to 1 gave (1, 1)); grad_clip 0 leaves it whole. The gradient the
+    optimizer steps with, 1e-6 absolute."""
+    weights = nn.Parameter(torch.zeros(2))
+    model = nn.Module()
+    model.weights = weights
+    model.forward = lambda x, y: SimpleNamespace(loss=(torch.tensor([3.0, 4.0]) * weights).sum())
+    optimizer = torch.optim.SGD([weights])
+    seen = []
+    optimizer.register_step_pre_hook(lambda *_: seen.append(weights.grad.clone()))
+    batch = (torch.zeros(1, 1), torch.zeros(1, 1))
+    loop_module._step(model, optimizer, batch, 0.1, grad_clip, torch.device("cpu"))
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], torch.tensor(expected), atol=1e-6, rtol=0)
+
+
 def _poison(model: _Bigram, what: str) -> None:
     """Make the weights (NaN bias: every later loss and gradient too) or the loss non-finite."""
     if what == "weights":
