@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 import selfattn
-from conftest import OfflinePage
+from conftest import OfflinePage, randomise_norms
 from selfattn.cli import app
 from selfattn.errors import SelfAttnError
 from selfattn.explain import explain_text
@@ -77,6 +77,7 @@ def saved(tmp_path_factory, bpe_tokenizer):  # noqa: F811 (the imported fixture)
         if class_name not in cache:
             torch.manual_seed(0)
             hf = getattr(transformers, class_name)(mpnet_config_hf()).eval()
+            randomise_norms(hf)  # not all 1: a swapped or misplaced LayerNorm shows
             folder = tmp_path_factory.mktemp(class_name)
             hf.save_pretrained(folder)
             add_tokenizer(folder, "bpe", bpe_tokenizer)
