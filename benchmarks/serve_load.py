@@ -1,6 +1,7 @@
 """Load test of `selfattn serve`: a burst of API requests against a server this script starts.
 
-Starts ``python -m selfattn serve --port <free>`` on 127.0.0.1, warms it up, then sends
+Starts ``python -m selfattn serve --port 0`` on 127.0.0.1 (the free port it prints), warms it
+up, then sends
 ``--requests`` requests from ``--clients`` concurrent clients (httpx), a mix of the API's
 calls (explain, explain with a recomputed head, view, compare), under a ``--timeout``.
 A "busy" answer (503) is retried after its Retry-After, as the page does, at most ``RETRIES``
@@ -9,11 +10,12 @@ per second and the server's resident memory before and after the burst (from /pr
 only), as a markdown table.
 
 Then, per long call (explain and view of a 464-token text), ``--rounds`` bursts of ``--burst``
-requests at once, each from a client of its own, and while they are in flight one more every
-0.1 s, none retried. A burst is more than the server admits (2 workers + 8 queued): the rest
-are refused with 503 "busy", which should come at once, not after a model run, and so should
-the refusals sent while the runs go on. A second table gives the latency of each kind of
-answer: sent at once or later, 200 or 503.
+requests at once, each from a client of its own, and until the first of them is answered one
+more every 0.1 s, none retried. A burst is more than the server admits (2 workers + 8 queued):
+the rest are refused with 503 "busy", which should come at once, not after a model run, and so
+should the refusals sent while the first runs go on, every place taken. (From the first answer
+on a place is free, and each request sent then would be admitted: a run more, not a refusal.)
+A second table gives the latency of each kind of answer: sent at once or later, 200 or 503.
 
     python benchmarks/serve_load.py           # 200 requests, 8 clients; 3 bursts of 16 per call
     python benchmarks/serve_load.py --requests 40 --clients 4 --burst 0
@@ -23,13 +25,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
+import queue
+import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Coroutine
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +54,7 @@ LONG_CALLS = [  # (label, path, body): each sent in bursts
     ("explain", "/api/explain", {"text": LONG, "word": "bank"}),
     ("view", "/api/view", {"text": LONG, "word": "bank"}),
 ]
-PROBE_EVERY = 0.1  # seconds between the requests sent while a burst's runs go on
+PROBE_EVERY = 0.1  # seconds between the requests sent until a burst's first answer
 START_TIMEOUT = 90.0  # seconds for the server to load the model and answer
 RETRIES = 3  # on 503 "busy", after the server's Retry-After (as serve.js does)
 
@@ -73,12 +78,6 @@ class Result:
         return [x for values in self.latencies.values() for x in values]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def memory(pid: int) -> tuple[int, int]:
     """(resident, peak resident) bytes of a process, from /proc/<pid>/status."""
     fields = {}
@@ -93,24 +92,51 @@ class NotServing(RuntimeError):
     """The server exited, or did not answer in time, before the load began."""
 
 
-def start_server(port: int) -> subprocess.Popen:
-    """`selfattn serve` on 127.0.0.1:port, once it answers /api/models."""
+START_LINE = re.compile(r"selfattn explorer on http://127\.0\.0\.1:(\d+)/")
+
+
+def start_server() -> tuple[subprocess.Popen, str]:
+    """`selfattn serve --port 0` on 127.0.0.1, once it answers /api/models: the process and its
+    address. The port is the free one it prints (none picked here and bound again there, which
+    another process could take in between); it listens from then on, so the first request waits
+    for its answer instead of being given up and sent again (a request given up still runs)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "selfattn", "serve", "--port", str(port)],
-        stdout=subprocess.DEVNULL,
+        [sys.executable, "-m", "selfattn", "serve", "--port", "0"],
+        stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
+        text=True,
     )
+    ports: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:  # the start line, then the access log: read to its end, not kept
+        for line in process.stdout:
+            if match := START_LINE.match(line):
+                ports.put(match[1])
+
+    threading.Thread(target=read, daemon=True).start()
     deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise NotServing(f"selfattn serve exited with {process.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/api/models", timeout=2).status_code == 200:
-                return process
-        except httpx.TransportError:
-            time.sleep(0.25)
-    process.kill()
-    raise NotServing(f"selfattn serve did not answer within {START_TIMEOUT:.0f} s")
+    try:
+        port = None
+        while port is None:
+            if process.poll() is not None:
+                raise NotServing(f"selfattn serve exited with {process.returncode}")
+            if time.monotonic() > deadline:
+                raise NotServing(f"selfattn serve did not start within {START_TIMEOUT:.0f} s")
+            with suppress(queue.Empty):
+                port = ports.get(timeout=0.25)
+        base = f"http://127.0.0.1:{port}"
+        try:  # listening already: the request waits in the backlog until uvicorn takes it
+            left = max(deadline - time.monotonic(), 1.0)
+            response = httpx.get(f"{base}/api/models", timeout=left)
+        except httpx.HTTPError as error:
+            raise NotServing(f"selfattn serve did not answer: {type(error).__name__}") from None
+        if response.status_code != 200:
+            raise NotServing(f"selfattn serve answered /api/models with {response.status_code}")
+        return process, base
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
 
 
 async def post(http: httpx.AsyncClient, path: str, body: dict, result: Result) -> httpx.Response:
@@ -151,17 +177,28 @@ async def burst(base: str, requests: int, clients: int, result: Result) -> None:
 
 async def long_bursts(base: str, size: int, rounds: int, result: Result) -> None:
     """``rounds`` bursts of each long call: ``size`` requests at once, each from a client of
-    its own (made beforehand: not timed), and while they are in flight one more request every
-    ``PROBE_EVERY`` seconds (sent while runs go on). None is retried; the latency of a 200 or
-    503 goes to ``result.bursts``, anything else to its errors."""
+    its own (made beforehand: not timed), and until the burst's first 200 one more request every
+    ``PROBE_EVERY`` seconds (sent while runs go on, every place taken: from that answer on, a
+    place is free and the next request sent would be admitted, one more run). None is retried;
+    the latency of a 200 or 503 goes to ``result.bursts``, anything else to its errors. No
+    request has a timeout of its own: :func:`within` bounds the whole."""
 
-    async def send(http: httpx.AsyncClient, label: str, sent: str, path: str, body: dict) -> None:
+    async def send(
+        http: httpx.AsyncClient,
+        label: str,
+        sent: str,
+        path: str,
+        body: dict,
+        ran: asyncio.Event | None = None,
+    ) -> None:
         start = time.perf_counter()
         try:
             response = await http.post(path, json=body)
         except httpx.HTTPError as error:
             result.errors[f"{type(error).__name__} {path}"] += 1
             return
+        if ran is not None and response.status_code == 200:
+            ran.set()
         if response.status_code in (200, 503):
             latency = time.perf_counter() - start
             result.bursts.setdefault((label, sent, response.status_code), []).append(latency)
@@ -173,15 +210,24 @@ async def long_bursts(base: str, size: int, rounds: int, result: Result) -> None
             # new clients every round: an idle connection kept from the last round may be one
             # the server is closing (uvicorn closes them after 5 s)
             *clients, prober = [
-                httpx.AsyncClient(base_url=base, timeout=60) for _ in range(size + 1)
+                httpx.AsyncClient(base_url=base, timeout=None) for _ in range(size + 1)
             ]
+            ran = asyncio.Event()  # the burst's first 200: a place is free from then on
+            first = asyncio.ensure_future(ran.wait())
             try:
-                burst = asyncio.gather(*(send(c, label, "at once", path, body) for c in clients))
-                probes = []  # one every PROBE_EVERY s until the burst is answered
-                while not (await asyncio.wait({burst}, timeout=PROBE_EVERY))[0]:
+                burst = asyncio.gather(
+                    *(send(c, label, "at once", path, body, ran) for c in clients)
+                )
+                probes = []  # one every PROBE_EVERY s until the first run answers (or none does)
+                while not (
+                    await asyncio.wait(
+                        {burst, first}, timeout=PROBE_EVERY, return_when=asyncio.FIRST_COMPLETED
+                    )
+                )[0]:
                     probes.append(asyncio.create_task(send(prober, label, "later", path, body)))
                 await asyncio.gather(burst, *probes)
             finally:
+                first.cancel()
                 await asyncio.gather(*(http.aclose() for http in (*clients, prober)))
 
 
@@ -202,9 +248,7 @@ def measure(
 ) -> Result:
     """Start a server, warm it up (one round of every call per client), then the burst, then
     ``rounds`` bursts of ``at_once`` long requests per long call (none if ``at_once`` is 0)."""
-    port = free_port()
-    process = start_server(port)
-    base = f"http://127.0.0.1:{port}"
+    process, base = start_server()
     try:
         warm = Result(len(CALLS) * clients, clients, 0.0)
         within("warm-up", burst(base, warm.requests, clients, warm), timeout)
@@ -254,7 +298,7 @@ def table(result: Result) -> str:
         lines += [
             "",
             f"Bursts of long requests ({len(LONG):,} characters, 464 tokens), sent at once or "
-            "while their runs go on (later), none retried:",
+            "later, until the first answer (every place taken), none retried:",
             "",
             "| calls | sent | answer | requests | p50 ms | p90 ms | p99 ms | max ms |",
             "|---|---|---|---:|---:|---:|---:|---:|",
