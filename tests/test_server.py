@@ -960,37 +960,55 @@ def _output(process: subprocess.Popen) -> tuple[str, str]:
 def _in_flight(base: str) -> tuple[list[threading.Thread], list]:
     """As many slow requests as the server admits (its workers and queue), sent at once from
     threads, once the server has read them all; their answers (a status, or the name of the
-    client's error) are appended to the list as they come."""
-    answers = []
+    client's error) are appended to the list as they come. No request has a timeout of its
+    own: the test's bounds them.
 
-    def send():
+    Read means sent, then taken from the server's receive queue: a connection whose request
+    is not written yet looks the same from the server's side, and a Ctrl+C then would stop the
+    server before that request reached it (the client's ReadError)."""
+    answers, clients = [], []  # clients: the local port of each connection, once connected
+    sent = [threading.Event() for _ in range(server.WORKERS + server.QUEUE)]
+
+    def send(done: threading.Event) -> None:
+        def trace(event: str, info: dict) -> None:  # httpcore's steps, in the sending thread
+            if event == "connection.connect_tcp.complete":
+                clients.append(info["return_value"].get_extra_info("socket").getsockname()[1])
+            elif event == "http11.send_request_body.complete":
+                done.set()
+
         try:
-            response = httpx.post(f"{base}/api/view", json={"text": LONG}, timeout=60)
+            with httpx.Client(timeout=None) as client:
+                response = client.post(
+                    f"{base}/api/view", json={"text": LONG}, extensions={"trace": trace}
+                )
             answers.append(response.status_code)
         except httpx.HTTPError as error:
             answers.append(type(error).__name__)
+        finally:
+            done.set()  # a request that failed before it was sent: its answer says so
 
-    threads = [threading.Thread(target=send) for _ in range(server.WORKERS + server.QUEUE)]
+    threads = [threading.Thread(target=send, args=(done,)) for done in sent]
     for thread in threads:
         thread.start()
     port = int(base.rpartition(":")[2])
     deadline = time.monotonic() + 30
-    while _requests_read(port) < len(threads):
+    while not all(done.is_set() for done in sent) or _unread(port, clients):
         if time.monotonic() > deadline:
-            pytest.fail("the server did not read the slow requests")
+            pytest.fail(f"the server did not read the slow requests; answers so far: {answers}")
         time.sleep(0.02)
     return threads, answers
 
 
-def _requests_read(port: int) -> int:
-    """The connections the server on 127.0.0.1:port has open with nothing left to read
-    (from /proc/net/tcp: local address, state ESTABLISHED, receive queue empty)."""
-    count = 0
+def _unread(port: int, clients: list[int]) -> int:
+    """How many of the connections from ``clients`` (local ports) to the server on
+    127.0.0.1:port have something the server has not read (from /proc/net/tcp: the server's
+    side of each, state ESTABLISHED, receive queue empty, counts as read)."""
+    read = set()
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        _, local, _, state, queues, *_ = line.split()
+        _, local, remote, state, queues, *_ = line.split()
         if local == f"0100007F:{port:04X}" and state == "01" and queues.endswith(":00000000"):
-            count += 1
-    return count
+            read.add(int(remote.rpartition(":")[2], 16))
+    return len(set(clients) - read)
 
 
 needs_proc = pytest.mark.skipif(
