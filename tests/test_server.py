@@ -914,32 +914,39 @@ def test_serve_refuses_a_missing_model_in_one_line():
 LONG = " ".join(["the bank"] * 220)  # about 440 tokens: a second or more on a CPU
 
 
+START_LINE = re.compile(r"selfattn explorer on (http://127\.0\.0\.1:\d+)/ ")
+
+
 @pytest.fixture
 def started(tmp_path):
-    """``start()``: `selfattn serve` in a subprocess on a free port, once it answers; its
-    output goes to files (read after it exits), and it is killed if a test leaves it running."""
+    """``start()``: `selfattn serve --port 0` in a subprocess, once it answers; its output goes
+    to files (read after it exits), and it is killed if a test leaves it running.
+
+    The port is the free one it prints (none picked here and bound again there, which another
+    process could take in between). It listens from that line on, so one request waits for its
+    answer: a request given up on (a timeout while the model loads, then another try) would
+    still be run once uvicorn starts, and a Ctrl+C meanwhile would find it in flight."""
     processes = []
 
     def start() -> tuple[subprocess.Popen, str]:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
         out, err = (open(tmp_path / name, "w+") for name in ("stdout", "stderr"))  # noqa: SIM115
         process = subprocess.Popen(
-            [sys.executable, "-m", "selfattn", "serve", "--port", str(port)],
+            [sys.executable, "-m", "selfattn", "serve", "--port", "0"],
             stdout=out, stderr=err, env=os.environ | {"HF_HUB_OFFLINE": "1"},
         )  # fmt: skip
         process.out, process.err = out, err
         processes.append(process)
-        base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if httpx.get(f"{base}/api/models", timeout=2).status_code == 200:
-                    return process, base
-            except httpx.TransportError:
-                time.sleep(0.2)
-        pytest.fail(f"selfattn serve did not answer: {_output(process)}")
+        while not (started := START_LINE.match((tmp_path / "stdout").read_text())):
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                process.wait(10)
+                pytest.fail(f"selfattn serve did not start: {_output(process)}")
+            time.sleep(0.1)
+        base = started[1]
+        left = max(deadline - time.monotonic(), 1.0)
+        assert httpx.get(f"{base}/api/models", timeout=left).status_code == 200
+        return process, base
 
     yield start
     for process in processes:

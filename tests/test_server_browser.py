@@ -5,7 +5,6 @@ stays text, no console errors, and every request goes to 127.0.0.1.
 """
 
 import math
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -42,14 +41,11 @@ def serving(model: Model) -> Iterator[str]:
     """uvicorn serving the explorer of ``model`` on a free 127.0.0.1 port: its address."""
     import uvicorn
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    sock = server.listen("127.0.0.1", 0)  # kept listening: no other process can take the port
+    port = sock.getsockname()[1]
     app = server.create_app(model)
-    uvicorn_server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=uvicorn_server.run, daemon=True)
+    uvicorn_server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not uvicorn_server.started:
@@ -58,6 +54,7 @@ def serving(model: Model) -> Iterator[str]:
     yield f"http://127.0.0.1:{port}"
     uvicorn_server.should_exit = True
     thread.join(timeout=10)
+    sock.close()
 
 
 @pytest.fixture(scope="module")
