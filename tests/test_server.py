@@ -1079,6 +1079,51 @@ def test_ctrl_c_on_an_idle_server_stops_it_silently(started):
     assert _output(process)[1] == ""
 
 
+@pytest.mark.timeout(60)
+def test_a_stop_counts_the_requests_not_answered_yet(monkeypatch):
+    """A request whose whole answer went out may still have its task running (the app
+    returning) when Ctrl+C comes: its client has the answer, and the stop leaves it out of
+    the requests in flight. One whose answer is partly sent counts."""
+    lines, running, release = [], threading.Event(), threading.Event()
+    monkeypatch.setattr(server, "say", lines.append)
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        answered = scope["path"] == "/answered"
+        await send({"type": "http.response.body", "body": b"first", "more_body": not answered})
+        running.set()
+        while not release.is_set():  # the app runs on after (or while) answering
+            await asyncio.sleep(0.01)
+        if not answered:
+            await send({"type": "http.response.body", "body": b" last"})
+
+    sock = server.listen("127.0.0.1", 0)
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    cancellable = server.Cancellable(app)
+    uvicorn_server = server.Server(
+        uvicorn.Config(cancellable, lifespan="off", log_level="warning"), cancellable
+    )
+    thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]})
+    thread.start()
+    pending = []
+    client = threading.Thread(target=lambda: pending.append(httpx.get(f"{base}/pending").text))
+    try:
+        _wait_for(lambda: uvicorn_server.started, 20, "uvicorn did not start")
+        client.start()
+        _wait_for(running.is_set, 20, "the request did not start")
+        assert httpx.get(f"{base}/answered", timeout=20).text == "first"
+        uvicorn_server.handle_exit(signal.SIGINT, None)  # what Ctrl+C calls
+        _wait_for(lambda: lines, 20, "the server did not stop")
+    finally:
+        release.set()
+        client.join(20)
+        uvicorn_server.should_exit = True
+        thread.join(20)
+        sock.close()
+    assert lines == ["stopping: finishing 1 request in flight; Ctrl+C again cancels them"]
+    assert pending == ["first last"]  # and it finished
+
+
 # ---------------------------------------------------------------------------------------------
 # under load: the benchmark's own client, bounded
 

@@ -49,6 +49,7 @@ import signal
 import socket
 import sys
 import threading
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
@@ -755,18 +756,34 @@ def count_requests(count: int) -> str:
 
 class Cancellable:
     """The app as uvicorn runs it: once ``cancelling``, a request cancelled ends quietly (its
-    connection is already closed) instead of as a 500 and a traceback in uvicorn's log."""
+    connection is already closed) instead of as a 500 and a traceback in uvicorn's log.
+
+    It also notes the requests whose whole answer is sent (their uvicorn task, in
+    ``answered``): the client has it, though the task may run on a little (the app returning),
+    and a Ctrl+C then finds no request in flight."""
 
     def __init__(self, app: Callable[..., Any]) -> None:
         self.app = app
         self.cancelling = False
+        self.answered: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
 
     async def __call__(self, scope: dict, receive: Callable[..., Any], send: Callable[..., Any]):
+        task = asyncio.current_task()  # uvicorn's, one a request
+
+        async def sending(message: dict) -> None:
+            await send(message)  # uvicorn writes the last of the body before it returns
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                self.answered.add(task)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, sending)
         except asyncio.CancelledError:
             if not self.cancelling:
                 raise
+
+    def in_flight(self, tasks: set[asyncio.Task]) -> list[asyncio.Task]:
+        """Those of uvicorn's ``tasks`` (one a request) not done whose answer is not all sent."""
+        return [task for task in tasks if not task.done() and task not in self.answered]
 
 
 class Server(uvicorn.Server):
@@ -796,10 +813,9 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        if self.server_state.tasks:
+        if in_flight := self.app.in_flight(self.server_state.tasks):
             again = "; Ctrl+C again cancels them" if self.signal == signal.SIGINT else ""
-            in_flight = count_requests(len(self.server_state.tasks))
-            say(f"stopping: finishing {in_flight} in flight{again}")
+            say(f"stopping: finishing {count_requests(len(in_flight))} in flight{again}")
         graceful = asyncio.ensure_future(super().shutdown(sockets))
         while not graceful.done() and not self.force_exit:
             await asyncio.sleep(0.1)
@@ -812,8 +828,10 @@ class Server(uvicorn.Server):
         await graceful
 
     async def cancel_requests(self) -> int:
-        """Close every connection, then cancel the requests in flight: how many there were."""
+        """Close every connection, then cancel the requests in flight: how many there were (those
+        answered already, their task still running, are cancelled too, not counted)."""
         tasks = [task for task in self.server_state.tasks if not task.done()]
+        in_flight = len(self.app.in_flight(self.server_state.tasks))
         self.app.cancelling = True
         for connection in list(self.server_state.connections):
             connection.transport.abort()  # the client sees the connection close
@@ -821,4 +839,4 @@ class Server(uvicorn.Server):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        return len(tasks)
+        return in_flight
