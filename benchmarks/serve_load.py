@@ -1,9 +1,8 @@
 """Load test of `selfattn serve`: a burst of API requests against a server this script starts.
 
 Starts ``python -m selfattn serve --port 0`` on 127.0.0.1 (the free port it prints), warms it
-up, then sends
-``--requests`` requests from ``--clients`` concurrent clients (httpx), a mix of the API's
-calls (explain, explain with a recomputed head, view, compare), under a ``--timeout``.
+up, then sends ``--requests`` requests from ``--clients`` concurrent clients (httpx), a mix of
+the API's calls (explain, explain with a recomputed head, view, compare), under a ``--timeout``.
 A "busy" answer (503) is retried after its Retry-After, as the page does, at most ``RETRIES``
 times. Reports errors, busy answers, latency percentiles (retries included), answered requests
 per second and the server's resident memory before and after the burst (from /proc: Linux
