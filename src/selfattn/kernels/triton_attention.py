@@ -194,9 +194,10 @@ def small_configs(kernel: str) -> list[triton.Config]:
 def shared_bytes(kernel: str, config: triton.Config, itemsize: int, width: int) -> int:
     """An estimate of the shared memory one program of ``kernel`` needs: the block it keeps
     (BLOCK_M queries or BLOCK_N keys) plus ``num_stages`` copies of the tile it streams, each
-    ``width`` elements wide (the query and value head dims together). The compiled kernels'
-    own figures (benchmarks/triton_sm90.py --capability) stay within the GPU's limit for
-    every tiling it keeps, as compiled for sm_80, sm_86 and sm_90 in bfloat16."""
+    ``width`` elements wide (the query and value head dims together). Not a bound: compiled
+    (benchmarks/triton_sm90.py --capability), what the pruner keeps stays within each GPU's
+    limit, in bfloat16 at head dim 256 for sm_80, sm_86 and sm_90 and at 64 and 128 for
+    sm_90, though one tiling (dK/dV with atomic dQ on sm_90) takes 209 KiB for 160 estimated."""
     stationary, streamed = ROWS[kernel]
     rows = config.kwargs[stationary] + config.num_stages * config.kwargs[streamed]
     return rows * width * itemsize
