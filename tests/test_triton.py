@@ -80,6 +80,20 @@ def test_lengths_and_causal(t, s, causal):
     assert_matches_reference(*_inputs(t, s, 16), causal=causal)
 
 
+# Under the interpreter the kernels tile 16 queries by 32 keys: these put the causal diagonal
+# (key j seen by queries i >= j - (S - T)) one row or key off a tile's first or last.
+CAUSAL_EDGES = [(2, 32), (18, 32), (34, 48), (50, 48)]
+
+
+@pytest.mark.parametrize("t, s", CAUSAL_EDGES)
+def test_causal_diagonal_at_a_tile_edge(t, s):
+    """The key tiles a query block sees unmasked (``_key_range``), and the query tiles that
+    see a key block whole (``_query_range``), are bounded by the diagonal: one past the
+    bound and a masked key is read as seen, or a seen one stays masked. Output and
+    gradients within twice SDPA's error of the float64 explicit path."""
+    assert_matches_reference(*_inputs(t, s, 16), causal=True)
+
+
 @pytest.mark.parametrize("d, dv", [(64, 64), (5, 5), (59, 59), (16, 24)])
 def test_head_dims_padded_to_a_power_of_two(d, dv):
     assert_matches_reference(*_inputs(33, 64, d, dv), causal=True)
@@ -218,6 +232,20 @@ def test_outputs_laid_out_like_the_inputs_count_in_the_span(monkeypatch):
     assert "spans 1,319 elements" in _why_not(q, k, v)  # the output: 33 rows of 40
 
 
+def test_a_head_spanning_exactly_the_limit_is_served(monkeypatch):
+    """The int32 limit is the largest offset the kernels may address: a head whose farthest
+    element is at exactly the limit (111 for 7 rows of 16, standing in for 2³¹ - 1) is served,
+    one element less of limit refuses it."""
+    from selfattn.kernels import triton_attention
+
+    q = torch.randn(7, 16)
+    assert triton_attention._largest_offset(q, 16) == 111
+    monkeypatch.setattr(triton_attention, "MAX_HEAD_OFFSET", 111)
+    assert _why_not(q, q, q) is None
+    monkeypatch.setattr(triton_attention, "MAX_HEAD_OFFSET", 110)
+    assert "index within a head in int32" in _why_not(q, q, q)
+
+
 def test_a_gradient_spanning_more_than_the_limit_reaches_the_kernels_packed(monkeypatch):
     """The gradient autograd hands the backward may be laid out as the caller likes: one whose
     head spans past the int32 limit (1,000 elements here, standing in for 2³¹) is packed
@@ -321,6 +349,25 @@ def test_more_heads_than_a_grid_axis_takes_go_in_several_launches(monkeypatch, l
     assert_matches_reference(*_inputs(7, 33, 16, lead=lead), mask=mask, causal=True)
     assert max(launched) <= 4
     assert sum(launched) == 2 * torch.Size(lead).numel()  # every head, forward and backward
+
+
+def test_heads_exactly_at_the_grid_cap_go_in_one_launch_unsliced(monkeypatch):
+    """At exactly the cap (2 outer rows of 2 heads, a cap of 4) the tensors go to one launch
+    as they are, neither sliced (a slice's backward hands back contiguous gradients) nor
+    joined again by torch.cat: the launch sees the very tensors, and its result is returned."""
+    from selfattn.kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "MAX_GRID_HEADS", 4)
+    tensors = [torch.randn(2, 2, 5, 8) for _ in range(3)]
+    launched, result = [], torch.zeros(2, 2, 5, 8)
+
+    def launch(*pieces):
+        launched.append(pieces)
+        return result
+
+    assert triton_attention._in_launches(launch, 2, *tensors, None) is result
+    assert len(launched) == 1
+    assert all(got is given for got, given in zip(launched[0], [*tensors, None], strict=True))
 
 
 def test_kernels_launch_with_the_inputs_gpu_as_the_current_one(monkeypatch):
@@ -610,6 +657,50 @@ def test_the_pruner_keeps_tilings_within_the_gpus_shared_memory(budget, dtype, h
         assert own in ([], kept), name
         if budget == 200 * 1024 and dtype == torch.bfloat16 and head_dim <= 128:
             assert own, name
+
+
+def test_the_pruner_drops_spilling_tilings_and_keeps_the_h200_winners_at_head_dim_128():
+    """At bfloat16 head dim 128 on Hopper (200 KiB): 128-query blocks on 4 warps spill
+    registers from head dim 128 on, so the forward pruner keeps none; the dk/dv kernel keeps
+    its 64 query rows x 128 keys (streaming 3 stages of 64-row query tiles past 128 stationary
+    key rows, (128 + 3 · 64) · 256 · 2 bytes, within budget), the tiling that won on an H200."""
+    from selfattn.kernels import triton_attention as kernels
+
+    q = {"Q": torch.empty(0, dtype=torch.bfloat16)}
+    widths = dict(BLOCK_D=128, BLOCK_DV=128, TMA_OK=True)
+    prune = kernels.AUTOTUNED["forward"].early_config_prune
+    kept = prune(kernels._forward_configs(False), q, 200 * 1024, **widths)
+    assert kept and not [c for c in kept if c.kwargs["BLOCK_M"] == 128 and c.num_warps == 4]
+
+    winner = kernels._config(64, 128, 8, 3, A_FROM_REGISTERS=False)
+    assert kernels.shared_bytes("dk/dv", winner, 2, 256) == (128 + 3 * 64) * 256 * 2
+    prune = kernels.AUTOTUNED["dk/dv"].early_config_prune
+    kept = prune(kernels._dkdv_configs(False), q, 200 * 1024, **widths)
+    tilings = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in kept]
+    assert (64, 128, 8) in tilings
+
+
+def test_a_budget_of_exactly_the_need_is_enough(monkeypatch):
+    """A tiling whose estimate equals the budget fits. Float32 at head dim 128 needs exactly
+    64 KiB (32 x 32 tiles, one stage: 64 rows of 256 four-byte elements): a GPU offering
+    65,536 bytes serves it, one byte less refuses it. And the pruner, at a budget of exactly
+    the (64, 32, 4, 2) small tiling's estimate (bfloat16, head dims 256), keeps that tiling."""
+    from selfattn.kernels import triton_attention as kernels
+
+    wide = torch.randn(7, 128)
+    monkeypatch.setattr(kernels, "shared_memory_budget", lambda tensor: 65_536)
+    assert kernels._shared_memory_shortfall(wide, wide) is None
+    assert _why_not(wide, wide, wide) is None
+    monkeypatch.setattr(kernels, "shared_memory_budget", lambda tensor: 65_535)
+    assert "need 64 KiB of shared memory" in _why_not(wide, wide, wide)
+
+    prune = kernels.AUTOTUNED["forward"].early_config_prune
+    q = {"Q": torch.empty(0, dtype=torch.bfloat16)}
+    small = kernels.small_configs("forward")
+    assert kernels.shared_bytes("forward", small[0], 2, 512) == 131_072
+    kept = prune(small, q, 131_072, BLOCK_D=256, BLOCK_DV=256, TMA_OK=False)
+    tilings = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept]
+    assert (64, 32, 4, 2) in tilings
 
 
 def test_inputs_too_wide_for_the_gpus_shared_memory_are_refused(monkeypatch):
