@@ -36,7 +36,7 @@ import selfattn
 from conftest import TRAINING_TEXT, spawn_ranks
 from selfattn.cli import TRAIN_HELP, app
 from selfattn.errors import SelfAttnError
-from selfattn.models.gpt import GPT, GPTConfig, sample
+from selfattn.models.gpt import GPT, MAX_SAMPLING_SEED, GPTConfig, check_sampling, sample
 from selfattn.train import (
     PRESETS,
     RandomBatches,
@@ -1035,6 +1035,23 @@ def test_text_too_short_for_the_block_names_the_split_that_is(tmp_path, text, sp
     assert f"characters give a {split}, and each split needs at least 17" in line, line
 
 
+def test_splits_of_exactly_one_window_and_distinct_batch_seeds():
+    """A split needs block_size + 1 tokens, one window and its next token: a validation split
+    of exactly that many (5 of 50 characters, block 4) is taken, and every batch drawn from it
+    is its one window; one token fewer (4 of 40) is refused as too short. And batch_seed gives
+    each (rank, split) its own generator seed, ranks 0 to 3 of both splits distinct."""
+    text = "".join(chr(ord("a") + i % 26) for i in range(50))
+    data = TextData.from_text(text, 4)
+    assert len(data.val) == 5
+    inputs, targets = RandomBatches(data, batch_size=3, block_size=4, seed=0).batch("val")
+    assert torch.equal(inputs, data.val[:4].expand(3, 4))
+    assert torch.equal(targets, data.val[1:].expand(3, 4))
+    with pytest.raises(SelfAttnError, match=r"too short for block size 4: .* 4-character valid"):
+        TextData.from_text(text[:40], 4)
+    seeds = {batch_seed(7, rank, split) for rank in range(4) for split in ("train", "val")}
+    assert len(seeds) == 8
+
+
 def test_out_naming_one_checkpoint_folder_is_refused(corpus, trained):
     """--out runs/x/step-… (a folder `generate --checkpoint` takes) with --resume trained and
     nested step folders inside it, which the next save into runs/x deleted."""
@@ -1738,6 +1755,35 @@ def test_top_k_one_or_a_tiny_temperature_samples_the_greedy_continuation(wanderi
     assert sample(logits, 1e-300, None, None).item() == 2  # half precision: no 0 / 0 either
     hot = model.generate(prompt, 24, temperature=1e300, top_k=5, seed=1)
     assert hot.shape == greedy.shape and not torch.equal(hot, greedy)
+
+
+def test_top_k_of_the_whole_vocabulary_and_a_temperature_past_float32(wandering):
+    """top_k of the vocabulary size or more masks nothing: the same draws as top_k=None with
+    the same seed (1,000 rows of logits [0, 0, -1], so the lowest logit, token 2, is drawn
+    too), where a top_k past the vocabulary raised or the k-th logit was masked. A temperature
+    of 1e-300 (float32's smallest normal number instead) on logits up to 50, whose quotients
+    overflow float32 unless each row's maximum is taken off first, gives the argmax: no NaN."""
+    logits = torch.tensor([[0.0, 0.0, -1.0]]).expand(1_000, 3)
+    unrestricted = sample(logits, 1.0, None, torch.Generator().manual_seed(3))
+    assert (unrestricted == 2).any()
+    for top_k in (3, 4):
+        drawn = sample(logits, 1.0, top_k, torch.Generator().manual_seed(3))
+        assert torch.equal(drawn, unrestricted), top_k
+    peaked = torch.tensor([[1.0, 50.0, 10.0], [40.0, -5.0, 0.0]])
+    for top_k in (None, 2):
+        assert sample(peaked, 1e-300, top_k, None).flatten().tolist() == [1, 0], top_k
+
+
+def test_the_largest_sampling_seed_is_taken(wandering):
+    """Seeds run from 0 to MAX_SAMPLING_SEED (2³² - 1, the command line's and explorer's
+    bound) inclusive: the largest passes the check and seeds a real generation, the same
+    tokens twice; one more is refused."""
+    model, prompt = wandering
+    check_sampling(4, 1.0, None, MAX_SAMPLING_SEED)
+    first = model.generate(prompt, 4, temperature=1.0, seed=MAX_SAMPLING_SEED)
+    assert torch.equal(model.generate(prompt, 4, temperature=1.0, seed=MAX_SAMPLING_SEED), first)
+    with pytest.raises(SelfAttnError, match="seed must be a whole number from 0 to 4294967295"):
+        check_sampling(4, 1.0, None, MAX_SAMPLING_SEED + 1)
 
 
 @pytest.mark.parametrize("top_k", [2, 7])
