@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import importlib
 import math
 from itertools import pairwise
@@ -439,6 +440,28 @@ def test_record_leaves_outputs_unchanged_and_recomputes_exact_weights():
     torch.testing.assert_close(trace.output, capture.output[1, 2], atol=1e-12, rtol=0)
     assert trace.weights.shape == (9, 9)
     assert capture.weights().shape == (4, 9, 9)
+
+
+def test_a_capture_retraced_with_another_similarity_takes_that_similaritys_scale():
+    """trace(similarity="cosine") on a call the model made with an explicit scale (0.5) is
+    the experiment "had the model used cosine": cosine's default scale, not the dot
+    product's 0.5. Weights equal attention(similarity="cosine", scale=None) to 1e-6."""
+    torch.manual_seed(7)
+    layer = MultiHeadAttention(8, 2)
+    with record(layer) as rec:
+        layer(torch.randn(1, 5, 8))
+    capture = dataclasses.replace(rec[0], scale=0.5)
+    trace = capture.trace(similarity="cosine")
+    _, expected = attention(
+        capture.query[0],
+        capture.key[0],
+        capture.value[0],
+        similarity="cosine",
+        scale=None,
+        backend="explicit",
+        return_trace=True,
+    )
+    torch.testing.assert_close(trace.weights, expected.weights, atol=1e-6, rtol=0)
 
 
 def test_a_recording_moves_whole_to_another_device():
