@@ -52,6 +52,15 @@ def test_bar_scales_to_the_largest_value_with_eighth_blocks():
     assert bar(0.0, 1.0) == ""
 
 
+def test_bar_rounds_to_the_nearest_eighth():
+    """The bar's length is rounded to the nearest eighth of a character, not cut down: 0.99 of
+    one character is a full block (7.92 eighths), 0.07 of one a first eighth (0.56), and
+    0.7 of ten exactly seven blocks."""
+    assert bar(0.7, 1.0, 10) == "█" * 7
+    assert bar(0.99, 1.0, 1) == "█"
+    assert bar(0.07, 1.0, 1) == "▏"
+
+
 def test_step_table_lists_score_scaled_and_weight_per_key():
     tr = trace(len(TOKENS))
     scale = written_scale(tr.scale, tr.similarity, 8)
