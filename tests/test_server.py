@@ -568,6 +568,15 @@ def test_generate_takes_a_prompt_longer_than_the_models_positions(decoder_client
     assert "2,001 characters" in detail(decoder_client.post("/api/generate", json=long), 413)
 
 
+def test_a_prompt_and_a_generation_of_exactly_the_limits_are_taken(decoder_client):
+    """The limits are inclusive: a prompt of exactly MAX_CHARS characters asking for exactly
+    MAX_NEW_TOKENS new tokens is generated (200, every step's weights), not refused as 413."""
+    body = {"prompt": "a" * server.MAX_CHARS, "max_new_tokens": server.MAX_NEW_TOKENS, "seed": 1}
+    response = decoder_client.post("/api/generate", json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["queries"]) == server.MAX_NEW_TOKENS
+
+
 def test_generate_needs_a_decoder(client):
     message = detail(client.post("/api/generate", json={"prompt": BANK}), 400)
     assert message.startswith(
