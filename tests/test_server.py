@@ -635,15 +635,19 @@ def test_runs_happen_on_workers_in_inference_mode():
 
 
 def test_a_full_queue_answers_busy_and_frees_its_slots():
+    """A third run with one worker busy and one run queued is refused at once: admitted, it
+    would wait behind the held worker, so a 5 s bound turns that into a failure, not a hang."""
     release = threading.Event()
 
     async def main():
         pool = server.Pool(workers=1, queue=1)
         waiting = [asyncio.ensure_future(pool.run(release.wait)) for _ in range(2)]
         await asyncio.sleep(0.05)
-        with pytest.raises(server.Busy):
-            await pool.run(lambda: None)
-        release.set()
+        try:
+            with pytest.raises(server.Busy):
+                await asyncio.wait_for(pool.run(lambda: None), 5)
+        finally:
+            release.set()
         await asyncio.gather(*waiting)
         assert pool.admitted == 0
         assert await pool.run(lambda: 7) == 7
