@@ -91,7 +91,7 @@ class NotServing(RuntimeError):
     """The server exited, or did not answer in time, before the load began."""
 
 
-START_LINE = re.compile(r"selfattn explorer on http://127\.0\.0\.1:(\d+)/")
+START_LINE = re.compile(r"selfattn explorer on (http://127\.0\.0\.1:\d+)/")  # its address
 
 
 def start_server() -> tuple[subprocess.Popen, str]:
@@ -105,25 +105,24 @@ def start_server() -> tuple[subprocess.Popen, str]:
         stderr=subprocess.DEVNULL,
         text=True,
     )
-    ports: queue.Queue[str] = queue.Queue()
+    addresses: queue.Queue[str] = queue.Queue()
 
     def read() -> None:  # the start line, then the access log: read to its end, not kept
         for line in process.stdout:
             if match := START_LINE.match(line):
-                ports.put(match[1])
+                addresses.put(match[1])
 
     threading.Thread(target=read, daemon=True).start()
     deadline = time.monotonic() + START_TIMEOUT
     try:
-        port = None
-        while port is None:
+        base = None
+        while base is None:
             if process.poll() is not None:
                 raise NotServing(f"selfattn serve exited with {process.returncode}")
             if time.monotonic() > deadline:
                 raise NotServing(f"selfattn serve did not start within {START_TIMEOUT:.0f} s")
             with suppress(queue.Empty):
-                port = ports.get(timeout=0.25)
-        base = f"http://127.0.0.1:{port}"
+                base = addresses.get(timeout=0.25)
         try:  # listening already: the request waits in the backlog until uvicorn takes it
             left = max(deadline - time.monotonic(), 1.0)
             response = httpx.get(f"{base}/api/models", timeout=left)

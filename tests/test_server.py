@@ -927,11 +927,8 @@ def test_serve_refuses_a_missing_model_in_one_line():
 LONG = " ".join(["the bank"] * 220)  # about 440 tokens: a second or more on a CPU
 
 
-START_LINE = re.compile(r"selfattn explorer on (http://127\.0\.0\.1:\d+)/ ")
-
-
 @pytest.fixture
-def started(tmp_path):
+def started(tmp_path, bench):
     """``start()``: `selfattn serve --port 0` in a subprocess, once it answers; its output goes
     to files (read after it exits), and it is killed if a test leaves it running.
 
@@ -950,7 +947,7 @@ def started(tmp_path):
         process.out, process.err = out, err
         processes.append(process)
         deadline = time.monotonic() + 90
-        while not (started := START_LINE.match((tmp_path / "stdout").read_text())):
+        while not (started := bench.START_LINE.match((tmp_path / "stdout").read_text())):
             if process.poll() is not None or time.monotonic() > deadline:
                 process.kill()
                 process.wait(10)
