@@ -789,7 +789,7 @@ def throughput_table(setting: Setting, lengths: list[int], head_dims: list[int])
             notes.append(f"ours, D={head_dim}, causal={causal}, T={length}: {tuned_configs()}")
             for kernel in AUTOTUNED:
                 notes.extend(f"  {kernel}: {line}" for line in autotune_timings(kernel))
-            notes.extend(f"  {key[0]} choices, T and S buckets {key[3:5]}: " + ", ".join(
+            notes.extend(f"  {key[0]} choices, T and S buckets {key[2:4]}: " + ", ".join(
                 f"{plan} {ms:.3f} ms" for plan, ms in timings.items())
                 for key, timings in plan_timings.items() if key not in noted)  # fmt: skip
             noted.update(plan_timings)

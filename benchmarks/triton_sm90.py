@@ -52,7 +52,7 @@ GLUON_BACKWARD = "gluon backward"
 GLUON_HEAD_DIMS = hopper_forward.HEAD_DIMS  # both Gluon kernels' scope (``in_scope``)
 GLUON_SCOPE = "D = " + " or ".join(map(str, GLUON_HEAD_DIMS))
 POINTERS_FP32 = {"Lse", "Delta", "DQAcc", "DQ"}
-INTS = {"inner", "T", "S", "t_bucket", "s_bucket"}
+INTS = {"inner", "T", "S", "t_bucket", "s_bucket", "gpu"}
 FLOATS = {"qk_scale", "scale"}
 
 

@@ -500,13 +500,55 @@ def test_tma_tuning_is_not_reused_for_a_layout_without_tma(monkeypatch):
     timings = iter(range(1, 100))  # a fake timer: the first candidate, TMA, wins
     monkeypatch.setattr(kernel, "configs", configs)
     monkeypatch.setattr(kernel, "cache", {})
-    monkeypatch.setattr(kernel, "_do_bench", lambda fn, quantiles: next(timings))
+    monkeypatch.setattr(kernel, "do_bench", lambda fn, quantiles: next(timings))
     q, k, v, grad = _inputs(7, 33, 16)
     assert_matches_reference(q, k, v, grad)
     assert kernel.best_config.kwargs["USE_TMA"]
     k_by_columns = k.transpose(-1, -2).contiguous().transpose(-1, -2)
     assert_matches_reference(q, k_by_columns, v, grad)
     assert not kernel.best_config.kwargs["USE_TMA"]
+
+
+def test_each_gpu_tunes_for_itself(monkeypatch):
+    """The kernels' tuning results are kept per GPU: a tiling picked on one GPU may not fit
+    another's shared memory, and the fastest differs. Two GPUs seen through a stand-in for
+    the index the launches pass (this machine has none): the second is timed anew, and the
+    first's choice then comes back from the cache, untimed."""
+    from selfattn.kernels import triton_attention
+
+    gpu = {"index": 0}
+    tuning_args = triton_attention._tuning_args
+    on_gpu = lambda query, key: (*tuning_args(query, key)[:2], gpu["index"])  # noqa: E731
+    monkeypatch.setattr(triton_attention, "_tuning_args", on_gpu)
+    tilings = [(16, 32, 4, 1), (32, 16, 4, 1)]
+    kernels = {"forward": triton_attention._forward_kernel, "dq": triton_attention._dq_kernel}
+    for kernel in kernels.values():
+        switches = {"USE_TMA": False, "LAZY": True, "A_FROM_REGISTERS": False}
+        configs = [triton_attention._config(*tiling, **switches) for tiling in tilings]
+        monkeypatch.setattr(kernel, "configs", configs)
+        monkeypatch.setattr(kernel, "cache", {})
+    fake_ms = iter([1, 2, 1, 2, 2, 1, 2, 1])  # forward then dQ: GPU 0 the first, GPU 1 the second
+    timed = []
+    for kernel in kernels.values():
+        monkeypatch.setattr(
+            kernel, "do_bench", lambda fn, quantiles: timed.append(1) or next(fake_ms)
+        )
+    monkeypatch.setattr(triton_attention, "backward_plan", "split")
+    q, k, v, grad = _inputs(7, 33, 16)
+    picked = {}
+    for index in (0, 1, 0):
+        gpu["index"] = index
+        assert_matches_reference(q, k, v, grad)
+        picked[index] = [kernel.best_config.kwargs["BLOCK_M"] for kernel in kernels.values()]
+    assert picked == {0: [16, 16], 1: [32, 32]}
+    assert len(timed) == 8  # two candidates, two kernels, two GPUs; none for the third call
+    assert all(len(kernel.cache) == 2 for kernel in kernels.values())
+
+    class OnSecondGpu:  # what _tuning_args reads of a tensor
+        shape, is_cuda, device = (2, 5000, 16), True, torch.device("cuda", 1)
+
+    assert tuning_args(OnSecondGpu(), q) == (16384, 1024, 1)
+    assert tuning_args(q, q) == (1024, 1024, -1)  # the interpreter's CPU tensors
 
 
 def test_tensor_descriptors_only_for_layouts_the_copy_engine_takes():

@@ -287,10 +287,10 @@ def _quick_bench(fn, quantiles):
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
-TUNE_KEY = ["t_bucket", "s_bucket", "HEAD_DIM", "VALUE_DIM", "CAUSAL", "MASK_KIND"]
+TUNE_KEY = ["t_bucket", "s_bucket", "gpu", "HEAD_DIM", "VALUE_DIM", "CAUSAL", "MASK_KIND"]
 # Integers Triton need not specialise on (by divisibility by 16): autotuning keys, and the head
 # count that only indexes the mask. Otherwise 8 heads and 16 compile twice.
-KEY_ONLY_INTS = ["inner", "t_bucket", "s_bucket"]
+KEY_ONLY_INTS = ["inner", "t_bucket", "s_bucket", "gpu"]
 
 
 def _length_bucket(length: int) -> int:
@@ -301,6 +301,15 @@ def _length_bucket(length: int) -> int:
     the grid is small, from long ones, where the loop over tiles dominates.
     """
     return 1024 if length <= 1024 else 4096 if length <= 4096 else 16384
+
+
+def _tuning_args(query: Tensor, key: Tensor) -> tuple[int, int, int]:
+    """The launch arguments that only key the autotuner (``t_bucket``, ``s_bucket``, ``gpu``):
+    the query and key lengths' buckets, and the GPU's index (-1 off CUDA). Each GPU tunes for
+    itself: a tiling picked on one with 227 KiB of shared memory fails to launch on one with
+    99, and the fastest differs between GPUs."""
+    gpu = query.device.index if query.is_cuda else -1
+    return _length_bucket(query.shape[-2]), _length_bucket(key.shape[-2]), gpu
 
 
 # The kernels below keep their arguments grouped by tensor (pointer, then its strides) on shared
@@ -537,7 +546,7 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
                     stride_vo, stride_vi, stride_vs, stride_vd,
                     stride_mo, stride_mi, stride_mt, stride_ms,
                     stride_oo, stride_oi, stride_ot, stride_od,
-                    inner, T, S, qk_scale, t_bucket, s_bucket,
+                    inner, T, S, qk_scale, t_bucket, s_bucket, gpu,
                     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
@@ -546,7 +555,8 @@ def _forward_kernel(Q, K, V, Mask, Out, Lse,
                     USE_TMA: tl.constexpr, LAZY: tl.constexpr, A_FROM_REGISTERS: tl.constexpr):
     """One program: BLOCK_M queries of one head, all their keys; writes output and LSE.
 
-    ``qk_scale`` is the scale times log2(e); ``t_bucket``/``s_bucket`` only key the autotuner.
+    ``qk_scale`` is the scale times log2(e); ``t_bucket``, ``s_bucket`` and ``gpu`` only key
+    the autotuner (``_tuning_args``).
     Key tiles that need no mask run first, in a loop of their own; the rest (the causal
     diagonal, the ragged end, or all of them under a user mask) follow with masking. The
     tuning switch USE_TMA (only where TMA_OK: unit last stride, 16-byte aligned rows, a
@@ -690,7 +700,7 @@ def _dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV, DQAcc,
                  stride_vo, stride_vi, stride_vs, stride_vd,
                  stride_mo, stride_mi, stride_mt, stride_ms,
                  stride_do, stride_di, stride_dt, stride_dd,
-                 inner, T, S, qk_scale, scale, t_bucket, s_bucket,
+                 inner, T, S, qk_scale, scale, t_bucket, s_bucket, gpu,
                  HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
@@ -794,7 +804,7 @@ def _dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
                stride_vo, stride_vi, stride_vs, stride_vd,
                stride_mo, stride_mi, stride_mt, stride_ms,
                stride_do, stride_di, stride_dt, stride_dd,
-               inner, T, S, qk_scale, scale, t_bucket, s_bucket,
+               inner, T, S, qk_scale, scale, t_bucket, s_bucket, gpu,
                HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
@@ -907,8 +917,7 @@ def _forward(
         t,
         s,
         scale * LOG2E,
-        _length_bucket(t),
-        _length_bucket(s),
+        *_tuning_args(query, key),
         TMA_OK=tma_ok,
         **_shape_args(query, value, causal, mask_kind),
     )
@@ -930,8 +939,8 @@ def _chosen_forward(
     kernels = {"triton": triton_forward}
     if forward_kernel != "triton":
         kernels.update(_gluon_forwards(query, key, value, mask, causal, scale))
-    buckets = (_length_bucket(query.shape[-2]), _length_bucket(key.shape[-2]))
-    shape_key = ("forward", query.device, query.dtype, *buckets, query.shape[-1], causal, mask_kind)
+    tuning = _tuning_args(query, key)
+    shape_key = ("forward", query.dtype, *tuning, query.shape[-1], causal, mask_kind)
     return kernels[_forward_choice(shape_key, kernels)]()
 
 
@@ -1035,7 +1044,7 @@ def _backward(
     n, t = query.shape[0] * query.shape[1], query.shape[2]
     s, value_dim = key.shape[2], value.shape[3]
     shape_args = _shape_args(query, value, causal, mask_kind)
-    buckets = (_length_bucket(t), _length_bucket(s))
+    tuning = _tuning_args(query, key)
     mask_arg = query if mask is None else mask
 
     delta = torch.empty((n, t), dtype=torch.float32, device=query.device)
@@ -1064,7 +1073,7 @@ def _backward(
         s,
         scale * LOG2E,
         scale,
-        *buckets,
+        *tuning,
     )
     tensors = (query, key, value, mask_arg, grad_out, lse, delta)
 
@@ -1103,7 +1112,7 @@ def _backward(
         grad_query.copy_(dq[..., : query.shape[-1]].view(query.shape))
         return grad_query, grad_key, grad_value
 
-    tune_key = ("backward", query.device, query.dtype, *buckets, *shape_args.values())
+    tune_key = ("backward", query.dtype, *tuning, *shape_args.values())
     return run(_backward_plan(tune_key, run, tuple(gluon)))
 
 
@@ -1112,8 +1121,8 @@ forward_kernel = "triton"  # see _forward_choice
 BACKWARD_PLANS = ("split", "atomic")  # the Triton kernels' plans; "gluon" is Hopper's kernel
 backward_plan = "auto"  # or "split", "atomic", "gluon", to force it (benchmarks, tests)
 gluon_backward = False  # whether "auto" also times the Gluon backward (see _backward_plan)
-# The timed choices' measurements, ms per candidate, by ("forward" or "backward", device,
-# dtype, T bucket, S bucket, *shape args).
+# The timed choices' measurements, ms per candidate, by ("forward" or "backward", dtype,
+# *_tuning_args, *shape args).
 plan_timings: dict[tuple, dict[str, float]] = {}
 
 
