@@ -259,13 +259,20 @@ def _sees_every_key(call: AttentionCall) -> bool:
     return call.causal and call.query.shape[-2] == 1
 
 
+# torch's compiler traces statically_known_true from 2.8 on; 2.4 to 2.7 skip it (a graph break).
+_TRACES_KNOWN_TRUE = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 8)
+
+
 def _known_equal(t: int, s: int) -> bool:
     """Whether T == S is known: always in eager calls; compiled with dynamic sizes only where
     the symbols prove it (one query after a cache: S is a symbol, and torch's is_causal takes
     no SymBool; the mask is built instead). The import waits for a compiled call: 0.35 s that
-    every ``import selfattn`` would pay."""
+    every ``import selfattn`` would pay. torch before 2.8 cannot trace statically_known_true
+    (fullgraph=True failed), nor tell a symbol from an int: compiled, it builds the mask."""
     if not torch.compiler.is_compiling():
         return t == s
+    if not _TRACES_KNOWN_TRUE:
+        return False
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return statically_known_true(t == s)

@@ -25,7 +25,9 @@ def is_integer(value: object, least: int | None = None) -> bool:
     """An integer (Python's, NumPy's, or a compiled graph's symbolic size), at least ``least``
     where given; never a bool (True would read as 1) nor a float (2.0 fails later, deep in
     torch): the test behind each "must be a whole number" message."""
-    whole = isinstance(value, numbers.Integral | torch.SymInt) and not isinstance(value, bool)
+    # A tuple, not numbers.Integral | torch.SymInt: torch 2.4's compiler cannot trace an
+    # isinstance of a union type (fullgraph=True failed on every layer; 2.13 can).
+    whole = isinstance(value, (numbers.Integral, torch.SymInt)) and not isinstance(value, bool)
     return whole and (least is None or value >= least)
 
 
