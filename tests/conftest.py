@@ -1,6 +1,7 @@
 """Shared test set-up: no hub access, one headless chromium for the browser tests, and
 processes spawned as the ranks of a gloo group."""
 
+import importlib.util
 import os
 import socket
 import time
@@ -26,6 +27,12 @@ needs_chromium = [
     pytest.mark.skipif(
         not CHROMIUM.exists(),
         reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)",
+    ),
+    # playwright drives it: without it (an environment with chromium but without the [dev]
+    # extras' playwright) every browser test erred at the fixture's import.
+    pytest.mark.skipif(
+        importlib.util.find_spec("playwright") is None,
+        reason="needs playwright to drive chromium (pip install playwright)",
     ),
 ]
 
