@@ -221,7 +221,12 @@ def test_the_older_layout_with_its_transformer_in_a_subfolder(tmp_path):
         (body / name).symlink_to(folder / name)
     (body / "sentence_bert_config.json").write_text('{"max_seq_length": 128}')
     (tmp_path / "1_Pooling").mkdir()
-    pooling = {"word_embedding_dimension": 384, "pooling_mode_cls_token": True}
+    # mean said off, as sentence-transformers writes it: its 3.0 takes an unsaid mean as on
+    pooling = {
+        "word_embedding_dimension": 384,
+        "pooling_mode_cls_token": True,
+        "pooling_mode_mean_tokens": False,
+    }
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
     kinds = [
         ("0_Transformer", "Transformer"),

@@ -316,15 +316,24 @@ def test_rotary_angles_are_computed_once_per_forward_and_compile_whole(family):
     positions = torch.arange(11) + torch.tensor([[0], [5]])
     with torch.no_grad(), mock.patch.object(rotary, "angles", wraps=rotary.angles) as angles:
         ours = network(ids, position_ids=positions).logits
-        theirs = hf(ids, position_ids=positions).logits
     assert angles.call_count == 1
-    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
     torch._dynamo.reset()
     with torch.no_grad():
         compiled = torch.compile(network, fullgraph=True, backend="eager")
         torch.testing.assert_close(
             compiled(ids, position_ids=positions).logits, ours, atol=1e-5, rtol=0
         )
+    # Older rotary tables (Llama's before transformers 4.38, GPT-NeoX's before 4.45) are cut
+    # at the sequence length, their forward given seq_len: positions past it are out of range.
+    table = next(m for m in hf.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+    if "position_ids" not in inspect.signature(table.forward).parameters:
+        pytest.skip(
+            f"transformers {transformers.__version__}'s {type(table).__name__} takes no "
+            "position past the sequence length"
+        )
+    with torch.no_grad():
+        theirs = hf(ids, position_ids=positions).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
 
 def assert_half_precision_like_hugging_face(folder, hf, model, dtype) -> None:
@@ -487,7 +496,12 @@ def rewritten(source, target, config=None, tensors=None):
             del raw[key]
     (target / "config.json").write_text(json.dumps(raw))
     weights = load_file(source / "model.safetensors")
-    save_file(tensors(weights) if tensors else weights, target / "model.safetensors")
+    # format "pt", as save_pretrained writes: transformers 4.37 refuses a file without it
+    save_file(
+        tensors(weights) if tensors else weights,
+        target / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     (target / "tokenizer.json").write_bytes((source / "tokenizer.json").read_bytes())
     return target
 
@@ -831,5 +845,6 @@ def test_dtype_auto_keeps_the_checkpoints_own(llama_folder, tmp_path):
         name: tensor.half() for name, tensor in weights.items()
     })  # fmt: skip
     ours = selfattn.load(folder, dtype="auto")
-    theirs = transformers.LlamaForCausalLM.from_pretrained(folder, dtype="auto")
+    named = "dtype" if hasattr(transformers.PretrainedConfig(), "dtype") else "torch_dtype"
+    theirs = transformers.LlamaForCausalLM.from_pretrained(folder, **{named: "auto"})
     assert ours.dtype == theirs.dtype == torch.float16
