@@ -935,9 +935,11 @@ def test_help_lists_flags_without_a_type_and_paragraphs_on_one_line():
 @pytest.mark.parametrize(("command", "argument"), [("explain", "TEXT"), ("view", "TEXT"),
                                                     ("compare", "SENTENCE")])  # fmt: skip
 def test_usage_names_the_argument_as_the_help_text_does(command, argument):
-    # The help says "one word of TEXT"; the usage line used to show "{text}".
+    # The help says "one word of TEXT"; the usage line used to show "{text}". Typer's own
+    # click (typer 0.26 on) braces it, click itself (older typer) does not.
     usage = invoke(command, "--help").stdout
-    assert f"[OPTIONS] {{{argument}}}" in usage and argument.lower() + "}" not in usage
+    braced, bare = f"[OPTIONS] {{{argument}}}", f"[OPTIONS] {argument}"
+    assert (braced in usage or bare in usage) and argument.lower() + "}" not in usage
 
 
 def test_figures_and_page(tmp_path):
@@ -1116,9 +1118,19 @@ def test_compare_tells_a_repeated_attended_word_apart():
         (["explain", MONEY, "--html", "/etc/passwd/x/b.html"], "/etc/passwd is a file, not a"),
         (["explain", MONEY, "--svg", "/proc/bank.svg"], "cannot write /proc/bank.svg"),
         (["view", MONEY, "-o", "/no/such/folder/bank.html"], "does not exist"),
-        # usage mistakes, found by typer before the command runs ("root": the test runner's name)
-        (["explain", MONEY, "--bogus"], "No such option: --bogus. See `root explain --help`."),
-        (["explain", MONEY, "--wrd", "bank"], "(Possible options: --word, --words)"),
+        # usage mistakes, found by typer before the command runs ("root": the test runner's name);
+        # a pair: typer's own click's wording (typer 0.26 on), then click 8.3's (older typer)
+        (
+            ["explain", MONEY, "--bogus"],
+            (
+                "No such option: --bogus. See `root explain --help`.",
+                "No such option '--bogus'. See `root explain --help`.",
+            ),
+        ),
+        (
+            ["explain", MONEY, "--wrd", "bank"],
+            ("(Possible options: --word, --words)", "(Did you mean one of: '--word', '--words'?)"),
+        ),
         (["explain", MONEY, "--scale", "abc"], "Invalid value for '--scale'"),
         (["explain"], "Missing argument 'TEXT'"),
         (["compare", MONEY, RIVER], "Missing option '--word'"),
@@ -1131,7 +1143,7 @@ def test_user_errors_are_one_line(args, message):
     assert result.exit_code != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error:"), result.stderr
-    assert message in lines[0]
+    assert any(said in lines[0] for said in ([message] if isinstance(message, str) else message))
     assert "Traceback" not in result.output
 
 
