@@ -786,3 +786,15 @@ def test_config_classes_refuse_values_of_a_wrong_type(build, match):
     # Before: a TypeError comparing a str with 1, or no error until the network ran.
     with pytest.raises(ValueError, match=re.escape(match)):
         build()
+
+
+def test_config_classes_refuse_the_first_value_past_their_range():
+    """The boundaries of the configs' own checks: RoBERTa's positions count from
+    padding_idx + 1, so a table of 20 rows takes padding_idx 0..18 (18 leaves one usable
+    position, 19 none); a sliding window of 1 sees the query alone, one of 0 not even that."""
+    assert BertConfig(50, 16, 2, 2, 24, 20, padding_idx=18).usable_positions == 1
+    with pytest.raises(ValueError, match=re.escape("padding_idx must lie in 0..18")):
+        BertConfig(50, 16, 2, 2, 24, 20, padding_idx=19)
+    assert LlamaConfig(40, 16, 2, 4, 2, 4, 24, 32, sliding_windows=(1, None)).sliding_windows
+    with pytest.raises(ValueError, match=r"sliding_windows must hold .* at least 1 .* got 0$"):
+        LlamaConfig(40, 16, 2, 4, 2, 4, 24, 32, sliding_windows=(0, None))
