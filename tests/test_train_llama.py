@@ -90,6 +90,22 @@ def test_the_initialisation_is_gpt2s_with_norms_at_one():
         assert abs(parameter.std().item() / expected - 1) < 0.1, name
 
 
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_a_new_networks_biases_start_at_zero(arch):
+    """With bias=True (Python only) every bias of a network to train from scratch is 0, the
+    linear maps' (torch's default draws them from U(-1/sqrt(in), 1/sqrt(in))) and the norms'
+    alike, as GPT-2's initialisation (nanoGPT's) sets them."""
+    torch.manual_seed(0)
+    preset = get_preset("tiny").override(arch=arch, bias=True)
+    network = new_network(preset.model_config(vocab_size=20))
+    linear = [m for m in network.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None]
+    assert len(linear) >= 2 * 4  # 2 blocks, each with q, k, v and the output map at least
+    biases = {name: p for name, p in network.named_parameters() if name.endswith("bias")}
+    assert all(any(m.bias is p for p in biases.values()) for m in linear)
+    for name, bias in biases.items():
+        assert torch.count_nonzero(bias) == 0, name
+
+
 def test_dropout_acts_where_the_gpts_does():
     """In training, dropout drops the embeddings, the attention weights and what each
     branch adds to the residual stream (GPT's places): with p = 0.5, one embedding, and per
