@@ -106,6 +106,16 @@ def test_a_new_networks_biases_start_at_zero(arch):
         assert torch.count_nonzero(bias) == 0, name
 
 
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_bias_false_leaves_no_bias_in_any_layer_or_norm(arch):
+    """The presets' bias=False (nanoGPT's shakespeare_char) means no bias parameter at all:
+    not in the linear maps, nor in GPT's LayerNorms, the final one included."""
+    preset = get_preset("tiny").override(arch=arch)
+    assert preset.bias is False
+    network = new_network(preset.model_config(vocab_size=20))
+    assert [name for name, _ in network.named_parameters() if "bias" in name] == []
+
+
 def test_dropout_acts_where_the_gpts_does():
     """In training, dropout drops the embeddings, the attention weights and what each
     branch adds to the residual stream (GPT's places): with p = 0.5, one embedding, and per
