@@ -158,3 +158,22 @@ def test_neox_config_without_rotary_pct_turns_a_quarter_as_hugging_face_does(neo
     ids = torch.tensor([[5, 9, 2, 77, 31, 8]])
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_gemmas_embedding_scale_is_rounded_to_the_dtype_first_as_hugging_faces(folders):
+    """Gemma multiplies its embeddings by sqrt(hidden) rounded to the model's dtype first:
+    in bfloat16, sqrt(48) = 6.9282 is 6.9375. The embedding output (hidden state 0) equals
+    Hugging Face's bit for bit (0 tolerance: one rounding of the same product), and differs
+    from the product by the unrounded scale (so the rounding is what is tested)."""
+    folder = folders("gemma")
+    model = selfattn.load(folder, dtype=torch.bfloat16)
+    named = "dtype" if hasattr(transformers.PretrainedConfig(), "dtype") else "torch_dtype"
+    hf = transformers.GemmaForCausalLM.from_pretrained(folder, **{named: torch.bfloat16})
+    ids = torch.tensor([[5, 9, 2, 77, 31, 8, 120, 64]])
+    with torch.no_grad():
+        ours = model(ids).hidden_states[0]
+        theirs = hf.eval()(ids, output_hidden_states=True).hidden_states[0]
+        table = model.network.token_embedding.weight[ids]
+    torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+    assert torch.equal(ours, table * torch.tensor(48**0.5, dtype=torch.bfloat16))
+    assert not torch.equal(ours, (table.float() * 48**0.5).to(torch.bfloat16))
