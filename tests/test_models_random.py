@@ -164,6 +164,25 @@ def test_random_gpt2_logits_and_states_match(gpt2_folder):
     assert_logits_and_states_match(model, hf, input_ids)  # 1e-4
 
 
+def test_gpt2_loss_leaves_out_targets_of_minus_one_as_hugging_face_leaves_out_minus_100(
+    gpt2_folder,
+):
+    """forward(ids, targets) is the mean cross-entropy over the targets that are not -1
+    (nanoGPT's ignore_index): the same number as Hugging Face's loss with the same positions
+    labelled -100 (its labels are the ids, shifted inside), 1e-5 absolute."""
+    folder, hf = gpt2_folder
+    model = selfattn.load(folder)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    targets = torch.cat([ids[:, 1:], torch.full((2, 1), -1)], dim=1)  # the next token
+    targets[0, 3] = targets[1, 7] = -1
+    labels = ids.clone()
+    labels[0, 4] = labels[1, 8] = -100  # the label of the prediction at 3 and 7
+    with torch.no_grad():
+        ours = model.network(ids, targets).loss
+        theirs = hf(ids, labels=labels).loss
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
 def test_gpt2_config_without_its_activation_takes_hugging_face_default(gpt2_folder, tmp_path):
     """A GPT-2 config.json without activation_function means gelu_new (GPT2Config's default);
     it used to mean exact gelu: logits 1e-3 off. Now 1e-4 absolute, as for the full config."""
