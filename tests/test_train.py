@@ -1084,6 +1084,17 @@ def test_load_points_a_training_folder_to_load_model(trained):
         assert load_model(folder).config == load_model(trained).config
 
 
+def test_load_points_a_training_folder_without_its_latest_file_to_load_model(trained, tmp_path):
+    """A training folder whose LATEST is lost (its step-* folders kept) is still no Hugging
+    Face model: the same pointer to load_model, not a missing config.json."""
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    (copy / "LATEST").unlink()
+    with pytest.raises(SelfAttnError, match="selfattn train` checkpoint") as error:
+        selfattn.load(copy)
+    assert f"selfattn.train.load_model('{copy}')" in str(error.value)
+
+
 def test_a_resume_with_nothing_to_do_prints_one_line_and_no_bar(corpus, trained):
     """Resuming a 30-step run with --max-iters 10: only "Nothing to do", no bar, no NaN; the
     line says that --max-iters counts from the first run (it read "(--max-iters)" only, to a
