@@ -648,6 +648,11 @@ WRONG_TYPES = {
         "layer_norm_epsilon must be a positive number, got NaN",
     ),
     "llama-theta-zero": (LLAMA, {"rope_theta": 0}, "rope_theta must be a positive number, got 0"),
+    "llama-eps-infinite": (  # every norm's output would be 0: x / sqrt(var + inf)
+        LLAMA,
+        {"rms_norm_eps": math.inf},
+        "rms_norm_eps must be a positive number, got Infinity",
+    ),
     "mistral-window-negative": (
         MISTRAL,
         {"sliding_window": -1},
