@@ -380,6 +380,13 @@ def test_run_refuses_what_it_cannot_do(minilm):
         run.attention(0, 12)
     with pytest.raises(IndexError, match=r"0 \(embeddings\)\.\.6"):
         run.word_vector("bank", layer=7)
+    with pytest.raises(IndexError, match=r"0 \(embeddings\)\.\.6"):  # one before -7
+        run.word_vector("bank", layer=-8)
+    # Both ends of the range are taken: -7 counts back to the embeddings (hidden state 0), 6
+    # is the last block's output ("bank" is one token: its vector is its state, exactly).
+    bank = run.token_index("bank")
+    assert torch.equal(run.word_vector("bank", layer=-7), run.hidden_states[0, bank])
+    assert torch.equal(run.word_vector("bank", layer=6), run.hidden_states[6, bank])
     with pytest.raises(SelfAttnError, match="the words are: I, went, to, the, bank"):
         run.word_vector("river")
     with pytest.raises(SelfAttnError, match="occurs 1 time"):
