@@ -299,3 +299,23 @@ def test_an_id_past_the_tokenizers_vocabulary_is_shown_by_its_number():
     assert generation.text == chars.decode(known)
     assert json.loads(json.dumps(generation.to_json()))["tokens"] == generation.tokens
     assert html.escape(f"[id {max(new_ids)}]") in generation_page(generation)
+
+
+def test_run_and_generate_take_no_dropout_and_put_each_modules_mode_back():
+    """A network in train mode with dropout 0.5 (one block left in eval mode): run, generate
+    and generate_recorded compute as in eval mode (the run's states equal eval's exactly, a
+    seed gives the same text), and every module is in its own mode again afterwards."""
+    torch.manual_seed(0)
+    chars = CharTokenizer.from_text("abcdefgh ")
+    config = GPTConfig(chars.vocab_size, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.5)
+    info = ModelConfig.for_decoder(config, "gpt")
+    model = Model(GPT(config), info, name="char", tokenizer=Tokenizer(chars.to_hf())).eval()
+    states, text = model.run("abc ba").hidden_states, model.generate("abc", 8, seed=1)
+    model.train()
+    model.network.blocks[0].eval()
+    modes = [module.training for module in model.modules()]
+    assert True in modes and False in modes
+    assert torch.equal(model.run("abc ba").hidden_states, states)
+    assert model.generate("abc", 8, seed=1) == text
+    assert model.generate_recorded("abc", 8, seed=1).text == text
+    assert [module.training for module in model.modules()] == modes
