@@ -2096,7 +2096,7 @@ def test_a_resume_on_another_count_of_processes_says_what_its_batches_do(
 def test_a_resume_on_another_data_file_is_noted(trained, corpus, tmp_path):
     """--resume with another text of the same characters went on silently, and the checkpoint
     then named the new file as its data: one note on stderr now; the same file, however
-    spelled (here a link to it), gets none."""
+    spelled (here a link to it), gets none, nor does any file once the recorded one is gone."""
     out = tmp_path / "out"
     save_checkpoint(out, *load_checkpoint(trained))
     link, other = tmp_path / "link.txt", tmp_path / "other.txt"
@@ -2113,6 +2113,11 @@ def test_a_resume_on_another_data_file_is_noted(trained, corpus, tmp_path):
         "it from now on\n"
     )
     assert load_checkpoint(out)[2].data == str(other)
+    # The recorded file gone (moved, or named relative to another folder): not known to be
+    # another file, so no note.
+    other.unlink()
+    result = CliRunner().invoke(app, [*args, "--data", str(link), "--max-iters", "33"])
+    assert result.exit_code == 0 and result.stderr == "", result.output
 
 
 def _selfattn(*args: str, stdout) -> subprocess.CompletedProcess:
