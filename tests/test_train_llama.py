@@ -57,13 +57,15 @@ def _batch(corpus: Path, block_size: int) -> torch.Tensor:
 
 
 def test_the_recipe_is_llamas(llama_run):
-    """RMSNorm, RoPE theta 10000, SwiGLU of Llama's size rule, no biases, untied head."""
+    """RMSNorm (eps 1e-5), RoPE theta 10000, SwiGLU of Llama's size rule, no biases, untied
+    head."""
     run, _ = llama_run
     config = run.config.model
     assert isinstance(run.model, Llama) and isinstance(config, LlamaConfig)
     assert (config.norm, config.rope_theta, config.activation, config.gated) == (
         "rms", 10000.0, "silu", True,
     )  # fmt: skip
+    assert config.norm_eps == 1e-5  # Llama 2's and Llama 3's rms_norm_eps
     assert (config.n_heads, config.n_kv_heads, config.head_dim) == (4, 2, 8)
     assert config.d_ff == llama_hidden_size(32) == 96  # 8/3 · 32 = 85.3, up to a multiple of 32
     assert [llama_hidden_size(d) for d in (128, 384, 4096)] == [352, 1024, 10944]
@@ -114,6 +116,24 @@ def test_bias_false_leaves_no_bias_in_any_layer_or_norm(arch):
     assert preset.bias is False
     network = new_network(preset.model_config(vocab_size=20))
     assert [name for name, _ in network.named_parameters() if "bias" in name] == []
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_a_presets_mlp_is_nanogpts_exact_gelu_or_llamas_swiglu(arch):
+    """Without an activation given, GPT's MLP is nanoGPT's, down(GELU(up(x))) with the exact,
+    erf-based GELU (not GPT-2's tanh approximation), and Llama's down(SiLU(gate(x)) · up(x)):
+    each block's output equal to that formula written with torch's functions, exactly."""
+    torch.manual_seed(0)
+    network = new_network(get_preset("tiny").override(arch=arch).model_config(vocab_size=20))
+    x = torch.randn(2, 5, 32) * 3  # wide enough for the tanh approximation to differ
+    for block in network.blocks:
+        mlp = block.feed_forward
+        with torch.no_grad():
+            if arch == "gpt":
+                expected = mlp.down(torch.nn.functional.gelu(mlp.up(x), approximate="none"))
+            else:
+                expected = mlp.down(torch.nn.functional.silu(mlp.gate(x)) * mlp.up(x))
+            torch.testing.assert_close(mlp(x), expected, atol=0, rtol=0)
 
 
 def test_dropout_acts_where_the_gpts_does():
@@ -259,7 +279,10 @@ def test_serve_takes_a_llama_checkpoint(llama_run, monkeypatch):
         (["--arch", "llama", "--n-kv-head", "0"], "choose one of 1, 2"),
         (["--n-kv-head", "1"], "is for --arch llama"),
         (["--arch", "mamba"], "--arch mamba (arch= in Python) is not an architecture; choose gpt"),
-        (["--arch", "llama", "--n-embd", "34"], "must be a multiple of 2 × --n-head 2"),
+        (["--arch", "llama", "--n-embd", "34"],
+         "--n-embd 34 (n_embd= in Python) must be a multiple of 2 × --n-head 2 (n_head= in "
+         "Python): each head is n_embd / n_head wide, and RoPE turns pairs of its dims; choose "
+         "--n-embd 36 or a --n-head whose double divides it"),  # 36: the multiple of 4 above
     ],
 )  # fmt: skip
 def test_settings_a_llama_cannot_take_are_one_line(corpus, tmp_path, flags, message):
