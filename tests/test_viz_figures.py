@@ -37,6 +37,20 @@ def test_heatmap_figure_names_axes_tokens_and_convention():
     assert len(fig.axes) == 2  # the map and its colour bar
 
 
+def test_heatmap_figure_puts_queries_on_the_rows_and_keys_on_the_columns():
+    """A map of 2 queries over 4 keys: the y axis is named for the queries and labelled with
+    them, the x axis for the keys; cell (i, j) is query i's weight on key j, as given."""
+    weights = WEIGHTS[2:]  # (2 queries, 4 keys)
+    fig = heatmap_figure(weights, ["q0", "q1"], TOKENS, "2 x 4")
+    ax = fig.axes[0]
+    assert (ax.get_ylabel(), ax.get_xlabel()) == ("queries (rows)", "keys (columns)")
+    assert [label.get_text() for label in ax.get_yticklabels()] == ["q0", "q1"]
+    assert [label.get_text() for label in ax.get_xticklabels()] == TOKENS
+    (image,) = ax.get_images()
+    assert image.get_array().shape == (2, 4)
+    assert (image.get_array() == weights.numpy()).all()
+
+
 def test_heatmap_figure_outlines_the_query_row_as_the_page_does():
     fig = heatmap_figure(WEIGHTS, TOKENS, TOKENS, "gioco", query_row=1)
     (outline,) = [patch for patch in fig.axes[0].patches if isinstance(patch, Rectangle)]
