@@ -155,6 +155,8 @@ def test_the_current_folder_without_a_checkpoint_is_named(monkeypatch, tmp_path)
         (["explain", "--words", "bank", "the bank"], "--words"),  # the text taken for "bank"
         (["explain", "the bank", "--json", "out.json"], "--json"),  # it prints, writes no file
         (["view", "the bank", "-o", "page.html", "--truncate", "more"], "--truncate"),
+        # the flag followed by the word, not the flag followed by another flag
+        (["explain", "the bank", "--words", "--truncate", "bank"], "--truncate"),
     ],
 )
 def test_a_value_after_a_flag_is_named_in_the_one_line_error(command, flag, monkeypatch):
