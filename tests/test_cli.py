@@ -370,6 +370,18 @@ def test_compare_notes_each_sentence_truncate_cut(minilm, monkeypatch):
     ]
 
 
+def test_a_figures_suffix_is_taken_in_any_case(minilm, monkeypatch, tmp_path):
+    """--png B.PNG and --svg b.Svg name a PNG and an SVG figure (save_figure reads the
+    suffix in any case, and so does the check before the model loads)."""
+    monkeypatch.setattr(cli, "_load", lambda model, checkpoint: minilm)
+    png, svg = tmp_path / "B.PNG", tmp_path / "b.Svg"
+    args = ["explain", "the bank", "--word", "bank", "--png", str(png), "--svg", str(svg)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "<svg" in svg.read_text()
+
+
 # --- numbers: train's whole numbers, generate's seed and layer --------------------------
 
 
