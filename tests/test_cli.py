@@ -259,6 +259,13 @@ def test_an_empty_path_is_refused_naming_its_option(command, flag, value, monkey
     assert list(tmp_path.iterdir()) == []
 
 
+def test_compare_refuses_a_single_sentence_before_the_model_loads(monkeypatch):
+    monkeypatch.setattr(cli, "_load", _never_loaded)
+    result = CliRunner().invoke(app, ["compare", "the bank", "--word", "bank"])
+    assert result.exit_code == 2, result.output
+    assert _one_error_line(result) == "Error: give at least two sentences to compare"
+
+
 @pytest.mark.parametrize(
     "outputs",
     [

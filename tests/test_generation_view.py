@@ -169,6 +169,8 @@ def test_cli_writes_the_page_and_the_json(trained, char_model, tmp_path):
     assert f"wrote {page}" in result.output and f"wrote {data}" in result.output
     html = page.read_text(encoding="utf-8")
     assert 'id="selfattn-generation"' in html and "http://" not in html and "https://" not in html
+    # without --layer and --head: the last of the 2 layers, the mean of the heads
+    assert '"selection":{"layer":1,"head":"mean","step":0}' in html
     written = json.loads(data.read_text(encoding="utf-8"))
     assert written["text"] == generation.text and len(written["steps"]) == 12
     for mine, step in zip(written["steps"], generation.steps, strict=True):
