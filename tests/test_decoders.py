@@ -21,7 +21,7 @@ from selfattn import explain as explaining
 from selfattn import server
 from selfattn.cli import app
 from selfattn.models.gpt import GPT, GPTConfig
-from selfattn.models.model import Model, ModelConfig
+from selfattn.models.model import Model, ModelConfig, _token_strings
 from selfattn.text import Tokenizer
 from selfattn.train.data import CharTokenizer
 from selfattn.viz import report
@@ -209,6 +209,22 @@ def test_characters_split_into_bytes_are_named_by_their_part(gpt2):
     _, e = explaining.explain_text(gpt2, "un café 日本", word="café", head=0, words=True)
     assert e.to_json()["words"] == ["un", "café", " ", "日", "本"]
     assert e.query_word[0] == "café"
+
+
+@pytest.mark.parametrize("text", ["x🙂", "café 日本🙂", "a🙂 日"])
+def test_generated_tokens_name_split_characters_as_a_prompts_tokens_are(gpt2, text):
+    """New tokens are named from their bytes (generate_recorded's tokens), a prompt's from
+    their character offsets (Encoding.tokens): both name a character's parts alike, a 4-byte
+    emoji's four and a character whose bytes end the ids too."""
+    ids = gpt2.tokenizer.encode(text).ids
+    named = _token_strings(gpt2.tokenizer, ids)
+    assert named == gpt2.run(text).tokens
+    assert [token for token in named if "🙂" in token] == [
+        "🙂[1/4]",
+        "🙂[2/4]",
+        "🙂[3/4]",
+        "🙂[4/4]",
+    ]
 
 
 def test_a_first_word_of_a_decoder_is_said_to_have_no_content_word_in_reach(char_model):
