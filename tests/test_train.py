@@ -1317,6 +1317,8 @@ def test_a_second_run_into_a_locked_out_is_refused(trained, corpus, tmp_path):
     with hold(out):
         result = CliRunner().invoke(app, ["generate", "--checkpoint", str(out), "All:"])
     assert result.exit_code == 0 and (out / ".lock").is_file(), result.output
+    # after four holders the file names the last alone (appended pids read as no pid)
+    assert (out / ".lock").read_text() == f"{os.getpid()}\n"
 
 
 def test_without_fcntl_runs_are_not_locked(tmp_path, monkeypatch):
