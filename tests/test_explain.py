@@ -822,6 +822,17 @@ def test_a_chosen_layer_quotes_the_figure_of_the_map_shown(money_run, head):
     assert data["choice"].endswith("pick another with --layer")
 
 
+def test_the_header_shows_a_text_of_headline_chars_whole_and_cuts_one_longer():
+    """HEADLINE_CHARS (160) characters are the most the header shows whole; one more is cut
+    at its last space and said with its length."""
+    words = "abcd " * 40  # 200 characters
+    whole = SimpleNamespace(text=words[: report.HEADLINE_CHARS], tokens=["t"] * 32)
+    assert report._headline(whole) == whole.text
+    longer = SimpleNamespace(text=words[: report.HEADLINE_CHARS + 1], tokens=["t"] * 33)
+    kept = " ".join(["abcd"] * 32)  # the first 160 characters, to their last space
+    assert report._headline(longer) == f"{kept} … (161 characters, 33 tokens)"
+
+
 def test_truncate_runs_the_first_tokens_and_says_where_it_cut():
     text = "the river bank " * 200  # 600 words: over MiniLM's 512 positions
     data = explain_json(text, "--word", "bank", "--truncate")
