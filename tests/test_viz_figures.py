@@ -3,6 +3,7 @@
 import logging
 import warnings
 
+import PIL.Image
 import pytest
 import torch
 from matplotlib import font_manager
@@ -78,6 +79,8 @@ def test_save_png_and_svg(tmp_path):
     svg = save_figure(fig, tmp_path / "map.SVG")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "<svg" in svg.read_text()
+    with PIL.Image.open(png) as image:  # 200 dpi, as the docs say (paper-ready)
+        assert [round(dpi) for dpi in image.info["dpi"]] == [200, 200]
 
 
 def test_save_refuses_other_suffixes(tmp_path):
