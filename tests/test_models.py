@@ -104,6 +104,8 @@ def test_a_hugging_face_cache_entry_loads_under_its_repository_name(tmp_path):
     for path in (entry, snapshot):
         assert resolve(path) == (snapshot, "sentence-transformers/all-MiniLM-L6-v2")
     assert selfattn.load(entry).name == "sentence-transformers/all-MiniLM-L6-v2"
+    (entry / "refs" / "main").write_text(snapshot.name + "\n")  # as a hand-written ref ends
+    assert resolve(entry) == (snapshot, "sentence-transformers/all-MiniLM-L6-v2")
 
 
 def test_config_describes_the_model(minilm):
