@@ -23,7 +23,7 @@ from selfattn import explain as explaining
 from selfattn.attention import choose_backend, make_call
 from selfattn.cli import app
 from selfattn.errors import Message, Options, OutOfRange, SelfAttnError, message_of, worded
-from selfattn.models.loading import load
+from selfattn.models.loading import load, resolve
 from selfattn.text import is_mark
 from selfattn.viz import figures, report
 from selfattn.viz.report import page_data
@@ -65,6 +65,13 @@ def model():
 @pytest.fixture(scope="module")
 def money_run(model):
     return model.run(MONEY)
+
+
+@pytest.fixture(scope="module")
+def hf_minilm():
+    transformers = pytest.importorskip("transformers")
+    folder, _ = resolve("minilm")
+    return transformers.AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
 
 
 @pytest.fixture(scope="module")
@@ -804,6 +811,22 @@ def test_head_mean():
     data = explain_json(MONEY, "--word", "bank", "--layer", "5", "--head", "mean")
     assert data["head"] == "mean" and data["scores"] is None
     assert sum(data["weights"]) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_head_mean_is_the_mean_of_hugging_faces_heads(money_run, hf_minilm):
+    """--head mean shows the layer's heads averaged, not one of them: its map and the query's
+    row against the mean of Hugging Face's eager weights for that layer, 1e-5."""
+    data = explain_json(MONEY, "--word", "bank", "--layer", "5", "--head", "mean")
+    with torch.no_grad():
+        theirs = hf_minilm(torch.tensor([money_run.token_ids]), output_attentions=True)
+    mean = theirs.attentions[5][0].double().mean(0)  # (T, T)
+    torch.testing.assert_close(
+        torch.tensor(data["attention"], dtype=torch.float64), mean, atol=1e-5, rtol=0
+    )
+    bank = data["query"]["index"]
+    torch.testing.assert_close(
+        torch.tensor(data["weights"], dtype=torch.float64), mean[bank], atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize("head", ["mean", "2"])
