@@ -106,6 +106,11 @@ def test_row_tables_print_every_key_and_number_whole_in_any_width(width):
         (1 / math.sqrt(32), "cosine", "0.17678"),  # dot's default is no default for cosine
         (1.0, "dot", "1"),  # a scale the user gave: the number alone
         (0.5, "dot", "0.5"),
+        # Near a default is no default: 1/√32 = 0.1767767 rounded by the user, or 1% off it,
+        # is the user's number, not "1/√d_k" (only float rounding, 1e-9 relative, is the same).
+        (0.1768, "dot", "0.1768"),
+        (0.177, "dot", "0.177"),
+        (5.66, "cosine", "5.66"),
     ],
 )
 def test_written_scale_says_where_a_default_scale_comes_from(scale, similarity, written):
