@@ -547,6 +547,15 @@ def test_function_words_are_not_content_words():
     assert explaining.content_tokens(tokens, word_ids) == [4, 8]
 
 
+def test_a_capitalised_stop_word_is_no_content_word():
+    """A cased model (GPT-2, Llama) reads "The" at the start of a sentence and "It" after a
+    full stop as they are written: stop words in any case, so that a head weighing them is
+    not chosen as one that links meanings."""
+    tokens = ["The", " bank", " Was", " closed", ".", " It", " OPENS", " AT", " Nine"]
+    word_ids = [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert explaining.content_tokens(tokens, word_ids) == [1, 3, 6, 8]
+
+
 def test_positional_heads_by_hand():
     """Heads where more than half of the words' tokens put their largest weight on the token
     just before, or more than half just after, counting only those with a word's token on
