@@ -186,6 +186,18 @@ def test_heatmap_without_colour_draws_block_characters(no_colour):
     assert "█" in text and "░" in text and "rows: queries, columns: keys" in text
 
 
+def test_heatmap_shades_run_from_weight_0_to_the_largest_rounded_to_the_nearest_block():
+    """Weight 0 is the page, the largest weight the full block, whatever the smallest weight
+    is (0.3 is no blank cell); in between the nearest of the five blocks: 0.3 / 0.7 x 4 =
+    1.71 -> ▒, 0.6 / 0.7 x 4 = 3.43 -> ▓, 0.4 / 0.7 x 4 = 2.29 -> ▒. Exact: no tolerance."""
+    console = Console(record=True, width=120, color_system=None)
+    console.print(heatmap(["a", "b"], ["a", "b"], [[0.3, 0.7], [0.6, 0.4]], "map"))
+    lines = console.export_text().splitlines()
+    assert lines[2] == "0 a ▒▒▒███"
+    assert lines[3] == "1 b ▓▓▓▒▒▒"
+    assert lines[4].split() == ["0", "░░░░▒▒▒▒▓▓▓▓██", "0.7"]  # the legend: 0 to the largest
+
+
 def test_heatmap_lines_up_wide_cjk_labels():
     # A CJK character takes two terminal cells: labels are padded by cells, not characters,
     # so every header and row line has the same width and a key sits above its column.
