@@ -308,6 +308,7 @@ def test_heatmap_wider_than_the_terminal_shows_the_keys_around_the_focus_and_say
     note = next(line for line in lines if "of 300 shown" in line)
     start, stop = map(int, note.split()[1].split(".."))
     assert start <= 250 <= stop and stop - start + 1 == 80 - len("299 t299") - 1
+    assert start == 250 - (stop - start + 1) // 2  # the query's key in the middle, not at an edge
     assert "around key 250" in " ".join(" ".join(lines).split())
     row = next(line for line in lines if line.startswith("250 t250"))
     assert row[len("250 t250 ") + 250 - start] == "█"  # the diagonal cell, in its column
