@@ -159,6 +159,16 @@ def test_heatmap_paints_cells_in_truecolor_shades():
     assert "48;2;" in styled  # 24-bit background colours
 
 
+def test_heatmap_paints_more_weight_darker():
+    """Weight 0 is the page's light blue (247, 251, 255), the largest weight the dark ink
+    (8, 48, 107): in row 0 of [[1, 0], [0, 1]] the dark cell comes first. Exact colours."""
+    console = Console(record=True, width=120, color_system="truecolor", force_terminal=True)
+    console.print(heatmap(["a", "b"], ["a", "b"], [[1.0, 0.0], [0.0, 1.0]], "x"))
+    row = next(line for line in console.export_text(styles=True).splitlines() if "0 a" in line)
+    dark, light = "48;2;8;48;107m", "48;2;247;251;255m"
+    assert dark in row and light in row and row.index(dark) < row.index(light)
+
+
 def test_heatmap_of_64_tokens_fits_120_columns_with_index_labels():
     tokens = [f"token_with_a_long_name_{i}" for i in range(64)]
     tr = trace(64)
