@@ -1059,6 +1059,7 @@ def test_compare_bank_across_sentences(model):
     result = invoke("compare", MONEY, MONEY_2, RIVER, "--word", "bank", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
+    assert data["model"] == model.name  # which model's vectors, as explain --json says
     assert len(data["layers"]) == 7  # embedding output + 6 layers
     last = torch.tensor(data["layers"][-1]["cosine"])
     torch.testing.assert_close(last.diagonal(), torch.ones(3, dtype=last.dtype), atol=1e-6, rtol=0)
