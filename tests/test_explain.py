@@ -1211,6 +1211,7 @@ def test_user_errors_are_one_line(args, message):
         # 2: the command line is wrong whatever the text, model and files (a usage error)
         (["explain", MONEY, "--bogus"], 2),
         (["explain", MONEY, "--layer", "-1"], 2),
+        (["explain", MONEY, "--word", "bank", "--head", "-1"], 2),  # not the last head
         (["explain", MONEY, "--word", ""], 2),
         (["explain", MONEY, "--scale", "2"], 2),
         (["explain", MONEY, "--occurrence", "2"], 2),
