@@ -20,7 +20,7 @@ from rich.cells import cell_len
 from typer.testing import CliRunner
 
 from selfattn.cli import app
-from selfattn.examples import CIAO_EMBEDDINGS, ciao_trace
+from selfattn.examples import CIAO_EMBEDDINGS, ciao_steps, ciao_trace
 from selfattn.viz.terminal import matrix_table
 
 # Ciao (1,0,1,0), gioco (0,2,0,2), a (1,1,0,0), giochi (0,1,0,3), as the guide's example sets them.
@@ -79,6 +79,13 @@ def test_ciao_steps_follow_the_formula():
     torch.testing.assert_close(trace.scores, scores, atol=1e-12, rtol=0)
     torch.testing.assert_close(trace.weights, weights, atol=1e-12, rtol=0)
     torch.testing.assert_close(trace.output, weights @ CIAO_EMBEDDINGS, atol=1e-12, rtol=0)
+
+
+def test_the_output_step_names_the_other_word_giochi_weighs_most():
+    # Row "giochi" scores 0, 8, 1, 10 by hand (above): after itself, it weighs "gioco" most,
+    # and step 5 says the output holds some of that word, not of "giochi" itself.
+    meaning = " ".join(ciao_steps()[4].meaning.split())
+    assert 'now holding some of "gioco".' in meaning
 
 
 def test_demo_prints_the_six_steps_of_the_guide_in_order():
