@@ -7,6 +7,7 @@ against the model's own fast-path output 1e-5.
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import math
@@ -1556,6 +1557,26 @@ def test_options_the_files_do_not_show_are_said(tmp_path, monkeypatch):
     assert "note: --scale recomputes the steps printed here, not bank.png" in (
         " ".join(result.stderr.split())
     )
+
+
+def test_the_pages_vectors_and_scale_give_hugging_faces_weights(money_run, hf_minilm):
+    """The page recomputes every weight from its q, k and scale: softmax(q kᵀ × scale) of its
+    payload (float32 on the wire) against Hugging Face's eager weights, every layer and head,
+    1e-5; the scale is 1/√d_k = 1/√32, whatever the text's length."""
+    payload = page_data(money_run, explaining.explain(money_run, model_name="minilm"))
+    assert payload["dtype"] == "float32"
+    assert payload["scale"] == pytest.approx(1 / math.sqrt(32), rel=1e-12)
+
+    def decoded(name: str) -> torch.Tensor:
+        data = bytearray(base64.b64decode(payload[name]["data"]))
+        return torch.frombuffer(data, dtype=torch.float32).reshape(payload[name]["shape"])
+
+    q, k = decoded("query").double(), decoded("key").double()  # (L, H, T, d)
+    weights = torch.softmax(q @ k.transpose(-1, -2) * payload["scale"], -1)
+    with torch.no_grad():
+        theirs = hf_minilm(torch.tensor([money_run.token_ids]), output_attentions=True)
+    expected = torch.cat(theirs.attentions).double()  # (L, H, T, T)
+    torch.testing.assert_close(weights, expected, atol=1e-5, rtol=0)
 
 
 def test_an_offline_page_says_why_it_opened_where_it_did(model, tmp_path):
