@@ -318,6 +318,18 @@ def test_explain_errors(client, body, status, words):
     assert words in detail(client.post("/api/explain", json=body), status)
 
 
+def test_a_text_of_exactly_the_models_positions_is_taken(client, model):
+    """The token limit is inclusive, as the character limit is: 510 "!" and [CLS], [SEP] are
+    MiniLM's 512 positions, explained; one "!" more is 513 tokens, refused (413)."""
+    fits = "! " * 510
+    assert model.tokenizer.count(fits) == model.config.max_positions == 512
+    response = client.post("/api/explain", json={"text": fits, "index": 1, "layer": 0, "head": 0})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["tokens"]) == 512
+    over = client.post("/api/explain", json={"text": fits + "!", "index": 1})
+    assert "513 tokens; all-MiniLM-L6-v2 takes at most 512: shorten it" in detail(over, 413)
+
+
 @pytest.mark.parametrize(
     ("content", "words"),
     [
