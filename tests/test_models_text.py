@@ -60,6 +60,24 @@ def test_find_matches_whole_words_case_insensitively(wordpiece):
         numbered.find("money")
     listed = ", ".join(f"w{i}" for i in range(30))
     assert str(error.value).endswith(f"the words are: {listed}, … and 10 more")
+    exactly = wordpiece.encode(" ".join(f"w{i}" for i in range(30)))  # all 30: no count
+    with pytest.raises(SelfAttnError) as error:
+        exactly.find("money")
+    assert str(error.value).endswith(f"the words are: {listed}")
+
+
+def test_every_occurrence_counts_from_both_ends(wordpiece):
+    """Occurrences 0..n-1 and -n..-1 are the n matches in text order (as Python indexes a
+    list): -n is the first, not an error; exact spans, found by hand with str.index."""
+    text = "the bank, a bank, the bank"
+    encoding = wordpiece.encode(text)
+    starts = [text.index("bank"), text.index("bank", 5), text.rindex("bank")]
+    spans = [(start, start + 4) for start in starts]
+    assert [encoding.find("bank", n) for n in range(3)] == spans
+    assert [encoding.find("bank", n) for n in range(-3, 0)] == spans
+    for outside in (3, -4):
+        with pytest.raises(SelfAttnError, match=f"no occurrence {outside} .* occurs 3 times"):
+            encoding.find("bank", outside)
 
 
 @pytest.mark.parametrize(
@@ -175,6 +193,13 @@ def test_an_occurrence_cut_off_by_truncation_names_the_ones_read(wordpiece):
     assert "span" not in str(error.value)
     with pytest.raises(SelfAttnError, match="does not occur; put it earlier"):
         encoding.select("three")
+    # an occurrence that starts right where the read part ends ("-" read, "bank" not) is
+    # not one of those read: 2 of 3, by the offsets
+    touching = wordpiece.encode("bank bank-bank", max_length=5)
+    assert touching.tokens == ["[CLS]", "bank", "bank", "-", "[SEP]"]
+    assert touching.read_end == 10 == "bank bank-bank".rindex("bank")
+    with pytest.raises(SelfAttnError, match=r"character 10, past .* occurrences 0\.\.1 of 3"):
+        touching.select("bank", occurrence=2)
 
 
 def test_a_query_without_accents_finds_the_word_with_them(wordpiece):
