@@ -387,6 +387,15 @@ def test_bodies_must_declare_a_bounded_size(client):
     assert "at most" in detail(client.post("/api/explain", content=big), 413)
     chunked = client.post("/api/explain", content=iter([json.dumps({"text": BANK}).encode()]))
     assert "Content-Length" in detail(chunked, 411)
+    # the limit is inclusive: JSON padded with spaces to exactly MAX_BODY bytes is explained
+    small = json.dumps({"text": BANK, "word": "bank", "layer": 0, "head": 0})
+    exact = (small + " " * (server.MAX_BODY - len(small))).encode()
+    headers = {"Content-Type": "application/json"}
+    assert len(exact) == server.MAX_BODY == 262_144
+    taken = client.post("/api/explain", content=exact, headers=headers)
+    assert taken.status_code == 200, taken.text
+    over = client.post("/api/explain", content=exact + b" ", headers=headers)
+    assert "the body is 262,145 bytes; the explorer takes at most 262,144" in detail(over, 413)
 
 
 @pytest.mark.parametrize(
