@@ -1110,6 +1110,15 @@ def test_ctrl_c_on_an_idle_server_stops_it_silently(started):
     assert _output(process)[1] == ""
 
 
+@pytest.mark.parametrize(
+    ("count", "words"),
+    [(0, "0 requests"), (1, "1 request"), (2, "2 requests"), (11, "11 requests")],
+)
+def test_stop_lines_count_requests_in_english(count, words):
+    """ "stopped; 0 requests cancelled" (a second Ctrl+C that found none), not "0 request"."""
+    assert server.count_requests(count) == words
+
+
 @pytest.mark.timeout(60)
 def test_a_stop_counts_the_requests_not_answered_yet(monkeypatch):
     """A request whose whole answer went out may still have its task running (the app
