@@ -359,8 +359,13 @@ def test_body_must_be_sent_as_json(client, media):
     assert message.endswith("send JSON with Content-Type: application/json")
 
 
-def test_json_with_a_charset_is_taken(client):
-    headers = {"content-type": "application/json; charset=utf-8"}
+@pytest.mark.parametrize(
+    "media",
+    ["application/json; charset=utf-8", "Application/JSON", "APPLICATION/JSON; charset=UTF-8"],
+)
+def test_json_with_a_charset_is_taken(client, media):
+    """Media types are case-insensitive (RFC 9110, 8.3.1): any spelling of JSON is taken."""
+    headers = {"content-type": media}
     response = client.post("/api/explain", content=json.dumps({"text": BANK}), headers=headers)
     assert response.status_code == 200, response.text
 
