@@ -349,6 +349,14 @@ def test_body_must_be_a_json_object(client, content, words):
     assert detail(response, 422).startswith(words)
 
 
+@pytest.mark.parametrize("head", ["all", 1.5])
+def test_a_head_neither_a_number_nor_mean_is_said_once(client, head):
+    """Pydantic refuses such a head twice (not an int, not 'mean'); both are the one plain
+    sentence, said once."""
+    message = detail(client.post("/api/explain", json={"text": BANK, "head": head}), 422)
+    assert message == "the Head field: give a head number (0 = first) or 'mean'"
+
+
 @pytest.mark.parametrize(
     "media", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None]
 )
