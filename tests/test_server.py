@@ -473,6 +473,18 @@ def test_unexpected_errors_are_a_generic_500(model, monkeypatch):
     assert message == "internal error; the server's log has the details"
 
 
+def test_a_user_error_of_several_lines_is_its_first_line(model, monkeypatch):
+    """A 400's detail is the error's first line (what went wrong), not its last."""
+
+    def refused(*args, **kwargs):
+        raise ValueError("the layer is wrong; pick another\n  (details for Python callers)")
+
+    monkeypatch.setattr(server.explaining, "explain_text", refused)
+    with TestClient(server.create_app(model), base_url="http://127.0.0.1") as client:
+        message = detail(client.post("/api/explain", json={"text": BANK}), 400)
+    assert message == "the layer is wrong; pick another"
+
+
 # ---------------------------------------------------------------------------------------------
 # Generate: a decoder's continuation and the attention that chose each new token
 
