@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 import selfattn
 from conftest import OfflinePage, needs_chromium
 from selfattn.cli import app
+from selfattn.errors import OutOfRange
 from selfattn.models.model import Generation, GenerationStep
 from selfattn.recording import record
 from selfattn.train import load_model, train_decoder
@@ -155,6 +156,15 @@ def test_payload_carries_every_step_in_order(char_model):
         assert torch.equal(decoded[..., at : at + count], step.weights)
         at += count
     assert at == decoded.shape[-1]
+    with pytest.raises(OutOfRange, match="step 9 out of range"):  # steps 0..8 only
+        generation_payload(generation, step=9)
+    # past the block size each step's keys start where its window does: 16 keys at most
+    block = char_model.config.max_positions  # 16
+    slid = generation_payload(char_model.generate_recorded("First", 30, temperature=0.9, seed=5))
+    expected = [max(0, query + 1 - block) for query in slid["queries"]]
+    assert slid["starts"] == expected and max(expected) > 0
+    keys = sum(q - s + 1 for q, s in zip(slid["queries"], expected, strict=True))
+    assert slid["weights"]["shape"][-1] == keys
 
 
 def test_cli_writes_the_page_and_the_json(trained, char_model, tmp_path):
