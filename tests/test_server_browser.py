@@ -1390,7 +1390,7 @@ def test_similarity_and_scale_names_its_table_and_lets_the_keyboard_scroll_it(br
 def test_every_view_reads_at_4_5_to_1_in_light_and_in_dark(browser, base_url, scheme):
     watched = Watched(browser, base_url)
     page = watched.page
-    emulate(page, color_scheme=scheme, reduced_motion="reduce")
+    emulate(page, color_scheme=scheme)
     ground = page.eval_on_selector("body", "(e) => getComputedStyle(e).backgroundColor")
     dark = luminance([int(c) for c in ground[4:-1].split(",")]) < 0.05
     assert dark == (scheme == "dark")
@@ -1621,7 +1621,7 @@ def test_the_generate_view_reads_at_4_5_to_1_and_fits_the_window(
 ):
     watched = Watched(browser, decoder_url)
     page = watched.page
-    emulate(page, color_scheme=scheme, reduced_motion="reduce")
+    emulate(page, color_scheme=scheme)
     page.set_viewport_size({"width": width, "height": 800})
     watched.open(generate_address(prompt=PROMPT, n=40))
     watched.wait("#generate-result")
