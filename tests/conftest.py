@@ -38,6 +38,16 @@ needs_chromium = [
 
 
 @pytest.fixture(scope="module")
+def hf_minilm():
+    """Hugging Face's all-MiniLM-L6-v2, eager attention (its weights are the oracle's)."""
+    transformers = pytest.importorskip("transformers")
+    from selfattn.models.loading import resolve
+
+    folder, _ = resolve("minilm")
+    return transformers.AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
 def browser():
     """Debian's chromium driven by Playwright, headless, with no background network traffic."""
     from playwright.sync_api import sync_playwright

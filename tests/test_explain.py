@@ -24,7 +24,7 @@ from selfattn import explain as explaining
 from selfattn.attention import choose_backend, make_call
 from selfattn.cli import app
 from selfattn.errors import Message, Options, OutOfRange, SelfAttnError, message_of, worded
-from selfattn.models.loading import load, resolve
+from selfattn.models.loading import load
 from selfattn.text import is_mark
 from selfattn.viz import figures, report
 from selfattn.viz.report import page_data
@@ -66,13 +66,6 @@ def model():
 @pytest.fixture(scope="module")
 def money_run(model):
     return model.run(MONEY)
-
-
-@pytest.fixture(scope="module")
-def hf_minilm():
-    transformers = pytest.importorskip("transformers")
-    folder, _ = resolve("minilm")
-    return transformers.AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
 
 
 @pytest.fixture(scope="module")

@@ -63,13 +63,6 @@ def minilm():
     return selfattn.load("minilm")
 
 
-@pytest.fixture(scope="module")
-def hf_minilm():
-    transformers = pytest.importorskip("transformers")
-    folder, _ = resolve("minilm")
-    return transformers.AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
-
-
 def padded_batch(minilm, texts):
     encodings = [minilm.tokenizer.encode(text) for text in texts]
     length = max(len(e.ids) for e in encodings)
